@@ -1,0 +1,53 @@
+# The README's two commands: `make run` and `make test`. Each installs what is
+# missing (torch 2.13.0 CPU when no torch is importable), builds the extension
+# against the installed torch (no build isolation: it would pull a second
+# torch), then runs.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+NVCC ?= nvcc
+CUDA_ARCH ?= sm_90
+STAMP := build/.torchpm-installed
+SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
+CU_SOURCES := $(shell find csrc -name '*.cu')
+CU_OBJECTS := $(patsubst csrc/%.cu,.cuda-check/%.o,$(CU_SOURCES))
+
+.PHONY: run test deps build cuda-check bench clean
+
+deps:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
+	@$(PYTHON) -c "import numpy, pytest, tqdm, matplotlib" 2>/dev/null || \
+		$(PYTHON) -m pip install numpy pytest tqdm matplotlib
+
+$(STAMP): $(SOURCES)
+	$(PYTHON) -m pip install --no-build-isolation --no-deps -e .
+	@mkdir -p build && touch $@
+
+build: deps $(STAMP)
+
+run: build
+	$(PYTHON) examples/paint_readout.py
+
+# Compile every CUDA source to an object file whenever nvcc is present, so a CUDA
+# compile error fails CI on machines without a GPU (nothing is linked or run).
+cuda-check: deps
+	@if command -v $(NVCC) >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory $(CU_OBJECTS); \
+	else \
+		echo "cuda-check: $(NVCC) not found, CUDA sources not compiled"; \
+	fi
+
+.cuda-check/%.o: csrc/%.cu $(SOURCES)
+	@mkdir -p $(dir $@)
+	@echo "nvcc -c $< ($(CUDA_ARCH))"
+	@$(NVCC) -c $< -o $@ -std=c++17 -O1 -arch=$(CUDA_ARCH) --expt-relaxed-constexpr \
+		-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DTORCHPM_WITH_CUDA \
+		$$($(PYTHON) tools/torch_includes.py) -Icsrc
+
+test: build cuda-check
+	$(PYTHON) -m pytest -ra
+
+bench: build
+	$(PYTHON) benchmarks/bench_cic.py
+
+clean:
+	rm -rf build .cuda-check torchpm/_C*.so *.egg-info

@@ -1,0 +1,188 @@
+// Argument checks and error diagnostics shared by every backend.
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+#include "torchpm.h"
+
+namespace torchpm {
+
+namespace {
+
+std::string shape_string(at::IntArrayRef sizes) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    out << (i ? ", " : "") << sizes[i];
+  }
+  out << ")";
+  return out.str();
+}
+
+void check_floating(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(
+      t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
+      op, ": expected `", name, "` to be float32 or float64, got ",
+      t.scalar_type(), ".");
+}
+
+}  // namespace
+
+CicGeometry make_geometry(
+    const char* op,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic) {
+  TORCH_CHECK_VALUE(
+      shape.size() == 3, op, ": expected `shape` to have 3 entries (nx, ny, nz), got ",
+      shape.size(), ".");
+  TORCH_CHECK_VALUE(
+      offset.size() == 3, op, ": expected `offset` to have 3 entries, got ",
+      offset.size(), ".");
+  TORCH_CHECK_VALUE(
+      periodic.size() == 3, op, ": expected `periodic` to have 3 entries, got ",
+      periodic.size(), ".");
+  CicGeometry g;
+  for (int d = 0; d < 3; ++d) {
+    TORCH_CHECK_VALUE(
+        shape[d] > 0, op, ": expected every mesh size to be positive, got shape ",
+        shape_string(shape), ".");
+    TORCH_CHECK_VALUE(
+        offset[d] > -(int64_t(1) << 40) && offset[d] < (int64_t(1) << 40), op,
+        ": `offset` ", shape_string(offset), " is out of range.");
+    g.shape[d] = shape[d];
+    g.offset[d] = offset[d];
+    g.periodic[d] = periodic[d];
+  }
+  return g;
+}
+
+at::Tensor check_positions(const char* op, const at::Tensor& positions) {
+  TORCH_CHECK_VALUE(
+      positions.dim() == 3 && positions.size(2) == 3, op,
+      ": expected `positions` of shape (B, N, 3), got ",
+      shape_string(positions.sizes()), ".");
+  check_floating(op, "positions", positions);
+  return positions.contiguous();
+}
+
+at::Tensor check_particle_values(
+    const char* op,
+    const char* name,
+    const at::Tensor& values,
+    const at::Tensor& positions,
+    int64_t& channels,
+    bool& has_channel_dim) {
+  TORCH_CHECK_VALUE(
+      (values.dim() == 2 || values.dim() == 3) &&
+          values.size(0) == positions.size(0) &&
+          values.size(1) == positions.size(1),
+      op, ": expected `", name, "` of shape (B, N) or (B, N, C) with (B, N) = (",
+      positions.size(0), ", ", positions.size(1), ") from `positions`, got ",
+      shape_string(values.sizes()), ".");
+  TORCH_CHECK_VALUE(
+      values.scalar_type() == positions.scalar_type(), op, ": expected `", name,
+      "` to have the dtype of `positions` (", positions.scalar_type(), "), got ",
+      values.scalar_type(), ".");
+  TORCH_CHECK(
+      values.device() == positions.device(), op, ": expected `", name,
+      "` on the device of `positions` (", positions.device(), "), got ",
+      values.device(), ".");
+  has_channel_dim = values.dim() == 3;
+  channels = has_channel_dim ? values.size(2) : 1;
+  TORCH_CHECK_VALUE(channels > 0, op, ": `", name, "` has zero channels.");
+  auto out = values.contiguous();
+  return has_channel_dim ? out : out.unsqueeze(2);
+}
+
+at::Tensor check_mesh(
+    const char* op,
+    const char* name,
+    const at::Tensor& mesh,
+    const at::Tensor& positions,
+    int64_t& channels,
+    bool& has_channel_dim) {
+  TORCH_CHECK_VALUE(
+      (mesh.dim() == 4 || mesh.dim() == 5) && mesh.size(0) == positions.size(0),
+      op, ": expected `", name, "` of shape (B, nx, ny, nz) or (B, C, nx, ny, nz) "
+      "with B = ", positions.size(0), " from `positions`, got ",
+      shape_string(mesh.sizes()), ".");
+  TORCH_CHECK_VALUE(
+      mesh.scalar_type() == positions.scalar_type(), op, ": expected `", name,
+      "` to have the dtype of `positions` (", positions.scalar_type(), "), got ",
+      mesh.scalar_type(), ".");
+  TORCH_CHECK(
+      mesh.device() == positions.device(), op, ": expected `", name,
+      "` on the device of `positions` (", positions.device(), "), got ",
+      mesh.device(), ".");
+  has_channel_dim = mesh.dim() == 5;
+  channels = has_channel_dim ? mesh.size(1) : 1;
+  TORCH_CHECK_VALUE(channels > 0, op, ": `", name, "` has zero channels.");
+  for (int64_t d = mesh.dim() - 3; d < mesh.dim(); ++d) {
+    TORCH_CHECK_VALUE(
+        mesh.size(d) > 0, op, ": expected every mesh size of `", name,
+        "` to be positive, got ", shape_string(mesh.sizes()), ".");
+  }
+  auto out = mesh.contiguous();
+  return has_channel_dim ? out : out.unsqueeze(1);
+}
+
+void throw_bad_particles(
+    const char* op,
+    const at::Tensor& positions,
+    const CicGeometry& g,
+    int64_t bad) {
+  auto x = positions.detach().to(at::kCPU, at::kDouble).reshape({-1, 3});
+  const int64_t total = x.size(0);
+  const int64_t per_batch = positions.size(1);
+  auto finite = at::isfinite(x).all(1);
+  auto nonfinite = at::logical_not(finite);
+  const int64_t n_nonfinite = nonfinite.sum().item<int64_t>();
+  std::ostringstream msg;
+  msg << op << ": " << bad << " of " << total << " particles cannot be deposited; "
+      << "nothing was painted or read. ";
+  if (n_nonfinite > 0) {
+    const int64_t first = nonfinite.nonzero().index({0, 0}).item<int64_t>();
+    msg << n_nonfinite << " have non-finite (NaN or Inf) `positions`, the first is "
+        << "particle " << first % per_batch << " of batch " << first / per_batch
+        << ". Check the inputs that produced the positions.";
+    throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                          msg.str());
+  }
+  // Distance outside the allowed range [offset, offset + n - 1) on block axes,
+  // and beyond +-2^40 on any axis.
+  auto excess = at::zeros({total}, x.options());
+  std::ostringstream ranges;
+  for (int d = 0; d < 3; ++d) {
+    auto xd = x.select(1, d);
+    auto far = (xd.abs() - kMaxAbsPosition).clamp_min(0);
+    excess = at::maximum(excess, far);
+    if (!g.periodic[d]) {
+      const double lo = static_cast<double>(g.offset[d]);
+      const double hi = static_cast<double>(g.offset[d] + g.shape[d] - 1);
+      // The upper bound is exclusive: a particle at x = hi would need node hi + 1.
+      auto below = (lo - xd).clamp_min(0);
+      auto above = (xd - hi).clamp_min(0);
+      auto at_hi = (xd >= hi).to(x.scalar_type()) * 1e-300;
+      excess = at::maximum(excess, at::maximum(below, above + at_hi));
+      ranges << " axis " << d << ": [" << lo << ", " << hi << ")";
+    }
+  }
+  const int64_t worst = excess.argmax().item<int64_t>();
+  auto p = x[worst];
+  msg << "Worst is particle " << worst % per_batch << " of batch "
+      << worst / per_batch << " at position (" << p[0].item<double>() << ", "
+      << p[1].item<double>() << ", " << p[2].item<double>() << ")";
+  if (ranges.str().empty()) {
+    msg << ", beyond +-2^40 cells.";
+  } else {
+    msg << "; the block (shape " << g.shape[0] << "x" << g.shape[1] << "x"
+        << g.shape[2] << ", offset " << g.offset[0] << "," << g.offset[1] << ","
+        << g.offset[2] << ") accepts positions in" << ranges.str()
+        << ". Enlarge the block (halo) or move the particles to the rank that owns them.";
+  }
+  throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                        msg.str());
+}
+
+}  // namespace torchpm

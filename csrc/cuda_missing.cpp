@@ -1,0 +1,41 @@
+// Compiled only into builds without CUDA kernels: a CUDA tensor reaching a
+// torchpm op then gets an error that says how to rebuild, instead of the
+// dispatcher's generic "could not run with arguments from the CUDA backend".
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace {
+
+[[noreturn]] void no_cuda_kernels(const char* op) {
+  TORCH_CHECK(
+      false, op,
+      ": got CUDA tensors, but this torchpm build has no CUDA kernels "
+      "(torchpm.has_cuda_kernels() is False). Rebuild on a machine whose torch has "
+      "CUDA and where nvcc is found: `pip install --no-build-isolation -e .` "
+      "(set TORCHPM_FORCE_CUDA=1 to insist, CUDA_HOME to point at the toolkit).");
+}
+
+at::Tensor paint_missing(
+    const at::Tensor&, const std::optional<at::Tensor>&, at::IntArrayRef,
+    at::IntArrayRef, std::array<bool, 3>) {
+  no_cuda_kernels("torchpm.cic_paint");
+}
+
+at::Tensor readout_missing(
+    const at::Tensor&, const at::Tensor&, at::IntArrayRef, std::array<bool, 3>) {
+  no_cuda_kernels("torchpm.cic_readout");
+}
+
+at::Tensor position_gradient_missing(
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    at::IntArrayRef, std::array<bool, 3>) {
+  no_cuda_kernels("torchpm._cic_position_gradient");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
+  m.impl("cic_paint", &paint_missing);
+  m.impl("cic_readout", &readout_missing);
+  m.impl("_cic_position_gradient", &position_gradient_missing);
+}

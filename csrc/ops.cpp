@@ -1,0 +1,47 @@
+// The torchpm operator library: every schema is declared here, once. Each
+// backend file (cpu/*.cpp, cuda/*.cu) adds its kernels with TORCH_LIBRARY_IMPL;
+// fake kernels and autograd live in Python (torchpm/ops/).
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// The module exists so that `import torchpm._C` loads this library and runs the
+// registrations below; it defines no Python functions of its own.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+namespace {
+
+bool cuda_kernels_built() {
+#ifdef TORCHPM_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(torchpm, m) {
+  // Cloud-in-cell paint: positions (B, N, 3), weights (B, N) or (B, N, C) or
+  // None (unit weights) -> mesh (B, nx, ny, nz) or (B, C, nx, ny, nz).
+  m.def(
+      "cic_paint(Tensor positions, Tensor? weights, int[] shape, int[] offset, "
+      "bool[3] periodic) -> Tensor");
+  // Cloud-in-cell readout: mesh (B, nx, ny, nz) or (B, C, nx, ny, nz) at
+  // positions (B, N, 3) -> values (B, N) or (B, N, C).
+  m.def(
+      "cic_readout(Tensor mesh, Tensor positions, int[] offset, bool[3] periodic) "
+      "-> Tensor");
+  // d/dx_p of sum_c values[p, c] * readout(mesh)[p, c]: the position gradient of
+  // both readout (values = upstream gradient) and paint (mesh = upstream
+  // gradient, values = weights). Returns (B, N, 3).
+  m.def(
+      "_cic_position_gradient(Tensor mesh, Tensor positions, Tensor? values, "
+      "int[] offset, bool[3] periodic) -> Tensor");
+  m.def("_cuda_kernels_built() -> bool", &cuda_kernels_built);
+}

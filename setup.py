@@ -1,0 +1,107 @@
+"""Build of the torchpm C++/CUDA extension (metadata lives in pyproject.toml).
+
+Build without isolation so the installed torch is used::
+
+    pip install --no-build-isolation -e .
+
+Switches (environment variables):
+    TORCHPM_FORCE_CUDA=1  build the CUDA kernels even when torch reports no CUDA
+    TORCHPM_NO_CUDA=1     never build the CUDA kernels
+    TORCHPM_DEBUG=1       -O0 -g, no NDEBUG
+"""
+
+import glob
+import os
+import subprocess
+import sys
+import tempfile
+
+from setuptools import setup
+
+import torch
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def flag(name):
+    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no")
+
+
+def compiler_has_openmp():
+    """True when the C++ compiler accepts -fopenmp (it may not, e.g. Apple clang)."""
+    compiler = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = os.path.join(tmp, "omp.cpp")
+        with open(source, "w") as f:
+            f.write("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+        try:
+            result = subprocess.run(
+                [compiler, "-fopenmp", source, "-o", os.path.join(tmp, "omp")],
+                capture_output=True,
+            )
+        except OSError:
+            return False
+        return result.returncode == 0
+
+
+def decide_cuda():
+    if flag("TORCHPM_NO_CUDA"):
+        return False, "TORCHPM_NO_CUDA=1"
+    if flag("TORCHPM_FORCE_CUDA"):
+        return True, "TORCHPM_FORCE_CUDA=1"
+    if torch.version.cuda is None:
+        return False, f"torch {torch.__version__} was built without CUDA"
+    if CUDA_HOME is None:
+        return False, "nvcc not found (set CUDA_HOME)"
+    return True, f"torch CUDA {torch.version.cuda}, toolkit at {CUDA_HOME}"
+
+
+def extensions():
+    debug = flag("TORCHPM_DEBUG")
+    with_cuda, why = decide_cuda()
+    openmp = compiler_has_openmp()
+
+    sources = ["csrc/ops.cpp", "csrc/checks.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    define_macros = []
+    cxx = ["-std=c++17", "-O0" if debug else "-O3"]
+    link = []
+    if debug:
+        cxx.append("-g")
+        define_macros.append(("TORCHPM_DEBUG", "1"))
+    if openmp:
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
+
+    nvcc = ["-O3", "--expt-relaxed-constexpr", "-std=c++17"]
+    if with_cuda:
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        define_macros.append(("TORCHPM_WITH_CUDA", "1"))
+        extension = CUDAExtension
+        extra = {"cxx": cxx, "nvcc": nvcc + (["-g", "-G"] if debug else [])}
+    else:
+        sources.append("csrc/cuda_missing.cpp")
+        extension = CppExtension
+        extra = {"cxx": cxx}
+
+    print(
+        f"torchpm build: CPU kernels yes; OpenMP {'yes' if openmp else 'no'}; "
+        f"CUDA kernels {'yes' if with_cuda else 'no'} ({why}); debug {'yes' if debug else 'no'}",
+        file=sys.stderr,
+    )
+    return [
+        extension(
+            "torchpm._C",
+            sources,
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            define_macros=define_macros,
+            extra_compile_args=extra,
+            extra_link_args=link,
+        )
+    ]
+
+
+setup(
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

@@ -1,0 +1,26 @@
+"""torchpm: a differentiable, distributed particle-mesh N-body solver for PyTorch."""
+
+import torch
+
+try:
+    from . import _C  # noqa: F401  (registers the torch.ops.torchpm kernels)
+except ImportError as error:  # pragma: no cover - exercised only on a broken install
+    raise ImportError(
+        "torchpm's compiled extension (torchpm._C) could not be loaded: "
+        f"{error}. Build it against the installed torch with "
+        "`pip install --no-build-isolation -e .` (or `make test`), and rebuild "
+        "after upgrading torch."
+    ) from error
+
+from . import ops  # noqa: E402
+from .ops import cic_paint, cic_readout  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def has_cuda_kernels() -> bool:
+    """True when this build of torchpm contains its CUDA kernels."""
+    return bool(torch.ops.torchpm._cuda_kernels_built())
+
+
+__all__ = ["cic_paint", "cic_readout", "has_cuda_kernels", "ops"]
