@@ -45,7 +45,7 @@ CicGeometry make_geometry(
   CicGeometry g;
   for (int d = 0; d < 3; ++d) {
     TORCH_CHECK_VALUE(
-        shape[d] > 0, op, ": expected every mesh size to be positive, got shape ",
+        shape[d] > 0, op, ": expected every entry of `shape` to be positive, got ",
         shape_string(shape), ".");
     TORCH_CHECK_VALUE(
         offset[d] > -(int64_t(1) << 40) && offset[d] < (int64_t(1) << 40), op,

@@ -25,9 +25,9 @@ def _as_periodic(periodic) -> tuple[bool, bool, bool]:
     return periodic
 
 
-def _stencil(positions, shape, offset, periodic, op):
+def _stencil(positions, shape, offset, periodic, op, check=True):
     """Lower / upper node indices (B, N, 3) and fractions (B, N, 3)."""
-    if not torch.isfinite(positions).all() or (positions.abs() >= _MAX_ABS_POSITION).any():
+    if check and (not torch.isfinite(positions).all() or (positions.abs() >= _MAX_ABS_POSITION).any()):
         raise ValueError(f"{op}: `positions` contains non-finite values or values beyond 2^40 cells")
     floor = torch.floor(positions)
     frac = positions - floor
@@ -38,6 +38,8 @@ def _stencil(positions, shape, offset, periodic, op):
         if periodic[d]:
             lo[..., d] = lo[..., d] % shape[d]
             hi[..., d] = hi[..., d] % shape[d]
+    if not check:
+        return lo, hi, frac
     blocked = torch.tensor([not p for p in periodic], device=positions.device)
     outside = ((lo < 0) | (hi >= n)) & blocked
     count = int(outside.any(-1).sum())
@@ -114,3 +116,48 @@ def cic_readout_reference(
     )
     values = (gathered * weight.unsqueeze(2)).sum(0).transpose(1, 2)  # (B, N, C)
     return values if mesh.dim() == 5 else values.squeeze(-1)
+
+
+def cic_position_gradient_reference(
+    mesh: torch.Tensor,
+    positions: torch.Tensor,
+    values: torch.Tensor | None,
+    offset: Sequence[int] = (0, 0, 0),
+    periodic=True,
+) -> torch.Tensor:
+    """Pure-torch ``torch.ops.torchpm._cic_position_gradient``.
+
+    Returns ``(B, N, 3)``: ``d/dx_p sum_c values[p, c] * readout(mesh, x)[p, c]``,
+    built from differentiable torch ops, so it can itself be differentiated (the
+    second derivatives of the trilinear weights are non-zero across axes).
+    Positions are not validated: it serves the backward of an op that already
+    validated them, and must stay traceable without data-dependent branches.
+    """
+    periodic = _as_periodic(periodic)
+    shape = tuple(mesh.shape[-3:])
+    batch = positions.shape[0]
+    lo, hi, _ = _stencil(positions.detach(), shape, tuple(offset), periodic, "cic_position_gradient_reference", check=False)
+    frac = positions - torch.floor(positions.detach())
+    channels_mesh = mesh if mesh.dim() == 5 else mesh.unsqueeze(1)
+    flat = channels_mesh.reshape(batch, channels_mesh.shape[1], -1)
+    if values is None:
+        v = positions.new_ones(batch, positions.shape[1], 1)
+    else:
+        v = values if values.dim() == 3 else values.unsqueeze(-1)
+    gradient = torch.zeros_like(positions)
+    _, ny, nz = shape
+    for a in (0, 1):
+        for b in (0, 1):
+            for c in (0, 1):
+                corner = (a, b, c)
+                nodes = [(hi if s else lo)[..., d] for d, s in enumerate(corner)]
+                index = (nodes[0] * ny + nodes[1]) * nz + nodes[2]
+                gathered = torch.gather(flat, 2, index.unsqueeze(1).expand(-1, flat.shape[1], -1))
+                s = (gathered.transpose(1, 2) * v).sum(-1)  # (B, N)
+                u = [frac[..., d] if corner[d] else 1 - frac[..., d] for d in range(3)]
+                sign = [1.0 if corner[d] else -1.0 for d in range(3)]
+                dw = torch.stack(
+                    [sign[0] * u[1] * u[2], u[0] * sign[1] * u[2], u[0] * u[1] * sign[2]], -1
+                )
+                gradient = gradient + s.unsqueeze(-1) * dw
+    return gradient

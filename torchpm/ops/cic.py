@@ -203,16 +203,30 @@ def _readout_backward(ctx, grad_values):
 
 
 def _position_gradient_setup_context(ctx, inputs, output):
-    pass
+    mesh, positions, values, offset, periodic = inputs
+    ctx.save_for_backward(mesh, positions, values)
+    ctx.geometry = (offset, periodic)
 
 
 def _position_gradient_backward(ctx, grad):
-    raise RuntimeError(
-        "torchpm: second derivatives through the CIC position gradient are not supported "
-        "(CIC weights are piecewise linear, so the exact second derivative in the positions "
-        "is zero almost everywhere but singular at cell faces). Differentiate once, or use "
-        "torchpm.ops._reference for higher-order derivatives in the mesh and weights."
-    )
+    # Only reached for second derivatives (Hessian-vector products, gradient
+    # penalties). Rare enough to differentiate the pure-torch twin instead of
+    # keeping a second set of kernels; exact, including the cross terms
+    # d2W/dx_i dx_j of the trilinear weights.
+    mesh, positions, values = ctx.saved_tensors
+    offset, periodic = ctx.geometry
+    needs = ctx.needs_input_grad[:3]
+    with torch.enable_grad():
+        inputs = [
+            t if t is None or t.requires_grad or not need else t.detach().requires_grad_(True)
+            for t, need in zip((mesh, positions, values), needs)
+        ]
+        out = _reference.cic_position_gradient_reference(*inputs, offset, periodic)
+        leaves = [t for t, need in zip(inputs, needs) if need]
+        grads = iter(
+            torch.autograd.grad(out, leaves, grad, allow_unused=True, create_graph=torch.is_grad_enabled())
+        )
+    return (*(next(grads) if need else None for need in needs), None, None)
 
 
 torch.library.register_autograd(
