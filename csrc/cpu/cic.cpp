@@ -11,10 +11,6 @@
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <vector>
@@ -139,17 +135,21 @@ void paint_kernel(
   for (int parity = 0; parity < 2; ++parity) {
     const int64_t planes_in_phase = (nx - parity + 1) / 2;
     const int64_t tasks = batch * planes_in_phase;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads(at::get_num_threads())
-#endif
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t b = t / planes_in_phase;
-      const int64_t i = 2 * (t % planes_in_phase) + parity;
-      if (last_alone && i == nx - 1) {
-        continue;
+    // Planes hold very different particle counts once structure forms, so
+    // threads take planes from a shared counter (dynamic scheduling) on torch's
+    // own thread pool.
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      for (int64_t t = next++; t < tasks; t = next++) {
+        const int64_t b = t / planes_in_phase;
+        const int64_t i = 2 * (t % planes_in_phase) + parity;
+        if (last_alone && i == nx - 1) {
+          continue;
+        }
+        paint_bin(b * nx + i);
       }
-      paint_bin(b * nx + i);
-    }
+    });
   }
   if (last_alone) {
     for (int64_t b = 0; b < batch; ++b) {
