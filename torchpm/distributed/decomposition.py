@@ -172,7 +172,8 @@ class PencilDecomposition:
             if n < p:
                 raise ValueError(
                     f"PencilDecomposition: mesh {shape} is too small for the {p0} x {p1} process grid: "
-                    f"{what} = {n} must be at least {p} so that every rank owns at least one plane"
+                    f"{what} = {n} must be at least {p} so that every rank owns at least one plane; "
+                    "use a larger mesh or fewer ranks along that grid axis"
                 )
         self.global_shape = shape
         self.fourier_shape = (nx, ny, nzc)
