@@ -38,6 +38,8 @@ CASE_KINDS = [
 
 def case_ids(world_size):
     ids = [f"{kind}-{p0}x{p1}" for (p0, p1) in GRIDS[world_size] for kind in CASE_KINDS]
+    if world_size == 1:
+        ids.append("staged-1x1")
     if world_size == 4:
         ids.append("devicemesh-2x2")
     if world_size > 1:
@@ -419,6 +421,22 @@ def case_devicemesh(grid, ctx):
     expected = torch.fft.rfftn(whole, dim=(-3, -2, -1))
     actual = d.rfftn(whole[real_slices(shape, grid, coords)].contiguous())
     assert_close(actual, expected[fourier_slices(shape, grid, coords)], expected.abs().max().item(), "rfftn on mesh")
+
+
+def case_staged(grid, ctx):
+    """The full pipeline (pack, C++ all-to-all, unpack) on a group of size 1."""
+    import torch.distributed as dist
+
+    from torchpm.distributed import PencilDecomposition
+
+    world = dist.group.WORLD
+    for seed, shape in enumerate(SHAPES):
+        d = PencilDecomposition(shape, (world, world), always_transpose=True)
+        whole = global_random((2, *shape), seed)
+        expected = torch.fft.rfftn(whole, dim=(-3, -2, -1))
+        field_k = d.rfftn(whole)
+        assert_close(field_k, expected, expected.abs().max().item(), f"staged rfftn {shape}")
+        assert_close(d.irfftn(field_k), whole, whole.abs().max().item(), f"staged roundtrip {shape}")
 
 
 def case_failfast(grid, ctx):

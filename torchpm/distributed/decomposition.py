@@ -132,6 +132,10 @@ class PencilDecomposition:
             for a grid axis of size 1. See :func:`process_grid_groups`.
         mesh: alternatively a 1-D or 2-D ``torch.distributed.DeviceMesh``; its
             dimension ``i`` is grid axis ``i``.
+        always_transpose: run the staged pipeline (1-D FFTs, pack, all-to-all,
+            unpack) even on grid axes of size 1 that have a group. Only for
+            measuring or testing the transposer on one process; the default
+            skips every step that moves nothing.
 
     Attributes (all plain tuples of ints):
         global_shape, grid_shape ``(P0, P1)``, grid_coords ``(r0, r1)``,
@@ -143,7 +147,7 @@ class PencilDecomposition:
     ranks must call it in the same order with tensors of the same leading shape.
     """
 
-    def __init__(self, global_shape: Sequence[int], groups=None, *, mesh=None):
+    def __init__(self, global_shape: Sequence[int], groups=None, *, mesh=None, always_transpose: bool = False):
         try:
             shape = tuple(int(n) for n in global_shape)
         except TypeError:
@@ -165,6 +169,9 @@ class PencilDecomposition:
         if len(groups) != 2:
             raise ValueError(f"PencilDecomposition: `groups` must hold one group per grid axis (2), got {len(groups)}")
         self._axes = (_GridAxis(groups[0], 0), _GridAxis(groups[1], 1))
+        self._staged = bool(always_transpose) and all(axis.group is not None for axis in self._axes)
+        if always_transpose and not self._staged:
+            raise ValueError("PencilDecomposition: `always_transpose` needs a process group on both grid axes")
         p0, p1 = self.grid_shape
         nx, ny, nz = shape
         nzc = nz // 2 + 1
@@ -267,7 +274,8 @@ class PencilDecomposition:
         self._check_trailing(field, self.local_real_shape, "field", "rfftn")
         if field.is_complex() or not field.is_floating_point():
             raise ValueError(f"PencilDecomposition.rfftn: expected a real floating `field`, got {field.dtype}")
-        p0, p1 = self.grid_shape
+        # Staged mode takes the general path, as if both grid axes were split.
+        p0, p1 = (2, 2) if self._staged else self.grid_shape
         if p0 == 1 and p1 == 1:
             return torch.fft.rfftn(field, dim=(-3, -2, -1))
         if p1 == 1:
@@ -294,7 +302,8 @@ class PencilDecomposition:
         if not field_k.is_complex():
             raise ValueError(f"PencilDecomposition.irfftn: expected a complex `field_k`, got {field_k.dtype}")
         nx, ny, nz = self.global_shape
-        p0, p1 = self.grid_shape
+        # Staged mode takes the general path, as if both grid axes were split.
+        p0, p1 = (2, 2) if self._staged else self.grid_shape
         if p0 == 1 and p1 == 1:
             return torch.fft.irfftn(field_k, s=(nx, ny, nz), dim=(-3, -2, -1))
         if p0 > 1:
@@ -319,7 +328,7 @@ class PencilDecomposition:
         the reverse transpose (autograd gets it from the three ops).
         """
         grid_axis = self._axes[axis]
-        if grid_axis.size == 1:
+        if grid_axis.size == 1 and not self._staged:
             return t
         me = grid_axis.rank
         rest = t.numel() // (t.shape[gather_dim] * t.shape[split_dim])
