@@ -38,6 +38,9 @@ CASE_KINDS = [
 
 def case_ids(world_size):
     ids = [f"{kind}-{p0}x{p1}" for (p0, p1) in GRIDS[world_size] for kind in CASE_KINDS]
+    if world_size <= 2:
+        # Full (not fast-mode) gradchecks, affordable with two ranks.
+        ids += [f"gradcheck_full-{p0}x{p1}" for (p0, p1) in GRIDS[world_size]]
     if world_size == 1:
         ids.append("staged-1x1")
     if world_size == 4:
@@ -382,32 +385,36 @@ def case_halo_adjoint(grid, ctx):
     del coords
 
 
-def case_gradcheck_fft(grid, ctx):
-    shape = GRAD_SHAPE
+def case_gradcheck_fft(grid, ctx, shape=GRAD_SHAPE, fast_mode=True):
     d = decomposition(shape, grid, ctx)
     coords = all_coords(grid)
     real_shapes = [(1, *expected_layout(shape, grid, c)[0][0]) for c in coords]
     fourier_shapes = [(1, *expected_layout(shape, grid, c)[1][0]) for c in coords]
     forward, n = as_global_function(d.rfftn, real_shapes, fourier_shapes)
     x = global_random((n,), 11).requires_grad_()
-    assert torch.autograd.gradcheck(forward, (x,), atol=1e-8, rtol=1e-6, fast_mode=True), "rfftn"
+    assert torch.autograd.gradcheck(forward, (x,), atol=1e-8, rtol=1e-6, fast_mode=fast_mode), "rfftn"
     inverse, n = as_global_function(d.irfftn, fourier_shapes, real_shapes)
     k = torch.complex(global_random((n,), 12), global_random((n,), 13)).requires_grad_()
-    assert torch.autograd.gradcheck(inverse, (k,), atol=1e-8, rtol=1e-6, fast_mode=True), "irfftn"
+    assert torch.autograd.gradcheck(inverse, (k,), atol=1e-8, rtol=1e-6, fast_mode=fast_mode), "irfftn"
 
 
-def case_gradcheck_halo(grid, ctx):
-    d = decomposition(HALO_SHAPE, grid, ctx)
+def case_gradcheck_halo(grid, ctx, shape=HALO_SHAPE, fast_mode=True):
+    d = decomposition(shape, grid, ctx)
     width = (1, 2)
     shapes = []
     for c in all_coords(grid):
-        (lx, ly, nz), _ = expected_layout(HALO_SHAPE, grid, c)[0]
+        (lx, ly, nz), _ = expected_layout(shape, grid, c)[0]
         shapes.append((1, lx + 3, ly + 3, nz))
     for name in ("fill_halo", "add_halo"):
         method = getattr(d, name)
         fn, n = as_global_function(lambda t: method(t, width), shapes, shapes)
         x = global_random((n,), 21).requires_grad_()
-        assert torch.autograd.gradcheck(fn, (x,), atol=1e-8, rtol=1e-6, fast_mode=True), name
+        assert torch.autograd.gradcheck(fn, (x,), atol=1e-8, rtol=1e-6, fast_mode=fast_mode), name
+
+
+def case_gradcheck_full(grid, ctx):
+    case_gradcheck_fft(grid, ctx, shape=(3, 4, 6), fast_mode=False)
+    case_gradcheck_halo(grid, ctx, shape=(5, 4, 2), fast_mode=False)
 
 
 def case_devicemesh(grid, ctx):
