@@ -62,7 +62,8 @@ def extensions():
     with_cuda, why = decide_cuda()
     openmp = compiler_has_openmp()
 
-    sources = ["csrc/ops.cpp", "csrc/checks.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    sources = ["csrc/ops.cpp", "csrc/checks.cpp", "csrc/transpose.cpp"]
+    sources += sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/distributed/*.cpp"))
     define_macros = []
     cxx = ["-std=c++17", "-O0" if debug else "-O3"]
     link = []

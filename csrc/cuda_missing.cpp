@@ -32,10 +32,21 @@ at::Tensor position_gradient_missing(
   no_cuda_kernels("torchpm._cic_position_gradient");
 }
 
+at::Tensor pack_blocks_missing(const at::Tensor&, int64_t, at::IntArrayRef) {
+  no_cuda_kernels("torchpm.pack_blocks");
+}
+
+at::Tensor unpack_blocks_missing(
+    const at::Tensor&, at::IntArrayRef, int64_t, at::IntArrayRef) {
+  no_cuda_kernels("torchpm.unpack_blocks");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("cic_paint", &paint_missing);
   m.impl("cic_readout", &readout_missing);
   m.impl("_cic_position_gradient", &position_gradient_missing);
+  m.impl("pack_blocks", &pack_blocks_missing);
+  m.impl("unpack_blocks", &unpack_blocks_missing);
 }

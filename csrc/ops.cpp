@@ -43,5 +43,22 @@ TORCH_LIBRARY(torchpm, m) {
   m.def(
       "_cic_position_gradient(Tensor mesh, Tensor positions, Tensor? values, "
       "int[] offset, bool[3] periodic) -> Tensor");
+  // Block transposer. pack_blocks splits `input` along `dim` into consecutive
+  // chunks of `sizes` (summing to input.size(dim)) and lays them out one after
+  // another as a 1-D buffer, chunk p being input.narrow(dim, sum(sizes[:p]),
+  // sizes[p]) in row-major order, so an all-to-all moves one contiguous block
+  // per peer. unpack_blocks is its inverse (and adjoint): it takes such a buffer
+  // and returns the tensor of `shape` whose `dim` is the concatenation of the
+  // chunks. Any dtype (complex included), any number of dimensions.
+  m.def("pack_blocks(Tensor input, int dim, int[] sizes) -> Tensor");
+  m.def("unpack_blocks(Tensor buffer, int[] shape, int dim, int[] sizes) -> Tensor");
+  // All-to-all of a 1-D buffer over the c10d ProcessGroup registered under
+  // `group_name`: chunk p of `input` (input_split_sizes[p] elements) goes to
+  // group rank p; chunk q of the result comes from group rank q
+  // (output_split_sizes[q] elements). Blocks until the collective completes on
+  // CPU (gloo); on CUDA (NCCL) the current stream waits for it.
+  m.def(
+      "_all_to_all(Tensor input, int[] input_split_sizes, int[] output_split_sizes, "
+      "str group_name) -> Tensor");
   m.def("_cuda_kernels_built() -> bool", &cuda_kernels_built);
 }

@@ -1,0 +1,180 @@
+"""Benchmark of torchpm's distributed FFT (PencilDecomposition.rfftn / irfftn).
+
+CPU (default): 1, 2 and 4 gloo ranks on this machine against the serial
+torch.fft.rfftn / irfftn, float32, one thread per rank:
+
+    python benchmarks/bench_dfft.py [--sizes 64 128 256] [--ranks 1 2 4]
+
+GPU (--gpu): world size 1 with NCCL, overhead against torch.fft at 256^3 and
+512^3, both for the 1 x 1 decomposition (the path a single-GPU run takes) and
+for the staged pipeline (1-D FFTs + pack + NCCL all-to-all + unpack, forced
+with always_transpose=True):
+
+    python benchmarks/bench_dfft.py --gpu [--sizes 256 512]
+
+Prints a table: median of --repeats after warm-up, the slowest rank's median
+for distributed runs, and the ratio against the serial reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torchpm  # noqa: E402,F401
+from torchpm.distributed import PencilDecomposition, process_grid_groups  # noqa: E402
+
+
+def default_grid(world):
+    p1 = max(d for d in range(1, int(math.isqrt(world)) + 1) if world % d == 0)
+    return world // p1, p1
+
+
+def median_time(fn, repeats, sync=lambda: None, barrier=lambda: None, warmup=2):
+    values = []
+    for i in range(repeats + warmup):
+        barrier()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        if i >= warmup:
+            values.append(time.perf_counter() - start)
+    return statistics.median(values)
+
+
+# ----------------------------------------------------------------------------
+# CPU: gloo ranks spawned here.
+
+
+def _cpu_worker(rank, world, grid, sizes, repeats, store, queue):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    groups = process_grid_groups(grid)
+    rows = []
+    for n in sizes:
+        d = PencilDecomposition((n, n, n), groups)
+        field = torch.randn(1, *d.local_real_shape)
+        field_k = d.rfftn(field)
+        barrier = dist.barrier if world > 1 else (lambda: None)
+        t_forward = median_time(lambda: d.rfftn(field), repeats, barrier=barrier)
+        t_inverse = median_time(lambda: d.irfftn(field_k), repeats, barrier=barrier)
+        # The two forward transposes alone, on tensors of the right layouts.
+        p0, p1 = d.grid_shape
+        lx, ly, nz = d.local_real_shape
+        t1_in = torch.randn(1, lx, ly, nz // 2 + 1, dtype=torch.complex64)
+        t0_in = torch.randn(1, lx, n, d.local_fourier_shape[2], dtype=torch.complex64)
+        t_transposes = median_time(
+            lambda: (d.transpose(t1_in, 1), d.transpose(t0_in, 0)), repeats, barrier=barrier
+        ) if world > 1 else 0.0
+        times = torch.tensor([t_forward, t_inverse, t_transposes], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        rows.append((n, *times.tolist()))
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def run_cpu(args):
+    print(f"# CPU, gloo, float32, 1 thread per rank; {os.cpu_count()} cores; torch {torch.__version__}")
+    torch.set_num_threads(1)
+    serial = {}
+    for n in args.sizes:
+        x = torch.randn(1, n, n, n)
+        xk = torch.fft.rfftn(x, dim=(-3, -2, -1))
+        serial[n] = (
+            median_time(lambda: torch.fft.rfftn(x, dim=(-3, -2, -1)), args.repeats),
+            median_time(lambda: torch.fft.irfftn(xk, s=(n, n, n), dim=(-3, -2, -1)), args.repeats),
+        )
+    header = f"{'ranks':>5} {'grid':>5} {'n':>5} {'rfftn ms':>10} {'irfftn ms':>10} {'transposes ms':>14} {'vs serial fwd':>14} {'vs serial inv':>14}"
+    print(header)
+    for n in args.sizes:
+        print(f"{'serial':>5} {'-':>5} {n:>5} {1e3 * serial[n][0]:10.2f} {1e3 * serial[n][1]:10.2f} {'-':>14} {1.0:14.2f} {1.0:14.2f}")
+    context = mp.get_context("spawn")
+    for world in args.ranks:
+        grid = default_grid(world)
+        grids = [grid] + ([(world, 1)] if grid != (world, 1) else [])
+        for grid in grids:
+            queue = context.Queue()
+            with tempfile.TemporaryDirectory() as tmp:
+                mp.start_processes(
+                    _cpu_worker,
+                    args=(world, grid, args.sizes, args.repeats, os.path.join(tmp, "store"), queue),
+                    nprocs=world, start_method="spawn",
+                )
+                rows = queue.get()
+            for n, forward, inverse, transposes in rows:
+                print(
+                    f"{world:>5} {f'{grid[0]}x{grid[1]}':>5} {n:>5} {1e3 * forward:10.2f} {1e3 * inverse:10.2f} "
+                    f"{1e3 * transposes:14.2f} {forward / serial[n][0]:14.2f} {inverse / serial[n][1]:14.2f}"
+                )
+
+
+# ----------------------------------------------------------------------------
+# GPU: world size 1, NCCL.
+
+
+def run_gpu(args):
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_dfft.py --gpu: no CUDA device")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1)
+        world = dist.group.WORLD
+        print(f"# GPU {torch.cuda.get_device_name(device)}, NCCL world size 1, float32; torch {torch.__version__}")
+        print(f"{'n':>5} {'path':>22} {'rfftn ms':>10} {'irfftn ms':>10} {'overhead fwd':>13} {'overhead inv':>13}")
+        sync = torch.cuda.synchronize
+        for n in args.sizes:
+            x = torch.randn(1, n, n, n, device=device)
+            xk = torch.fft.rfftn(x, dim=(-3, -2, -1))
+            reference = (
+                median_time(lambda: torch.fft.rfftn(x, dim=(-3, -2, -1)), args.repeats, sync),
+                median_time(lambda: torch.fft.irfftn(xk, s=(n, n, n), dim=(-3, -2, -1)), args.repeats, sync),
+            )
+            print(f"{n:>5} {'torch.fft':>22} {1e3 * reference[0]:10.3f} {1e3 * reference[1]:10.3f} {'-':>13} {'-':>13}")
+            for label, d in (
+                ("1x1 decomposition", PencilDecomposition((n, n, n), (world, world))),
+                ("staged (forced a2a)", PencilDecomposition((n, n, n), (world, world), always_transpose=True)),
+            ):
+                forward = median_time(lambda: d.rfftn(x), args.repeats, sync)
+                inverse = median_time(lambda: d.irfftn(xk), args.repeats, sync)
+                print(
+                    f"{n:>5} {label:>22} {1e3 * forward:10.3f} {1e3 * inverse:10.3f} "
+                    f"{100 * (forward / reference[0] - 1):12.1f}% {100 * (inverse / reference[1] - 1):12.1f}%"
+                )
+            del x, xk
+            torch.cuda.empty_cache()
+        dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true", help="world size 1 with NCCL on cuda:0")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    if args.gpu:
+        args.sizes = args.sizes or [256, 512]
+        run_gpu(args)
+    else:
+        args.sizes = args.sizes or [64, 128, 256]
+        run_cpu(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+// The all-to-all of the distributed FFT transposer, issued from C++ on the c10d
+// ProcessGroup that torch.distributed registered under the group's name. The
+// same code drives ProcessGroupNCCL (CUDA tensors) and ProcessGroupGloo (CPU
+// tensors): c10d picks the backend from the tensors' device.
+//
+// Failure model: a peer that died or never reaches the collective makes
+// Work::wait() raise once the process group's timeout expires (set with
+// torch.distributed.init_process_group(timeout=...) or new_group(timeout=...)).
+// The error is re-raised as a DistBackendError that names the group and says so.
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/library.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace torchpm {
+namespace {
+
+std::string list_string(at::IntArrayRef values) {
+  std::ostringstream out;
+  out << "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    out << (i ? ", " : "") << values[i];
+  }
+  out << "]";
+  return out.str();
+}
+
+int64_t checked_sum(const char* name, at::IntArrayRef splits, int64_t group_size) {
+  TORCH_CHECK_VALUE(
+      static_cast<int64_t>(splits.size()) == group_size,
+      "torchpm._all_to_all: expected `", name, "` to have one entry per rank of the group (",
+      group_size, "), got ", list_string(splits), ".");
+  int64_t total = 0;
+  for (auto s : splits) {
+    TORCH_CHECK_VALUE(
+        s >= 0, "torchpm._all_to_all: `", name, "` must be non-negative, got ",
+        list_string(splits), ".");
+    total += s;
+  }
+  return total;
+}
+
+at::Tensor all_to_all(
+    const at::Tensor& input,
+    at::IntArrayRef input_split_sizes,
+    at::IntArrayRef output_split_sizes,
+    c10::string_view group_name) {
+  TORCH_CHECK_VALUE(
+      input.dim() == 1, "torchpm._all_to_all: expected a 1-D `input` buffer, got ",
+      input.dim(), " dimensions.");
+  const std::string name(group_name);
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  try {
+    group = c10d::resolve_process_group(name);
+  } catch (const std::exception& error) {
+    TORCH_CHECK_VALUE(
+        false, "torchpm._all_to_all: no process group is registered under the name '", name,
+        "' (", error.what(), "). Pass the name of a live torch.distributed group "
+        "(group.group_name) and create it before use.");
+  }
+  const int64_t size = group->getSize();
+  const int64_t sent = checked_sum("input_split_sizes", input_split_sizes, size);
+  const int64_t received = checked_sum("output_split_sizes", output_split_sizes, size);
+  TORCH_CHECK_VALUE(
+      sent == input.numel(), "torchpm._all_to_all: `input_split_sizes` ",
+      list_string(input_split_sizes), " sum to ", sent, " but `input` has ", input.numel(),
+      " elements.");
+
+  auto in = input.contiguous();
+  auto out = at::empty({received}, in.options());
+  std::vector<int64_t> in_splits(input_split_sizes.begin(), input_split_sizes.end());
+  std::vector<int64_t> out_splits(output_split_sizes.begin(), output_split_sizes.end());
+  // Gloo and NCCL move real words; a complex element is two of them.
+  at::Tensor send = in, recv = out;
+  if (in.is_complex()) {
+    send = at::view_as_real(in).reshape({-1});
+    recv = at::view_as_real(out).reshape({-1});
+    for (auto& s : in_splits) s *= 2;
+    for (auto& s : out_splits) s *= 2;
+  }
+  try {
+    auto work = group->all_to_all_single(recv, send, out_splits, in_splits);
+    work->wait();
+  } catch (const std::exception& error) {
+    std::ostringstream msg;
+    msg << "torchpm._all_to_all over process group '" << name << "' (" << group->getBackendName()
+        << ", rank " << group->getRank() << " of " << size << ") failed: " << error.what()
+        << "\nA peer rank probably raised, exited or did not reach this collective. The wait "
+           "is bounded by the process group's timeout: set it with "
+           "torch.distributed.init_process_group(..., timeout=datetime.timedelta(seconds=S)) "
+           "or new_group(..., timeout=...).";
+    throw c10::DistBackendError(
+        {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, msg.str());
+  }
+  return out;
+}
+
+}  // namespace
+
+// CompositeExplicitAutograd: one kernel for every device (c10d dispatches on the
+// tensors' device), below autograd (torchpm/distributed/_ops.py registers the
+// backward, the reverse all-to-all).
+TORCH_LIBRARY_IMPL(torchpm, CompositeExplicitAutograd, m) {
+  m.impl("_all_to_all", &all_to_all);
+}
+
+}  // namespace torchpm

@@ -1,0 +1,100 @@
+"""Run test cases inside a pool of gloo processes spawned once per world size.
+
+``run_world(world_size, module, case_ids, tmp_path)`` starts ``world_size``
+processes, joins them into one gloo process group (a FileStore under
+``tmp_path``), imports ``module`` in each and runs ``module.run_case(case_id, ctx)``
+for every id in order, recording on each rank either ``None`` or the error's
+traceback. Returns ``{case_id: {rank: error or None}}``; a rank that never
+reported (it hung or died) reports an error saying so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import json
+import os
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+# Bound on every collective of the pool's main group: a case that breaks the
+# lock-step of the ranks fails after this long instead of hanging the suite.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _worker(rank, world_size, module_name, case_ids, store_path, result_dir):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    results = {}
+    result_path = os.path.join(result_dir, f"rank{rank}.json")
+
+    def flush():
+        with open(result_path + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(result_path + ".tmp", result_path)
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    try:
+        module = importlib.import_module(module_name)
+        ctx = module.make_context(world_size)
+        for case_id in case_ids:
+            start = time.perf_counter()
+            try:
+                module.run_case(case_id, ctx)
+                results[case_id] = None
+            except BaseException:  # noqa: BLE001 - reported to the parent
+                results[case_id] = traceback.format_exc()
+            results[case_id + "#seconds"] = time.perf_counter() - start
+            flush()
+    finally:
+        flush()
+    # Some cases leave broken groups behind (the fail-fast case), so skip the
+    # collective teardown and let process exit close the sockets.
+    os._exit(0)
+
+
+def run_world(world_size, module_name, case_ids, tmp_path, timeout_s=600):
+    store_path = os.path.join(str(tmp_path), f"store_{world_size}")
+    result_dir = os.path.join(str(tmp_path), f"results_{world_size}")
+    os.makedirs(result_dir, exist_ok=True)
+    context = mp.start_processes(
+        _worker,
+        args=(world_size, module_name, list(case_ids), store_path, result_dir),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                break
+    except mp.ProcessRaisedException:
+        pass
+    except mp.ProcessExitedException:
+        pass
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    outcome = {case_id: {} for case_id in case_ids}
+    for rank in range(world_size):
+        path = os.path.join(result_dir, f"rank{rank}.json")
+        reported = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                reported = json.load(f)
+        for case_id in case_ids:
+            outcome[case_id][rank] = reported.get(
+                case_id, f"rank {rank} never reported this case (it hung, died or an earlier case broke the pool)"
+            )
+            if case_id + "#seconds" in reported:
+                outcome[case_id][f"{rank}#seconds"] = reported[case_id + "#seconds"]
+    return outcome
