@@ -11,7 +11,7 @@ SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.h
 CU_SOURCES := $(shell find csrc -name '*.cu')
 CU_OBJECTS := $(patsubst csrc/%.cu,.cuda-check/%.o,$(CU_SOURCES))
 
-.PHONY: run test deps build cuda-check bench clean
+.PHONY: run test deps build cuda-check bench bench-dfft example-dfft test-distributed clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
@@ -48,6 +48,15 @@ test: build cuda-check
 
 bench: build
 	$(PYTHON) benchmarks/bench_cic.py
+
+bench-dfft: build
+	$(PYTHON) benchmarks/bench_dfft.py
+
+example-dfft: build
+	torchrun --nproc-per-node=4 examples/distributed_fft.py
+
+test-distributed: build
+	$(PYTHON) -m pytest tests/test_distributed_fft.py tests/test_distributed_ops.py
 
 clean:
 	rm -rf build .cuda-check torchpm/_C*.so *.egg-info
