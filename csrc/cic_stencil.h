@@ -12,14 +12,24 @@
 namespace torchpm {
 
 // Indices and linear weights of the 2x2x2 nodes a particle touches.
-// lo[d] / hi[d] are the local indices of the lower / upper node along axis d,
-// frac[d] the distance from the lower node (the upper node's weight).
+// offset[d][0/1] is the lower / upper node's contribution to the linear index
+// inside one channel (index * stride of axis d), weight[d][0/1] its linear
+// weight along axis d; lo[d] and frac[d] are kept for diagnostics.
 template <typename acc_t>
 struct CicStencil {
-  int64_t lo[3];
-  int64_t hi[3];
-  acc_t frac[3];
+  int64_t lower_x;  // local x index of the lower node (binning by plane)
+  int64_t offset[3][2];
+  acc_t weight[3][2];
 };
+
+// Wraps i into [0, n); the common case (already inside) costs one comparison.
+C10_HOST_DEVICE inline int64_t wrap_index(int64_t i, int64_t n) {
+  if (i >= 0 && i < n) {
+    return i;
+  }
+  i %= n;
+  return i < 0 ? i + n : i;
+}
 
 // Fills `stencil` for a particle at (x0, x1, x2) and returns false when the
 // particle is not finite, absurdly far out, or (on a block axis) touches a node
@@ -29,6 +39,7 @@ C10_HOST_DEVICE inline bool cic_stencil(
     const scalar_t* position,
     const CicGeometry& g,
     CicStencil<acc_t>& stencil) {
+  const int64_t stride[3] = {g.shape[1] * g.shape[2], g.shape[2], 1};
   for (int d = 0; d < 3; ++d) {
     const acc_t x = static_cast<acc_t>(position[d]);
     // !(|x| < bound) is also true for NaN.
@@ -37,23 +48,26 @@ C10_HOST_DEVICE inline bool cic_stencil(
       return false;
     }
     const acc_t floor_x = ::floor(x);
-    stencil.frac[d] = x - floor_x;
+    const acc_t frac = x - floor_x;
     int64_t lo = static_cast<int64_t>(floor_x) - g.offset[d];
+    int64_t hi;
     const int64_t n = g.shape[d];
     if (g.periodic[d]) {
-      lo %= n;
-      if (lo < 0) {
-        lo += n;
-      }
-      stencil.lo[d] = lo;
-      stencil.hi[d] = (lo + 1 == n) ? 0 : lo + 1;
+      lo = wrap_index(lo, n);
+      hi = (lo + 1 == n) ? 0 : lo + 1;
     } else {
       if (lo < 0 || lo + 1 >= n) {
         return false;
       }
-      stencil.lo[d] = lo;
-      stencil.hi[d] = lo + 1;
+      hi = lo + 1;
     }
+    if (d == 0) {
+      stencil.lower_x = lo;
+    }
+    stencil.offset[d][0] = lo * stride[d];
+    stencil.offset[d][1] = hi * stride[d];
+    stencil.weight[d][0] = acc_t(1) - frac;
+    stencil.weight[d][1] = frac;
   }
   return true;
 }
@@ -62,14 +76,11 @@ C10_HOST_DEVICE inline bool cic_stencil(
 template <typename acc_t>
 C10_HOST_DEVICE inline int64_t cic_corner_index(
     const CicStencil<acc_t>& s,
-    const CicGeometry& g,
+    const CicGeometry&,
     int a,
     int b,
     int c) {
-  const int64_t i = a ? s.hi[0] : s.lo[0];
-  const int64_t j = b ? s.hi[1] : s.lo[1];
-  const int64_t k = c ? s.hi[2] : s.lo[2];
-  return (i * g.shape[1] + j) * g.shape[2] + k;
+  return s.offset[0][a] + s.offset[1][b] + s.offset[2][c];
 }
 
 // Weight of corner (a, b, c).
@@ -79,10 +90,7 @@ C10_HOST_DEVICE inline acc_t cic_corner_weight(
     int a,
     int b,
     int c) {
-  const acc_t wx = a ? s.frac[0] : acc_t(1) - s.frac[0];
-  const acc_t wy = b ? s.frac[1] : acc_t(1) - s.frac[1];
-  const acc_t wz = c ? s.frac[2] : acc_t(1) - s.frac[2];
-  return wx * wy * wz;
+  return s.weight[0][a] * s.weight[1][b] * s.weight[2][c];
 }
 
 // Gradient of corner (a, b, c)'s weight with respect to the position.
@@ -93,15 +101,12 @@ C10_HOST_DEVICE inline void cic_corner_weight_gradient(
     int b,
     int c,
     acc_t* gradient) {
-  const acc_t wx = a ? s.frac[0] : acc_t(1) - s.frac[0];
-  const acc_t wy = b ? s.frac[1] : acc_t(1) - s.frac[1];
-  const acc_t wz = c ? s.frac[2] : acc_t(1) - s.frac[2];
   const acc_t dx = a ? acc_t(1) : acc_t(-1);
   const acc_t dy = b ? acc_t(1) : acc_t(-1);
   const acc_t dz = c ? acc_t(1) : acc_t(-1);
-  gradient[0] = dx * wy * wz;
-  gradient[1] = wx * dy * wz;
-  gradient[2] = wx * wy * dz;
+  gradient[0] = dx * s.weight[1][b] * s.weight[2][c];
+  gradient[1] = s.weight[0][a] * dy * s.weight[2][c];
+  gradient[2] = s.weight[0][a] * s.weight[1][b] * dz;
 }
 
 }  // namespace torchpm

@@ -35,16 +35,18 @@ void deposit(
   using acc_t = at::opmath_type<scalar_t>;
   CicStencil<acc_t> s;
   cic_stencil<scalar_t, acc_t>(position, g, s);
-  for (int a = 0; a < 2; ++a) {
-    for (int b = 0; b < 2; ++b) {
-      for (int c = 0; c < 2; ++c) {
-        const acc_t w = cic_corner_weight(s, a, b, c);
-        const int64_t idx = cic_corner_index(s, g, a, b, c);
-        for (int64_t ch = 0; ch < channels; ++ch) {
-          const acc_t v = values ? static_cast<acc_t>(values[ch]) : acc_t(1);
-          mesh[ch * channel_stride + idx] += static_cast<scalar_t>(v * w);
-        }
-      }
+  int64_t idx[8];
+  acc_t w[8];
+  for (int corner = 0; corner < 8; ++corner) {
+    const int a = corner >> 2, b = (corner >> 1) & 1, c = corner & 1;
+    idx[corner] = cic_corner_index(s, g, a, b, c);
+    w[corner] = cic_corner_weight(s, a, b, c);
+  }
+  for (int64_t ch = 0; ch < channels; ++ch) {
+    const acc_t v = values ? static_cast<acc_t>(values[ch]) : acc_t(1);
+    scalar_t* m = mesh + ch * channel_stride;
+    for (int corner = 0; corner < 8; ++corner) {
+      m[idx[corner]] += static_cast<scalar_t>(v * w[corner]);
     }
   }
 }
@@ -66,7 +68,7 @@ int64_t check_and_bin(
       const bool ok = cic_stencil<scalar_t, acc_t>(positions + 3 * p, g, s);
       local_bad += ok ? 0 : 1;
       if (plane) {
-        plane[p] = ok ? s.lo[0] : 0;
+        plane[p] = ok ? s.lower_x : 0;
       }
     }
     bad += local_bad;
@@ -96,7 +98,7 @@ void paint_kernel(
     throw_bad_particles("torchpm.cic_paint", positions, g, bad);
   }
   auto paint_one = [&](int64_t p) {
-    const int64_t b = p / n;
+    const int64_t b = batch == 1 ? 0 : p / n;
     deposit<scalar_t>(
         pos + 3 * p, values ? values + channels * p : nullptr, channels,
         channel_stride, g, out + b * channels * channel_stride);
@@ -111,8 +113,10 @@ void paint_kernel(
   // Stable counting sort of particles into bins (batch, plane).
   const int64_t bins = batch * nx;
   std::vector<int64_t> start(bins + 1, 0);
-  for (int64_t p = 0; p < total; ++p) {
-    ++start[(p / n) * nx + plane[p] + 1];
+  for (int64_t b = 0, p = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < n; ++i, ++p) {
+      ++start[b * nx + plane[p] + 1];
+    }
   }
   for (int64_t i = 0; i < bins; ++i) {
     start[i + 1] += start[i];
@@ -120,8 +124,10 @@ void paint_kernel(
   std::vector<int64_t> order(total);
   {
     std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < total; ++p) {
-      order[fill[(p / n) * nx + plane[p]]++] = p;
+    for (int64_t b = 0, p = 0; b < batch; ++b) {
+      for (int64_t i = 0; i < n; ++i, ++p) {
+        order[fill[b * nx + plane[p]]++] = p;
+      }
     }
   }
   // Plane nx - 1 of a periodic axis writes plane 0 too; when nx is odd it has
@@ -213,31 +219,26 @@ at::Tensor cic_readout_cpu(
       at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
         int64_t local_bad = 0;
         CicStencil<acc_t> s;
-        acc_t acc[16];
         for (int64_t p = begin; p < end; ++p) {
           if (!cic_stencil<scalar_t, acc_t>(pos + 3 * p, g, s)) {
             ++local_bad;
             continue;
           }
-          const scalar_t* m = field + (p / n) * channels * channel_stride;
-          for (int64_t c0 = 0; c0 < channels; c0 += 16) {
-            const int64_t cn = std::min<int64_t>(16, channels - c0);
-            std::fill(acc, acc + cn, acc_t(0));
-            for (int a = 0; a < 2; ++a) {
-              for (int b = 0; b < 2; ++b) {
-                for (int c = 0; c < 2; ++c) {
-                  const acc_t w = cic_corner_weight(s, a, b, c);
-                  const int64_t idx = cic_corner_index(s, g, a, b, c);
-                  for (int64_t ch = 0; ch < cn; ++ch) {
-                    acc[ch] += w * static_cast<acc_t>(
-                                       m[(c0 + ch) * channel_stride + idx]);
-                  }
-                }
-              }
+          const scalar_t* m = field + (batch == 1 ? 0 : p / n) * channels * channel_stride;
+          int64_t idx[8];
+          acc_t w[8];
+          for (int corner = 0; corner < 8; ++corner) {
+            const int a = corner >> 2, b = (corner >> 1) & 1, c = corner & 1;
+            idx[corner] = cic_corner_index(s, g, a, b, c);
+            w[corner] = cic_corner_weight(s, a, b, c);
+          }
+          for (int64_t ch = 0; ch < channels; ++ch) {
+            const scalar_t* mc = m + ch * channel_stride;
+            acc_t acc = 0;
+            for (int corner = 0; corner < 8; ++corner) {
+              acc += w[corner] * static_cast<acc_t>(mc[idx[corner]]);
             }
-            for (int64_t ch = 0; ch < cn; ++ch) {
-              result[p * channels + c0 + ch] = static_cast<scalar_t>(acc[ch]);
-            }
+            result[p * channels + ch] = static_cast<scalar_t>(acc);
           }
         }
         bad += local_bad;
@@ -296,7 +297,7 @@ at::Tensor cic_position_gradient_cpu(
             ++local_bad;
             continue;
           }
-          const scalar_t* m = field + (p / n) * channels * channel_stride;
+          const scalar_t* m = field + (batch == 1 ? 0 : p / n) * channels * channel_stride;
           acc_t grad[3] = {0, 0, 0};
           for (int a = 0; a < 2; ++a) {
             for (int b = 0; b < 2; ++b) {
