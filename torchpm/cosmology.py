@@ -82,18 +82,20 @@ class Cosmology:
             if tensor.numel() != 1:
                 raise ValueError(f"Cosmology: `{key}` must be a scalar, got shape {tuple(tensor.shape)}")
             tensor = tensor.reshape(()).to(torch.float64)
-            if not bool(torch.isfinite(tensor)):
-                raise ValueError(f"Cosmology: `{key}` must be finite, got {float(tensor)}")
+            if not bool(torch.isfinite(tensor.detach())):
+                raise ValueError(f"Cosmology: `{key}` must be finite, got {float(tensor.detach())}")
             setattr(self, key, tensor)
+        value = {key: float(getattr(self, key).detach()) for key in _PARAMETERS}
         for key in ("Omega_c", "h", "sigma8"):
-            if float(getattr(self, key)) <= 0:
-                raise ValueError(f"Cosmology: `{key}` must be positive, got {float(getattr(self, key))}")
-        if float(self.Omega_b) < 0:
-            raise ValueError(f"Cosmology: `Omega_b` must not be negative, got {float(self.Omega_b)}")
-        if float(self.Omega_de) < 0:
+            if value[key] <= 0:
+                raise ValueError(f"Cosmology: `{key}` must be positive, got {value[key]}")
+        if value["Omega_b"] < 0:
+            raise ValueError(f"Cosmology: `Omega_b` must not be negative, got {value['Omega_b']}")
+        dark_energy = 1.0 - value["Omega_c"] - value["Omega_b"] - value["Omega_k"]
+        if dark_energy < 0:
             raise ValueError(
                 "Cosmology: the dark-energy density 1 - Omega_m - Omega_k must not be negative, "
-                f"got {float(self.Omega_de)}"
+                f"got {dark_energy}"
             )
         self.name = name
 
@@ -122,7 +124,7 @@ class Cosmology:
         return self.Omega_c.device
 
     def __repr__(self) -> str:
-        body = ", ".join(f"{key}={float(value):.6g}" for key, value in self.parameters().items())
+        body = ", ".join(f"{key}={float(value.detach()):.6g}" for key, value in self.parameters().items())
         return f"Cosmology({body}{', name=' + repr(self.name) if self.name else ''})"
 
     # Background ------------------------------------------------------------------------
