@@ -180,18 +180,11 @@ def _lpt_impl(noise, c, a0, box_size, order):
     return grid + dx, p  # (nx, ny, nz, 3) each
 
 
-if SKIP_REASON is None:
-    # Eager JAX is slow here (jax_cosmo's sigma8 integral alone is ~3 s at 32^3): jit both;
-    # the monkeypatches above are active while the functions are traced.
-    _linear_field_jit = jax.jit(_linear_field_impl, static_argnums=(2,))
-    _lpt_jit = jax.jit(_lpt_impl, static_argnums=(3, 4))
-
-
 def _box(box_size):
     box = tuple(float(x) for x in box_size)
     if len(box) != 3 or min(box) <= 0:
         raise ValueError(f"box_size must be three positive lengths, got {box_size}")
-    return box
+    return jnp.asarray(box, dtype=jnp.float64)
 
 
 def _linear_field_jax(w, box_size, c):
@@ -205,19 +198,19 @@ def linear_field(white_noise, box_size, cosmo):
     return np.asarray(_linear_field_jax(w, box_size, make_cosmology(cosmo)))
 
 
+def _linear_power_impl(c, k, a):
+    return jc.power.linear_matter_power(c, k, a=a)
+
+
 def linear_power(k, cosmo, a=1.0):
     """jax_cosmo's Eisenstein-Hu linear P(k) [(Mpc/h)^3], k in h/Mpc (what linear_field uses)."""
     _check()
     k = np.asarray(k, dtype=np.float64)
-    return np.asarray(jc.power.linear_matter_power(make_cosmology(cosmo), jnp.asarray(k),
-                                                   a=a)).reshape(k.shape)
+    out = _linear_power_jit(make_cosmology(cosmo), jnp.asarray(k.reshape(-1)), jnp.float64(a))
+    return np.asarray(out).reshape(k.shape)
 
 
-def growth(cosmo, a):
-    """JaxPM's growth functions at scale factors a (numpy): E, D1, f1, D2, f2, Gf, gf, Gf2, gf2."""
-    _check()
-    c = make_cosmology(cosmo)
-    a = jnp.atleast_1d(jnp.asarray(a, dtype=jnp.float64))
+def _growth_impl(c, c2, a):
     out = {
         "E": jnp.sqrt(jc.background.Esqr(c, a)),
         "D1": jgrowth.growth_factor(c, a),
@@ -229,10 +222,36 @@ def growth(cosmo, a):
         "Gf2": jgrowth.Gf2(c, a),
         "gf2": jgrowth.dGf2a(c, a),
     }
-    c2 = make_cosmology(cosmo)  # separate cache: jax_cosmo's table differs from JaxPM's
+    # separate cosmology (cache): jax_cosmo's own table differs from JaxPM's
     out["D1_jax_cosmo"] = jc.background.growth_factor(c2, a)
     out["f1_jax_cosmo"] = jc.background.growth_rate(c2, a)
-    return {k: np.asarray(v) for k, v in out.items()}
+    return out
+
+
+if SKIP_REASON is None:
+    # Eager JAX is slow here (jax_cosmo's sigma8 integral alone is ~3 s at 32^3): jit both;
+    # the monkeypatches above are active while the functions are traced.
+    # The box is traced (one compilation per mesh shape and LPT order).
+    _linear_field_jit = jax.jit(_linear_field_impl)
+    _lpt_jit = jax.jit(_lpt_impl, static_argnums=(4,))
+    _growth_jit = jax.jit(_growth_impl)
+    _linear_power_jit = jax.jit(_linear_power_impl)
+
+
+def growth(cosmo, a):
+    """JaxPM's growth functions at scale factors a (numpy, 1-d).
+
+    Keys: E, D1, f1, D2, f2, Gf, gf (= dGf/da), Gf2, gf2 (what JaxPM's LPT uses), and
+    D1_jax_cosmo, f1_jax_cosmo (jax_cosmo.background's own first-order table).
+    """
+    _check()
+    a = np.atleast_1d(np.asarray(a, dtype=np.float64))
+    if a.ndim != 1:
+        raise ValueError("a must be a scalar or 1-d")
+    n = max(8, 1 << (len(a) - 1).bit_length())  # pad: few distinct compilations
+    ap = np.concatenate([a, np.ones(n - len(a))])
+    out = _growth_jit(make_cosmology(cosmo), make_cosmology(cosmo), jnp.asarray(ap))
+    return {k: np.asarray(v)[:len(a)] for k, v in out.items()}
 
 
 def _grid(shape):
