@@ -103,7 +103,9 @@ class Simulation(nn.Module):
             parameters are used as they are at each call, so gradients flow to them.
         power_spectrum: ``"eisenstein_hu"``, ``"eisenstein_hu_nowiggle"``, the path
             of a two-column table (k h/Mpc, P (Mpc/h)^3) or a callable
-            ``(k, cosmology) -> P`` of the linear power at ``a = 1``.
+            ``(k, cosmology) -> P`` of the linear power at ``a = 1`` (a fixed function:
+            its result is reused while the cosmology does not change, unless it
+            requires grad).
         lpt_order: 1 or 2.
         integrator: ``"fastpm"`` (growth-corrected kick-drift-kick) or ``"leapfrog"``.
         gradient: ``"fd4"`` (default) or ``"exact"``; laplacian: ``"exact"`` or ``"fd"``.
@@ -181,6 +183,7 @@ class Simulation(nn.Module):
         if isinstance(self.power, PowerTable):
             self.power.check_covers(*self._k_range())
         self._kernels: dict = {}
+        self._constant_cache: dict = {}
         # A buffer so that .to(device) tells us where to run.
         self.register_buffer("_anchor", torch.zeros((), dtype=dtype), persistent=False)
 
@@ -233,11 +236,38 @@ class Simulation(nn.Module):
             field = field.unsqueeze(0)
         return field.to(dtype=self.dtype, device=self.device)
 
+    def _cached(self, name, cosmology, build):
+        """``build()``, reused while the cosmology's values are unchanged and nothing
+        about it needs gradients (then the result is a constant of the run)."""
+        parameters = cosmology.parameters().values()
+        if any(p.requires_grad for p in parameters):
+            return build()
+        key = (name, tuple(float(p) for p in parameters), self.device, self.dtype)
+        if key in self._constant_cache:
+            return self._constant_cache[key]
+        result = build()
+        tensors = result if isinstance(result, torch.Tensor) else result.values
+        if not (torch.is_grad_enabled() and tensors.requires_grad):  # e.g. a power callable with parameters
+            # One entry per kind: a new cosmology replaces the old one.
+            for old in [k for k in self._constant_cache if k[0] == name]:
+                del self._constant_cache[old]
+            self._constant_cache[key] = result
+        return result
+
+    def growth_table(self, cosmology: Cosmology | None = None):
+        """The :class:`~torchpm.cosmology.GrowthTable` of a run (built once per cosmology)."""
+        cosmology = cosmology or self.cosmology
+        a_min = min(1e-3, 0.5 * self.a_start)
+        return self._cached("growth", cosmology, lambda: growth_table(cosmology, a_min=a_min))
+
     def linear_field(self, white_noise: torch.Tensor, cosmology: Cosmology | None = None) -> torch.Tensor:
         """The linear overdensity at ``a = 1`` on the particle grid, ``(B, *n_particles)``."""
         noise = self._check_field(white_noise, "white_noise")
+        cosmology = cosmology or self.cosmology
         kernels = self.kernels("particle")
-        amplitude = power_kernel(kernels, self.box_size, self.power, cosmology or self.cosmology)
+        amplitude = self._cached(
+            "power", cosmology, lambda: power_kernel(kernels, self.box_size, self.power, cosmology)
+        )
         return linear_field(noise, amplitude, self.particle_mesh)
 
     def linear_power(self, k, cosmology: Cosmology | None = None) -> torch.Tensor:
@@ -270,7 +300,7 @@ class Simulation(nn.Module):
         if (white_noise is None) == (linear_field is None):
             raise ValueError("pass exactly one of `white_noise` and `linear_field`")
         cosmology = self.cosmology
-        table = growth_table(cosmology, a_min=min(1e-3, 0.5 * self.a_start))
+        table = self.growth_table(cosmology)
         if linear_field is None:
             delta = self.linear_field(white_noise, cosmology)
         else:
@@ -286,7 +316,7 @@ class Simulation(nn.Module):
 
     def lpt(self, delta: torch.Tensor, table=None):
         """LPT positions and momenta at ``a_start`` in force-mesh cells, each ``(B, N, 3)``."""
-        table = table or growth_table(self.cosmology, a_min=min(1e-3, 0.5 * self.a_start))
+        table = table or self.growth_table()
         psi1, psi2 = lpt_displacements(delta, self.kernels("particle"), self.lpt_order)
         growth = table.at(torch.tensor(self.a_start, dtype=torch.float64))
         q = grid_positions(
