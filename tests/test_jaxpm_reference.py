@@ -121,7 +121,7 @@ def test_nbody_zero_time_returns_lpt(B):
 def test_nbody_follows_linear_growth_at_low_k(B):
     # 16^3 in a 3 Gpc/h box is linear: the displacement's lowest Fourier modes (|n| = 1)
     # grow as D1. This checks the force normalisation (1.5 Omega_m; the B^3 particle mass
-    # for B = 2, without which the growth would be ~3x too small). Expected offsets: the
+    # for B = 2, without which it comes out ~2x too small). Expected offsets: the
     # CIC^2 window weakens the PM force by ~2.5% at |n| = 1 for B = 1 (growth 0.976 D1);
     # lattice discreteness makes B = 2 grow ~1.5% faster. Hence the 3% tolerance.
     box = (3000.0,) * 3
