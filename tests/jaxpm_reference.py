@@ -118,7 +118,10 @@ try:
     import jax
 
     jax.config.update("jax_enable_x64", True)
-    jax.config.update("jax_platforms", "cpu")
+    try:
+        jax.config.update("jax_platforms", "cpu")
+    except Exception:  # backends already initialised by an earlier jax user
+        pass
     import diffrax
     import jax.numpy as jnp
     import jax_cosmo as jc
