@@ -27,7 +27,7 @@ import torch
 
 from .cosmology import Cosmology, GrowthValues
 from .mesh import LocalMesh, as_shape
-from .pm import FourierKernels, gradient_inverse_laplacian
+from .pm import FourierKernels, gradient_inverse_laplacian, multiply_real, stack_products
 
 __all__ = ["white_noise", "linear_field", "lpt_displacements", "lpt_initial_state", "check_finite"]
 
@@ -106,7 +106,7 @@ def linear_field(noise: torch.Tensor, amplitude: torch.Tensor, mesh) -> torch.Te
     Returns:
         ``(B, *local_real_shape)`` dimensionless overdensity ``delta_L``.
     """
-    return mesh.irfftn(mesh.rfftn(noise) * amplitude)
+    return mesh.irfftn(multiply_real(mesh.rfftn(noise), amplitude))
 
 
 def lpt_displacements(delta: torch.Tensor, kernels: FourierKernels, order: int = 2):
@@ -128,11 +128,12 @@ def lpt_displacements(delta: torch.Tensor, kernels: FourierKernels, order: int =
     if order == 1:
         return psi1, None
     # phi_ij = (i g_i)(i g_j)(-1/k^2) delta = G_i G_j * (-L) delta; G_i G_j is real.
-    potential = delta_k * kernels.inverse_laplacian
+    potential = multiply_real(delta_k, kernels.inverse_laplacian_pair, paired=True)
     G = kernels.gradient
     pairs = [(0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2)]
-    # All six second derivatives in one batched inverse transform.
-    hessian = mesh.irfftn(torch.stack([-potential * (G[i] * G[j]) for i, j in pairs], dim=1))
+    # All six second derivatives in one batched inverse transform; the sign goes on
+    # the small (at most 2-d) kernel products, not on the mesh.
+    hessian = mesh.irfftn(stack_products(potential, [-(G[i] * G[j]) for i, j in pairs]))
     xx, yy, zz, xy, xz, yz = hessian.unbind(1)
     source = xx * yy + xx * zz + yy * zz - xy * xy - xz * xz - yz * yz
     psi2 = gradient_inverse_laplacian(mesh.rfftn(source), kernels)

@@ -31,6 +31,8 @@ from .cosmology import GrowthTable
 __all__ = [
     "FourierKernels",
     "gradient_inverse_laplacian",
+    "multiply_real",
+    "stack_products",
     "compute_forces",
     "StepFactors",
     "step_factors",
@@ -106,6 +108,9 @@ class FourierKernels:
                 window = window * torch.sinc(wi / (2.0 * math.pi)) ** 2
             inverse = inverse / window
         self.inverse_laplacian = inverse.to(dtype)
+        # The same, repeated on a last axis of 2 to multiply the real view of a complex
+        # block contiguously (faster than a stride-0 broadcast).
+        self.inverse_laplacian_pair = self.inverse_laplacian.unsqueeze(-1).expand(*inverse.shape, 2).contiguous()
         self.dtype = dtype
 
     def to(self, device) -> "FourierKernels":
@@ -117,7 +122,33 @@ class FourierKernels:
         return self.inverse_laplacian.device
 
 
-def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, scale=None) -> torch.Tensor:
+def multiply_real(field_k: torch.Tensor, kernel, paired: bool = False) -> torch.Tensor:
+    """``field_k * kernel`` for a complex field and a real kernel, without promoting the
+    kernel to a complex copy (the product runs on the real view). ``paired``: the kernel
+    already has a trailing axis of 2 (real and imaginary parts get the same factor)."""
+    kernel = torch.as_tensor(kernel, device=field_k.device)
+    if not paired:
+        kernel = kernel.unsqueeze(-1)
+    return torch.view_as_complex(torch.view_as_real(field_k) * kernel)
+
+
+def stack_products(field_k: torch.Tensor, factors) -> torch.Tensor:
+    """``torch.stack([field_k * f for f in factors], dim=1)``.
+
+    Without autograd the products are written straight into one buffer (no stack copy).
+    """
+    needs_graph = torch.is_grad_enabled() and (
+        field_k.requires_grad or any(isinstance(f, torch.Tensor) and f.requires_grad for f in factors)
+    )
+    if needs_graph:
+        return torch.stack([field_k * f for f in factors], dim=1)
+    out = field_k.new_empty(field_k.shape[0], len(factors), *field_k.shape[1:])
+    for index, factor in enumerate(factors):
+        torch.mul(field_k, factor, out=out[:, index])
+    return out
+
+
+def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, scale=None, gradient=None) -> torch.Tensor:
     """``-grad grad^-2`` of a field given in Fourier space, in real space.
 
     Args:
@@ -125,24 +156,18 @@ def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, s
         kernels: the :class:`FourierKernels` of the mesh.
         scale: optional real factor (tensor broadcastable against ``field_k``, or
             a number) applied to the potential, e.g. a force-correction filter.
+        gradient: optional replacement for ``kernels.gradient`` (e.g. the same
+            kernels times per-axis constants; they are 1-d, so this is free).
 
     Returns:
         ``(B, 3, *local_real_shape)``: component ``i`` is ``-d_i (grad^2)^-1 field``
         in Mpc/h (divide by the cell size for mesh units).
     """
-    # Multiply through the real view: a complex * real product would first promote
-    # the real kernel to a complex copy.
-    kernel = kernels.inverse_laplacian if scale is None else kernels.inverse_laplacian * scale
-    potential = torch.view_as_complex(torch.view_as_real(field_k) * kernel.unsqueeze(-1))
+    potential = multiply_real(field_k, kernels.inverse_laplacian_pair, paired=True)
+    if scale is not None:
+        potential = multiply_real(potential, scale)
     # -d_i grad^-2 = -(i g_i)(-1/k^2) = +(i g_i) / k^2
-    if torch.is_grad_enabled() and (potential.requires_grad or any(g.requires_grad for g in kernels.gradient)):
-        gradient = torch.stack([potential * g for g in kernels.gradient], dim=1)
-    else:
-        # Without autograd, write the 3 components straight into one buffer (no stack copy).
-        gradient = potential.new_empty(potential.shape[0], 3, *potential.shape[1:])
-        for axis, g in enumerate(kernels.gradient):
-            torch.mul(potential, g, out=gradient[:, axis])
-    return kernels.mesh.irfftn(gradient)
+    return kernels.mesh.irfftn(stack_products(potential, gradient or kernels.gradient))
 
 
 def compute_forces(
@@ -170,19 +195,19 @@ def compute_forces(
         ``(B, N, 3)``: ``F_i = 1.5 Omega_m (-d_i grad^-2 delta)(x) / c_i``.
     """
     mesh = kernels.mesh
-    density = mesh.paint(positions)
-    density_k = mesh.rfftn(density)
+    density_k = mesh.rfftn(mesh.paint(positions))
     filter_ = None
     if force_correction is not None:
         a_tensor = torch.as_tensor(a, dtype=kernels.dtype, device=positions.device)
         filter_ = force_correction(kernels.k_magnitude, a_tensor)
-    field = gradient_inverse_laplacian(density_k, kernels, filter_)
-    forces = mesh.readout(field, positions)  # (B, N, 3), all components in one pass
-    # Mesh units (1/c_i), the mean-1 normalisation and 1.5 Omega_m in one small multiply.
-    per_axis = torch.tensor(
-        [particle_mass / c for c in kernels.cell_size], dtype=forces.dtype, device=forces.device
-    )
-    return forces * per_axis * force_scale
+    # Mesh units (1/c_i), the mean-1 normalisation and 1.5 Omega_m go into the 1-d
+    # gradient kernels: no extra pass over the mesh or the particles.
+    if isinstance(force_scale, torch.Tensor):
+        force_scale = force_scale.to(device=positions.device)
+    gradient = [g * (force_scale * (particle_mass / c)) for g, c in zip(kernels.gradient, kernels.cell_size)]
+    gradient = [g.to(kernels.gradient[0].dtype) for g in gradient]
+    field = gradient_inverse_laplacian(density_k, kernels, filter_, gradient)
+    return mesh.readout(field, positions)  # (B, N, 3), the 3 components in one pass
 
 
 class StepFactors(NamedTuple):
