@@ -31,7 +31,7 @@ A0 = 0.1
 
 
 def jax_cosmo_power(k, cosmology):
-    return torch.as_tensor(jaxpm.linear_power(k.detach().cpu().numpy(), PARAMETERS))
+    return torch.tensor(np.array(jaxpm.linear_power(k.detach().cpu().numpy(), PARAMETERS)))
 
 
 def _noise(shape, seed=0):
