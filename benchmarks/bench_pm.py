@@ -208,6 +208,11 @@ def main():
     device = torch.device(arguments.device)
     if arguments.threads:
         torch.set_num_threads(arguments.threads)
+        if arguments.threads == 1:
+            # The same single-thread condition for XLA (read when jax is first imported).
+            os.environ.setdefault(
+                "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+            )
     sizes = arguments.sizes or ([256, 512] if device.type == "cuda" else [64, 128])
     jax_modules = None if arguments.no_jaxpm else import_jaxpm()
     jax_ok = isinstance(jax_modules, tuple)
@@ -223,7 +228,8 @@ def main():
     if not jax_ok:
         print(f"# JaxPM: not run ({jax_modules if jax_modules else 'disabled'})")
     else:
-        print(f"# JaxPM {importlib.metadata.version('jaxpm')}, jax {importlib.metadata.version('jax')}")
+        print(f"# JaxPM {importlib.metadata.version('jaxpm')}, jax {importlib.metadata.version('jax')}, "
+              f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print()
     print("| N^3 | torchpm step [ms] | JaxPM step [ms] | ratio | torchpm 2LPT [ms] | JaxPM 2LPT [ms] | ratio "
           "| torchpm peak [MiB] | JaxPM peak [MiB] |")
