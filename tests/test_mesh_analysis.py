@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-import torchpm
 from torchpm.analysis import correlation_coefficient, cross_power, power_spectrum, transfer_function
 from torchpm.mesh import LocalMesh
 

@@ -1,6 +1,5 @@
 """The whole simulation: gradients, batches, linear growth, devices, bad inputs."""
 
-import math
 
 import pytest
 import torch

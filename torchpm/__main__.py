@@ -34,7 +34,6 @@ A TOML config may set any of these keys (units as in :class:`torchpm.Simulation`
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
