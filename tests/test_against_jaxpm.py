@@ -8,7 +8,7 @@ is compared with jax_cosmo's separately. torchpm runs in float32 (its default).
 * linear field and LPT: painted fields rtol 1e-4 / atol 1e-3, P(k) mean squared relative
   error (MSRE) below 1e-4;
 * N-body: 10 FastPM steps (linear in a) against JaxPM's converged ODE solution
-  (Dopri5, rtol = atol = 1e-6), P(k) MSRE below 1e-3.
+  (Dopri5, rtol = atol = 1e-6), P(k) MSRE below 1e-3; 40 steps at least 10x closer.
 
 The errors reached are printed (run pytest with -s). The slowest JaxPM solves are
 marked `slow`.
@@ -144,3 +144,11 @@ def test_nbody_10_fastpm_steps_against_converged_ode(grid, mesh_factor, order):
     )
     assert msre < 1e-3
     assert float((1 - r).max()) < 1e-2
+    # The remaining difference is the time step of the 10-step run: with 40 steps the
+    # same comparison improves by more than 10x (the scheme converges to JaxPM's ODE).
+    fine = _simulation(grid, mesh_factor, steps=40, order=order)
+    with torch.no_grad():
+        fine_field = fine.force_mesh.paint(fine(torch.tensor(noise)[None], return_mesh_units=True).positions)[0]
+    msre_fine = _msre(fine_field.double(), theirs_field, box)
+    print(f"  40 FastPM steps: P(k) MSRE = {msre_fine:.2e}")
+    assert msre_fine < msre / 10
