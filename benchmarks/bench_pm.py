@@ -11,9 +11,10 @@ Usage::
 Particles = mesh cells (mesh factor 1), float32, Planck15, a from 0.1. A "step" is one
 kick-drift-kick with one force evaluation (paint, rfftn, kernels, 3 irfftn, 3-channel
 readout). Times are medians of ``--repeats`` runs after a warm-up; CUDA times are taken
-after ``torch.cuda.synchronize``. Peak memory: CUDA ``max_memory_allocated`` above the
-baseline; on the CPU the peak resident set size above the baseline, sampled every
-0.5 ms by a thread (so it includes allocator caching, for both codes).
+after ``torch.cuda.synchronize``. Peak memory of one step, measured in a fresh child
+process: CUDA ``max_memory_allocated`` above the baseline; on the CPU the peak resident
+set size above the baseline, sampled every 0.5 ms by a thread, with glibc's mmap
+threshold fixed so that freed blocks leave the resident set (for both codes).
 
 JaxPM 0.1.6 has no FastPM integrator: its "step" here is the same kick-drift-kick
 written with ``jaxpm.pm.pm_forces`` (one force evaluation) under ``jax.jit``, on float32
@@ -95,7 +96,7 @@ def timed(function, device, repeats, warmup=1):
     return statistics.median(times), result
 
 
-def bench_torchpm(n, device, repeats):
+def bench_torchpm(n, device, repeats, memory_only=False):
     sim = torchpm.Simulation(n_particles=n, box_size=float(2 * n), mesh_factor=1, a_start=0.1, steps=10).to(device)
     noise = sim.white_noise(seed=0)
     out = {}
@@ -108,9 +109,11 @@ def bench_torchpm(n, device, repeats):
         def step():
             return kick_drift_kick(x, p, force, factor, sim.forces)
 
-        with PeakMemory(device) as memory:
-            out["step"], _ = timed(step, device, repeats)
-        out["memory"] = memory.peak
+        out["step"], _ = timed(step, device, repeats)
+        if memory_only:
+            with PeakMemory(device) as memory:
+                step()
+            return {"memory": memory.peak}
         # Breakdown of one force evaluation, each part on its own.
         mesh, kernels = sim.force_mesh, sim.kernels("force")
         out["paint"], density = timed(lambda: mesh.paint(x), device, repeats)
@@ -130,7 +133,7 @@ def import_jaxpm():
     """(jax, jnp, jaxpm.pm, jax_cosmo) or a reason string."""
     try:
         try:
-            import pkg_resources  # noqa: F401
+            import pkg_resources  # noqa: F401 (only probing for it)
         except ImportError:
             # jax-cosmo 0.1.0 imports pkg_resources only to read its own version.
             import types
@@ -149,7 +152,7 @@ def import_jaxpm():
         return f"{type(error).__name__}: {error}"
 
 
-def bench_jaxpm(n, modules, repeats, factor):
+def bench_jaxpm(n, modules, repeats, factor, memory_only=False):
     jax, jnp, jpm, jc = modules
     shape = (n, n, n)
     box = (float(2 * n),) * 3
@@ -186,24 +189,42 @@ def bench_jaxpm(n, modules, repeats, factor):
         return x, p + f * second, f
 
     f0 = jpm.pm_forces(x, mesh_shape=shape) * scale
-    with PeakMemory("cpu") as memory:
-        out["step"], _ = timed(lambda: jax.block_until_ready(step(x, p, f0)), "cpu", repeats)
-    out["memory"] = memory.peak
+    out["step"], _ = timed(lambda: jax.block_until_ready(step(x, p, f0)), "cpu", repeats)
+    if memory_only:
+        with PeakMemory("cpu") as memory:
+            jax.block_until_ready(step(x, p, f0))
+        return {"memory": memory.peak}
     return out
 
 
+def peak_memory(code, n, device, threads):
+    """Peak memory (bytes) of one step of ``code`` at ``n^3``, measured in a fresh process.
+
+    On the CPU the child runs with a fixed glibc mmap threshold, so that every large block
+    goes back to the system when freed and the sampled resident set size follows live
+    memory. (Timings are taken here, without it: fresh mmaps add page faults.)
+    """
+    import json
+    import subprocess
+
+    environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    command = [sys.executable, os.path.abspath(__file__), "--memory-child", code, "--sizes", str(n),
+               "--device", str(device), "--threads", str(threads), "--repeats", "1"]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True)
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])["memory"]
+    except (IndexError, ValueError, KeyError):
+        return float("nan")
+
+
 def main():
-    # A fixed mmap threshold makes glibc return every large block to the system when it is
-    # freed, so the sampled resident set size follows live memory (CPU peak memory).
-    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-        os.execve(sys.executable, [sys.executable, *sys.argv], environment)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="particles (= mesh) per side")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: default)")
     parser.add_argument("--no-jaxpm", action="store_true")
+    parser.add_argument("--memory-child", choices=["torchpm", "jaxpm"], help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     device = torch.device(arguments.device)
     if arguments.threads:
@@ -214,6 +235,17 @@ def main():
                 "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
             )
     sizes = arguments.sizes or ([256, 512] if device.type == "cuda" else [64, 128])
+    if arguments.memory_child:
+        import json
+
+        n = arguments.sizes[0]
+        if arguments.memory_child == "torchpm":
+            print(json.dumps(bench_torchpm(n, device, 1, memory_only=True)))
+        else:
+            table = torchpm.cosmology.growth_table(torchpm.Planck15())
+            factor = step_factors(table, torch.tensor([0.1, 0.19], dtype=torch.float64))[0]
+            print(json.dumps(bench_jaxpm(n, import_jaxpm(), 1, factor, memory_only=True)))
+        return
     jax_modules = None if arguments.no_jaxpm else import_jaxpm()
     jax_ok = isinstance(jax_modules, tuple)
     if jax_ok:
@@ -237,6 +269,7 @@ def main():
     breakdowns = []
     for n in sizes:
         ours = bench_torchpm(n, device, arguments.repeats)
+        ours["memory"] = peak_memory("torchpm", n, device, torch.get_num_threads())
         breakdowns.append((n, ours))
         theirs = None
         if jax_ok:
@@ -244,6 +277,7 @@ def main():
             factor = step_factors(table, torch.tensor([0.1, 0.19], dtype=torch.float64))[0]
             try:
                 theirs = bench_jaxpm(n, jax_modules, arguments.repeats, factor)
+                theirs["memory"] = peak_memory("jaxpm", n, device, torch.get_num_threads())
             except Exception as error:  # report and go on with torchpm's numbers
                 print(f"# JaxPM failed at {n}^3: {type(error).__name__}: {error}")
 
