@@ -30,6 +30,7 @@ assuming the axis order of the complex tensor.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 import torch
@@ -43,7 +44,7 @@ def as_shape(value, name: str) -> tuple[int, int, int]:
     """``value`` (int or 3 ints) as a 3-tuple of positive ints, or a ValueError naming ``name``."""
     if isinstance(value, bool):
         raise ValueError(f"`{name}` must be a positive integer or 3 positive integers, got {value!r}")
-    if isinstance(value, (int,)) or (isinstance(value, float) and float(value).is_integer()):
+    if isinstance(value, numbers.Integral) or (isinstance(value, numbers.Real) and float(value).is_integer()):
         value = (int(value),) * 3
     try:
         items = list(value)

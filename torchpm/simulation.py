@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -42,7 +43,7 @@ class SimulationState(NamedTuple):
 def _box(box_size) -> tuple[float, float, float]:
     if isinstance(box_size, bool):
         raise ValueError(f"`box_size` must be a positive number or 3 positive numbers, got {box_size!r}")
-    if isinstance(box_size, (int, float)):
+    if isinstance(box_size, numbers.Real):
         box_size = (box_size,) * 3
     try:
         box = tuple(float(b) for b in box_size)
@@ -59,7 +60,7 @@ def _scale_factors(a_start, steps, a_end) -> list[float]:
         raise ValueError(f"`a_start` must be in (0, 1], got {a_start}")
     if isinstance(steps, bool):
         raise ValueError(f"`steps` must be a number of steps or a list of scale factors, got {steps!r}")
-    if isinstance(steps, int) or (isinstance(steps, float) and steps.is_integer()):
+    if isinstance(steps, numbers.Integral) or (isinstance(steps, numbers.Real) and float(steps).is_integer()):
         steps = int(steps)
         if steps < 0:
             raise ValueError(f"`steps` must not be negative, got {steps}")
