@@ -45,7 +45,7 @@ def _simulation(grid, mesh_factor=1, steps=0, order=2, power=jax_cosmo_power):
 
 def _msre(ours, theirs, box):
     ours_p = power_spectrum(torch.as_tensor(ours, dtype=torch.float64), box)
-    theirs_p = power_spectrum(torch.as_tensor(theirs, dtype=torch.float64), box)
+    theirs_p = power_spectrum(torch.tensor(np.array(theirs), dtype=torch.float64), box)
     return float(((ours_p.power / theirs_p.power - 1) ** 2).mean())
 
 
