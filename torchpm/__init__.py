@@ -15,6 +15,11 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
 from . import ops  # noqa: E402
 from .ops import cic_paint, cic_readout  # noqa: E402
 
+from . import analysis, cosmology, ic, mesh, pm  # noqa: E402
+from .cosmology import Cosmology, Planck15, Planck18, PowerTable, linear_power  # noqa: E402
+from .mesh import LocalMesh  # noqa: E402
+from .simulation import Simulation, SimulationState  # noqa: E402
+
 __version__ = "0.1.0"
 
 
@@ -23,4 +28,22 @@ def has_cuda_kernels() -> bool:
     return bool(torch.ops.torchpm._cuda_kernels_built())
 
 
-__all__ = ["cic_paint", "cic_readout", "has_cuda_kernels", "ops"]
+__all__ = [
+    "cic_paint",
+    "cic_readout",
+    "has_cuda_kernels",
+    "ops",
+    "analysis",
+    "cosmology",
+    "ic",
+    "mesh",
+    "pm",
+    "Cosmology",
+    "Planck15",
+    "Planck18",
+    "PowerTable",
+    "linear_power",
+    "LocalMesh",
+    "Simulation",
+    "SimulationState",
+]

@@ -1,0 +1,310 @@
+"""Benchmark of the PM simulation: time per FastPM step, 2LPT time, peak memory, and
+where a step's time goes (paint, FFTs, Fourier kernels, readout), next to JaxPM run in
+the same process on the same device when it is importable.
+
+Usage::
+
+    python benchmarks/bench_pm.py                      # CPU: 64^3 and 128^3
+    python benchmarks/bench_pm.py --device cuda --sizes 256 512
+    python benchmarks/bench_pm.py --no-jaxpm --threads 2
+
+Particles = mesh cells (mesh factor 1), float32, Planck15, a from 0.1. A "step" is one
+kick-drift-kick with one force evaluation (paint, rfftn, kernels, 3 irfftn, 3-channel
+readout). Times are medians of ``--repeats`` runs after a warm-up; CUDA times are taken
+after ``torch.cuda.synchronize``. Peak memory of one step, measured in a fresh child
+process: CUDA ``max_memory_allocated`` above the baseline; on the CPU the peak resident
+set size above the baseline, sampled every 0.5 ms by a thread, with glibc's mmap
+threshold fixed so that freed blocks leave the resident set (for both codes).
+
+JaxPM 0.1.6 has no FastPM integrator: its "step" here is the same kick-drift-kick
+written with ``jaxpm.pm.pm_forces`` (one force evaluation) under ``jax.jit``, on float32
+arrays; its 2LPT is ``jaxpm.pm.lpt(order=2)`` under ``jax.jit`` (it integrates its
+growth table inside the call, while torchpm's growth table is built once per cosmology).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torchpm  # noqa: E402
+from torchpm.pm import kick_drift_kick, multiply_real, stack_products, step_factors  # noqa: E402
+
+
+class PeakMemory:
+    """Peak memory above the baseline (bytes) over a ``with`` block."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.peak = 0
+
+    def _rss(self):
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self._max = max(self._max, self._rss())
+            time.sleep(0.0005)
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._base = self._max = self._rss()
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self._max, self._rss()) - self._base
+        return False
+
+
+def timed(function, device, repeats, warmup=1):
+    """Median wall time (s) of ``function()`` over ``repeats`` runs after ``warmup``."""
+    sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+    result = None
+    for _ in range(warmup):
+        result = function()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = function()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def bench_torchpm(n, device, repeats, memory_only=False):
+    sim = torchpm.Simulation(n_particles=n, box_size=float(2 * n), mesh_factor=1, a_start=0.1, steps=10).to(device)
+    noise = sim.white_noise(seed=0)
+    out = {}
+    with torch.no_grad():
+        out["lpt"], (x, p) = timed(lambda: sim.lpt(sim.linear_field(noise)), device, repeats)
+        table = sim.growth_table()
+        factor = step_factors(table, torch.tensor([0.1, 0.19], dtype=torch.float64))[0]
+        force = sim.forces(x, factor.a_start)
+
+        def step():
+            return kick_drift_kick(x, p, force, factor, sim.forces)
+
+        out["step"], _ = timed(step, device, repeats)
+        if memory_only:
+            with PeakMemory(device) as memory:
+                step()
+            return {"memory": memory.peak}
+        # Breakdown of one force evaluation, each part on its own.
+        mesh, kernels = sim.force_mesh, sim.kernels("force")
+        out["paint"], density = timed(lambda: mesh.paint(x), device, repeats)
+        out["rfftn"], density_k = timed(lambda: mesh.rfftn(density), device, repeats)
+
+        def apply_kernels():
+            potential = multiply_real(density_k, kernels.inverse_laplacian_pair, paired=True)
+            return stack_products(potential, kernels.gradient)
+
+        out["kernels"], gradient = timed(apply_kernels, device, repeats)
+        out["irfftn x3"], field = timed(lambda: mesh.irfftn(gradient), device, repeats)
+        out["readout x3"], _ = timed(lambda: mesh.readout(field, x), device, repeats)
+    return out
+
+
+def import_jaxpm():
+    """(jax, jnp, jaxpm.pm, jax_cosmo) or a reason string."""
+    try:
+        try:
+            import pkg_resources  # noqa: F401 (only probing for it)
+        except ImportError:
+            # jax-cosmo 0.1.0 imports pkg_resources only to read its own version.
+            import types
+
+            shim = types.ModuleType("pkg_resources")
+            shim.DistributionNotFound = type("DistributionNotFound", (Exception,), {})
+            shim.get_distribution = lambda name: types.SimpleNamespace(version=importlib.metadata.version(name))
+            sys.modules["pkg_resources"] = shim
+        import jax
+        import jax.numpy as jnp
+        import jax_cosmo
+        import jaxpm.pm as jpm
+
+        return jax, jnp, jpm, jax_cosmo
+    except Exception as error:  # ImportError or a broken jax install
+        return f"{type(error).__name__}: {error}"
+
+
+def bench_jaxpm(n, modules, repeats, factor, memory_only=False):
+    jax, jnp, jpm, jc = modules
+    shape = (n, n, n)
+    box = (float(2 * n),) * 3
+    cosmology = jc.Planck15()
+    grid = jnp.stack(jnp.meshgrid(*[jnp.arange(s, dtype=jnp.float32) for s in shape], indexing="ij"), axis=-1)
+    k = jnp.logspace(-4, 1, 256)
+    pk = jc.power.linear_matter_power(cosmology, k)
+
+    def power(x):
+        return jnp.interp(x.reshape(-1), k, pk).reshape(x.shape).astype(jnp.float32)
+
+    delta = jpm.linear_field(shape, box, power, seed=jax.random.PRNGKey(0)).astype(jnp.float32)
+    cosmology = jc.Planck15()  # fresh growth cache for JaxPM's own tables
+
+    @jax.jit
+    def lpt(delta):
+        dx, p, f = jpm.lpt(cosmology, delta, particles=grid, a=0.1, order=2)
+        return grid + dx, p, f
+
+    def run_lpt():
+        return jax.block_until_ready(lpt(delta))
+
+    out = {}
+    out["lpt"], (x, p, f) = timed(run_lpt, "cpu", repeats)
+    x, p = x.astype(jnp.float32), p.astype(jnp.float32)
+    first, drift, second = (float(v) for v in (factor.first_kick, factor.drift, factor.second_kick))
+    scale = float(1.5 * (cosmology.Omega_c + cosmology.Omega_b))
+
+    @jax.jit
+    def step(x, p, f):
+        p = p + f * first
+        x = x + p * drift
+        f = jpm.pm_forces(x, mesh_shape=shape) * scale
+        return x, p + f * second, f
+
+    f0 = jpm.pm_forces(x, mesh_shape=shape) * scale
+    out["step"], _ = timed(lambda: jax.block_until_ready(step(x, p, f0)), "cpu", repeats)
+    if memory_only:
+        with PeakMemory("cpu") as memory:
+            jax.block_until_ready(step(x, p, f0))
+        return {"memory": memory.peak}
+    return out
+
+
+def peak_memory(code, n, device, threads):
+    """Peak memory (bytes) of one step of ``code`` at ``n^3``, measured in a fresh process.
+
+    On the CPU the child runs with a fixed glibc mmap threshold, so that every large block
+    goes back to the system when freed and the sampled resident set size follows live
+    memory. (Timings are taken here, without it: fresh mmaps add page faults.)
+    """
+    import json
+    import subprocess
+
+    environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    command = [sys.executable, os.path.abspath(__file__), "--memory-child", code, "--sizes", str(n),
+               "--device", str(device), "--threads", str(threads), "--repeats", "1"]
+    result = subprocess.run(command, env=environment, capture_output=True, text=True)
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])["memory"]
+    except (IndexError, ValueError, KeyError):
+        return float("nan")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="particles (= mesh) per side")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: default)")
+    parser.add_argument("--no-jaxpm", action="store_true")
+    parser.add_argument("--memory-child", choices=["torchpm", "jaxpm"], help=argparse.SUPPRESS)
+    arguments = parser.parse_args()
+    device = torch.device(arguments.device)
+    if arguments.threads:
+        torch.set_num_threads(arguments.threads)
+        if arguments.threads == 1:
+            # The same single-thread condition for XLA (read when jax is first imported).
+            os.environ.setdefault(
+                "XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+            )
+    sizes = arguments.sizes or ([256, 512] if device.type == "cuda" else [64, 128])
+    if arguments.memory_child:
+        import json
+
+        n = arguments.sizes[0]
+        if arguments.memory_child == "torchpm":
+            print(json.dumps(bench_torchpm(n, device, 1, memory_only=True)))
+        else:
+            table = torchpm.cosmology.growth_table(torchpm.Planck15())
+            factor = step_factors(table, torch.tensor([0.1, 0.19], dtype=torch.float64))[0]
+            print(json.dumps(bench_jaxpm(n, import_jaxpm(), 1, factor, memory_only=True)))
+        return
+    jax_modules = None if arguments.no_jaxpm else import_jaxpm()
+    jax_ok = isinstance(jax_modules, tuple)
+    if jax_ok:
+        jax_devices = {d.platform for d in jax_modules[0].devices()}
+        if (device.type == "cuda") != ("gpu" in jax_devices or "cuda" in jax_devices):
+            jax_ok, jax_modules = False, f"JaxPM would run on {sorted(jax_devices)}, not on {device.type}"
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    print(f"# torchpm PM benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"# device: {device} ({name}), torch {torch.__version__}, {torch.get_num_threads()} threads, float32")
+    print(f"# command: python {' '.join(sys.argv)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    if not jax_ok:
+        print(f"# JaxPM: not run ({jax_modules if jax_modules else 'disabled'})")
+    else:
+        print(f"# JaxPM {importlib.metadata.version('jaxpm')}, jax {importlib.metadata.version('jax')}, "
+              f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print()
+    print("| N^3 | torchpm step [ms] | JaxPM step [ms] | ratio | torchpm 2LPT [ms] | JaxPM 2LPT [ms] | ratio "
+          "| torchpm peak [MiB] | JaxPM peak [MiB] |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    breakdowns = []
+    for n in sizes:
+        ours = bench_torchpm(n, device, arguments.repeats)
+        ours["memory"] = peak_memory("torchpm", n, device, torch.get_num_threads())
+        breakdowns.append((n, ours))
+        theirs = None
+        if jax_ok:
+            table = torchpm.cosmology.growth_table(torchpm.Planck15())
+            factor = step_factors(table, torch.tensor([0.1, 0.19], dtype=torch.float64))[0]
+            try:
+                theirs = bench_jaxpm(n, jax_modules, arguments.repeats, factor)
+                theirs["memory"] = peak_memory("jaxpm", n, device, torch.get_num_threads())
+            except Exception as error:  # report and go on with torchpm's numbers
+                print(f"# JaxPM failed at {n}^3: {type(error).__name__}: {error}")
+
+        def cell(key, scale=1e3):
+            return f"{theirs[key] * scale:.1f}" if theirs else "-"  # memory: MiB
+
+        def ratio(key):
+            return f"{theirs[key] / ours[key]:.2f}x" if theirs else "-"
+
+        print(
+            f"| {n} | {ours['step'] * 1e3:.1f} | {cell('step')} | {ratio('step')} | {ours['lpt'] * 1e3:.1f} | "
+            f"{cell('lpt')} | {ratio('lpt')} | {ours['memory'] / 2**20:.0f} | "
+            f"{cell('memory', 2.0**-20)} |",
+            flush=True,
+        )
+    print()
+    print("ratio = JaxPM time / torchpm time (above 1: torchpm faster).")
+    print()
+    print("torchpm step breakdown (each part timed alone, ms):")
+    print()
+    parts = ["paint", "rfftn", "kernels", "irfftn x3", "readout x3"]
+    print("| N^3 | " + " | ".join(parts) + " | sum | step |")
+    print("|---" * (len(parts) + 3) + "|")
+    for n, ours in breakdowns:
+        values = [ours[p] * 1e3 for p in parts]
+        print(f"| {n} | " + " | ".join(f"{v:.1f}" for v in values) + f" | {sum(values):.1f} | {ours['step'] * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

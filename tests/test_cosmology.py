@@ -1,0 +1,248 @@
+"""Background, growth and linear power against independent codes and exact identities.
+
+Independent references: astropy (E(a)), colossus (D1, f1, Eisenstein & Hu T(k) and the
+sigma8-normalised P(k)), and scipy's adaptive ODE solver on the growth equations written
+in ``a`` (D2, f2), none of which share code with torchpm.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import torchpm
+from torchpm.cosmology import (
+    PowerTable,
+    eisenstein_hu_transfer,
+    growth_table,
+    linear_power,
+    sigma_r,
+)
+
+A_VALUES = np.array([0.02, 0.05, 0.1, 0.25, 0.5, 0.8, 1.0])
+COSMOLOGIES = {
+    "planck15": dict(Omega_c=0.2589, Omega_b=0.0486, h=0.6774, n_s=0.9667, sigma8=0.8159),
+    "w0wa_curved": dict(Omega_c=0.25, Omega_b=0.05, h=0.7, n_s=0.96, sigma8=0.8, Omega_k=0.03, w0=-0.9, wa=0.2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COSMOLOGIES))
+def test_E_matches_astropy(name):
+    astropy_cosmology = pytest.importorskip("astropy.cosmology")
+    params = COSMOLOGIES[name]
+    cosmology = torchpm.Cosmology(**params)
+    om = params["Omega_c"] + params["Omega_b"]
+    ok = params.get("Omega_k", 0.0)
+    # Tcmb0 = 0: no radiation, as in the FastPM background.
+    reference = astropy_cosmology.w0waCDM(
+        H0=100 * params["h"], Om0=om, Ode0=1 - om - ok, w0=params.get("w0", -1.0), wa=params.get("wa", 0.0), Tcmb0=0
+    )
+    ours = cosmology.E(A_VALUES).numpy()
+    np.testing.assert_allclose(ours, reference.efunc(1 / A_VALUES - 1), rtol=1e-6)
+    np.testing.assert_allclose(cosmology.Omega_m_a(A_VALUES).numpy(), reference.Om(1 / A_VALUES - 1), rtol=1e-6)
+
+
+def _colossus(params):
+    colossus = pytest.importorskip("colossus.cosmology.cosmology")
+    return colossus.setCosmology(
+        "torchpm-test",
+        params=dict(
+            flat=True, H0=100 * params["h"], Om0=params["Omega_c"] + params["Omega_b"], Ob0=params["Omega_b"],
+            sigma8=params["sigma8"], ns=params["n_s"], relspecies=False, Tcmb0=2.7255,
+        ),
+    )
+
+
+def test_D1_f1_match_colossus():
+    params = COSMOLOGIES["planck15"]
+    reference = _colossus(params)
+    z = 1 / A_VALUES - 1
+    D = reference.growthFactor(z)
+    # f = dlnD/dlna = -(1 + z) dlnD/dz
+    f = -(1 + z) * reference.growthFactor(z, derivative=1) / D
+    growth = torchpm.Cosmology(**params).growth(A_VALUES)
+    np.testing.assert_allclose(growth.D1.numpy(), D, rtol=1e-4)
+    # colossus's derivative comes from a spline of D(z), good to a few 1e-4.
+    np.testing.assert_allclose(growth.f1.numpy(), f, rtol=1e-3)
+
+
+def _scipy_growth(params, a_values):
+    """D1, D2, f1, f2 from scipy's solve_ivp on the ODEs in `a` (DESIGN.md form)."""
+    integrate = pytest.importorskip("scipy.integrate")
+    om, ok = params["Omega_c"] + params["Omega_b"], params.get("Omega_k", 0.0)
+    w0, wa = params.get("w0", -1.0), params.get("wa", 0.0)
+    ode = 1 - om - ok
+
+    def e2(a):
+        return om * a**-3 + ok * a**-2 + ode * a ** (-3 * (1 + w0 + wa)) * math.exp(3 * wa * (a - 1))
+
+    def dlne_dlna(a, step=1e-6):
+        return (math.log(e2(a * (1 + step))) - math.log(e2(a * (1 - step)))) / (4 * step)
+
+    def rhs(a, y):
+        d1, v1, d2, v2 = y
+        q = (3 + dlne_dlna(a)) / a
+        r = 1.5 * om * a**-3 / e2(a) / a**2
+        return [v1, -q * v1 + r * d1, v2, -q * v2 + r * (d2 - d1 * d1)]
+
+    a0 = 1e-4
+    solution = integrate.solve_ivp(
+        rhs, (a0, 1.0), [a0, 1.0, -3 / 7 * a0**2, -6 / 7 * a0], t_eval=a_values,
+        rtol=1e-11, atol=1e-15, method="DOP853",
+    )
+    d1, v1, d2, v2 = solution.y
+    a = solution.t
+    assert a[-1] == 1.0
+    return d1 / d1[-1], d2 / d2[-1], a * v1 / d1, a * v2 / d2
+
+
+@pytest.mark.parametrize("name", sorted(COSMOLOGIES))
+def test_growth_matches_scipy_integration(name):
+    params = COSMOLOGIES[name]
+    D1, D2, f1, f2 = _scipy_growth(params, A_VALUES)
+    growth = torchpm.Cosmology(**params).growth(A_VALUES)
+    errors = {
+        key: float(np.max(np.abs(getattr(growth, key).numpy() / value - 1)))
+        for key, value in dict(D1=D1, D2=D2, f1=f1, f2=f2).items()
+    }
+    print(f"growth vs scipy ({name}): max relative errors {errors}")
+    assert max(errors.values()) < 1e-4, errors
+
+
+def test_fastpm_time_functions_are_consistent():
+    cosmology = torchpm.Planck15()
+    a = torch.tensor([0.1, 0.3, 0.7], dtype=torch.float64)
+    g = cosmology.growth(a)
+    step = 1e-5
+    # Differences of a finer table, so the table's own interpolation error stays small.
+    fine = growth_table(cosmology, steps=2048)
+    plus, minus = fine.at(a * (1 + step)), fine.at(a * (1 - step))
+    # gp = dD1/da and gf = dGf/da by central differences of D1 and Gf.
+    torch.testing.assert_close(g.gp, (plus.D1 - minus.D1) / (2 * step * a), rtol=1e-5, atol=0)
+    torch.testing.assert_close(g.gf, (plus.Gf - minus.Gf) / (2 * step * a), rtol=1e-5, atol=0)
+    torch.testing.assert_close(g.Gf, a**3 * g.E * g.gp)
+    # Matter domination: D2 -> D1^2 (both normalised at a=1 though), f1 -> 1, f2 -> 2.
+    early = cosmology.growth(torch.tensor([2e-3], dtype=torch.float64))
+    assert abs(float(early.f1) - 1) < 1e-3 and abs(float(early.f2) - 2) < 2e-3
+
+
+def test_growth_is_differentiable_in_omega_c():
+    omega_c = torch.tensor(0.26, dtype=torch.float64, requires_grad=True)
+
+    def d1(oc):
+        return torchpm.Planck15(Omega_c=oc).growth(torch.tensor(0.2, dtype=torch.float64)).D1
+
+    (grad,) = torch.autograd.grad(d1(omega_c), omega_c)
+    h = 1e-5
+    numeric = (d1(torch.tensor(0.26 + h, dtype=torch.float64)) - d1(torch.tensor(0.26 - h, dtype=torch.float64))) / (2 * h)
+    assert abs(float(grad) - float(numeric)) < 1e-6 * max(1.0, abs(float(numeric)))
+    assert float(grad) != 0.0
+
+
+@pytest.mark.parametrize("wiggles,model", [(True, "eisenstein98"), (False, "eisenstein98_zb")])
+def test_eisenstein_hu_matches_colossus(wiggles, model):
+    params = COSMOLOGIES["planck15"]
+    reference = _colossus(params)
+    power_spectrum = pytest.importorskip("colossus.cosmology.power_spectrum")
+    k = np.logspace(-4, 1.5, 300)
+    om = params["Omega_c"] + params["Omega_b"]
+    model_function = power_spectrum.modelEisenstein98 if wiggles else power_spectrum.modelEisenstein98ZeroBaryon
+    transfer = model_function(k, params["h"], om, params["Omega_b"], 2.7255)
+    cosmology = torchpm.Cosmology(**params)
+    ours_t = eisenstein_hu_transfer(torch.tensor(k), cosmology, wiggles=wiggles).numpy()
+    ours_p = linear_power(torch.tensor(k), cosmology, wiggles=wiggles).numpy()
+    reference_p = reference.matterPowerSpectrum(k, z=0, model=model)
+    t_error = np.max(np.abs(ours_t / transfer - 1))
+    p_error = np.max(np.abs(ours_p / reference_p - 1))
+    print(f"EH {model}: max rel. error T(k) {t_error:.2e}, P(k) {p_error:.2e}")
+    assert t_error < 1e-5
+    assert p_error < 5e-3
+
+
+def test_sigma8_normalisation_and_gradient():
+    sigma8 = torch.tensor(0.8, dtype=torch.float64, requires_grad=True)
+    cosmology = torchpm.Planck15(sigma8=sigma8)
+    measured = sigma_r(lambda k: linear_power(k, cosmology), 8.0)
+    assert abs(float(measured.detach()) - 0.8) < 1e-10
+    k = torch.tensor([0.01, 0.1, 1.0], dtype=torch.float64)
+    power = linear_power(k, cosmology)
+    (grad,) = torch.autograd.grad(power.sum(), sigma8)
+    # P is proportional to sigma8^2: dP/dsigma8 = 2 P / sigma8.
+    total = float(power.detach().sum())
+    assert abs(float(grad) - 2 * total / 0.8) < 1e-9 * total
+
+
+def test_presets():
+    p15, p18 = torchpm.Planck15(), torchpm.Planck18()
+    assert float(p15.Omega_c) == pytest.approx(0.2589) and float(p15.sigma8) == pytest.approx(0.8159)
+    assert float(p18.Omega_m) == pytest.approx(0.3111, abs=2e-3) and float(p18.h) == pytest.approx(0.6766)
+    assert float(torchpm.Planck15(sigma8=0.9).sigma8) == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(Omega_c=-0.1), "Omega_c"),
+        (dict(h=0.0), "`h`"),
+        (dict(sigma8=float("nan")), "sigma8"),
+        (dict(Omega_c=0.9, Omega_b=0.2), "dark-energy"),
+        (dict(n_s=torch.ones(2)), "n_s"),
+    ],
+)
+def test_bad_cosmology_raises(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        torchpm.Planck15(**overrides)
+
+
+def test_power_table_round_trip(tmp_path):
+    cosmology = torchpm.Planck15()
+    k = np.logspace(-4, 1, 2000)
+    p = linear_power(torch.tensor(k), cosmology).numpy()
+    path = tmp_path / "pk.txt"
+    np.savetxt(path, np.column_stack([k, p]), header="k [h/Mpc]  P [(Mpc/h)^3]")
+    table = PowerTable(path)
+    k_test = torch.tensor([2e-3, 0.05, 0.3, 2.0], dtype=torch.float64)
+    # log-log interpolation on a 400-per-decade grid: well below 1e-4.
+    torch.testing.assert_close(table(k_test), linear_power(k_test, cosmology), rtol=1e-4, atol=0)
+    # a simulation accepts it and reproduces the analytic linear field
+    noise = torch.randn(1, 8, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    sims = [
+        torchpm.Simulation(8, 64.0, steps=0, power_spectrum=spectrum, dtype=torch.float64)
+        for spectrum in (str(path), "eisenstein_hu")
+    ]
+    from_table, analytic = sims[0].linear_field(noise), sims[1].linear_field(noise)
+    assert float((from_table - analytic).abs().max()) < 2e-4 * float(analytic.abs().max())
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        ("0.1 1.0 3.0\n0.2 2.0 1.0\n", "2 columns"),
+        ("0.1 abc\n0.2 2.0\n", "not two numbers"),
+        ("0.2 1.0\n0.1 2.0\n", "increasing"),
+        ("0.1 -1.0\n0.2 2.0\n", "positive"),
+        ("0.1 1.0\n", "at least 2 rows"),
+    ],
+)
+def test_power_table_malformed(tmp_path, content, match):
+    path = tmp_path / "bad.txt"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        PowerTable(path)
+
+
+def test_power_table_must_cover_the_mesh(tmp_path):
+    path = tmp_path / "short.txt"
+    np.savetxt(path, np.column_stack([[0.01, 0.1], [1e4, 1e3]]))
+    # 64 Mpc/h box with 8 particles: k from 0.098 to 0.68 h/Mpc, beyond the table.
+    with pytest.raises(ValueError, match="covers k in"):
+        torchpm.Simulation(8, 64.0, steps=0, power_spectrum=str(path))
+    with pytest.raises(ValueError, match="not found"):
+        PowerTable(tmp_path / "missing.txt")
+
+
+def test_growth_table_range_error():
+    table = growth_table(torchpm.Planck15(), a_min=0.05)
+    with pytest.raises(ValueError, match="outside the table"):
+        table.at(torch.tensor([0.01], dtype=torch.float64))

@@ -1,0 +1,535 @@
+"""Background cosmology, linear growth and linear power, differentiable in the parameters.
+
+Units: ``H0 = 1`` (times are in 1/H0), lengths in Mpc/h, wavenumbers in h/Mpc,
+power in (Mpc/h)^3. Everything is float64 torch, so gradients flow from any
+result into the parameters of :class:`Cosmology` (which are tensors).
+
+Background (radiation neglected, as in the FastPM scheme)::
+
+    E(a)^2 = Om a^-3 + Ok a^-2 + Ode a^(-3(1 + w0 + wa)) exp(3 wa (a - 1)),  Ode = 1 - Om - Ok
+
+Growth (``' = d/da``; integrated here in ``ln a`` with fixed-step RK4)::
+
+    D1'' = -Q D1' + R D1,   D2'' = -Q D2' + R (D2 - D1^2),
+    Q = (3 + dlnE/dlna) / a,  R = 1.5 Om(a) / a^2,
+
+started deep in matter domination with ``D1 = a``, ``D2 = -3/7 a^2`` and
+rescaled so that both equal 1 at ``a = 1``. FastPM's time functions are
+``Gp = D1``, ``gp = dD1/da``, ``Gf = a^3 E dD1/da`` and
+``gf = dGf/da = 1.5 Om D1 / (a^2 E)``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, NamedTuple
+
+import torch
+
+__all__ = [
+    "Cosmology",
+    "Planck15",
+    "Planck18",
+    "GrowthTable",
+    "growth_table",
+    "eisenstein_hu_transfer",
+    "linear_power",
+    "PowerTable",
+    "sigma_r",
+    "resolve_power",
+]
+
+_PARAMETERS = ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa")
+T_CMB = 2.7255  # K, the CMB temperature the Eisenstein & Hu fits use
+
+
+class Cosmology:
+    """A cosmology whose parameters are float64 tensors (gradients flow into them).
+
+    Args:
+        Omega_c, Omega_b: cold dark matter and baryon density parameters today.
+        h: H0 / (100 km/s/Mpc).
+        n_s: primordial spectral index.
+        sigma8: rms linear overdensity in spheres of 8 Mpc/h at a = 1.
+        Omega_k: curvature density parameter (0: flat).
+        w0, wa: dark-energy equation of state ``w(a) = w0 + wa (1 - a)``.
+
+    Each may be a Python number or a tensor (a 0-d tensor that requires grad
+    makes every result differentiable in it). Values are checked: densities and
+    ``h``, ``sigma8`` must be positive and the dark-energy density
+    ``1 - Omega_m - Omega_k`` must not be negative.
+    """
+
+    def __init__(
+        self,
+        Omega_c,
+        Omega_b,
+        h,
+        n_s,
+        sigma8,
+        Omega_k=0.0,
+        w0=-1.0,
+        wa=0.0,
+        *,
+        name: str | None = None,
+    ):
+        values = dict(
+            Omega_c=Omega_c, Omega_b=Omega_b, h=h, n_s=n_s, sigma8=sigma8, Omega_k=Omega_k, w0=w0, wa=wa
+        )
+        for key, value in values.items():
+            tensor = value if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+            if tensor.numel() != 1:
+                raise ValueError(f"Cosmology: `{key}` must be a scalar, got shape {tuple(tensor.shape)}")
+            tensor = tensor.reshape(()).to(torch.float64)
+            if not bool(torch.isfinite(tensor.detach())):
+                raise ValueError(f"Cosmology: `{key}` must be finite, got {float(tensor.detach())}")
+            setattr(self, key, tensor)
+        value = {key: float(getattr(self, key).detach()) for key in _PARAMETERS}
+        for key in ("Omega_c", "h", "sigma8"):
+            if value[key] <= 0:
+                raise ValueError(f"Cosmology: `{key}` must be positive, got {value[key]}")
+        if value["Omega_b"] < 0:
+            raise ValueError(f"Cosmology: `Omega_b` must not be negative, got {value['Omega_b']}")
+        dark_energy = 1.0 - value["Omega_c"] - value["Omega_b"] - value["Omega_k"]
+        if dark_energy < 0:
+            raise ValueError(
+                "Cosmology: the dark-energy density 1 - Omega_m - Omega_k must not be negative, "
+                f"got {dark_energy}"
+            )
+        self.name = name
+
+    # Derived parameters ---------------------------------------------------------------
+    @property
+    def Omega_m(self) -> torch.Tensor:
+        """Total matter density parameter today, ``Omega_c + Omega_b``."""
+        return self.Omega_c + self.Omega_b
+
+    @property
+    def Omega_de(self) -> torch.Tensor:
+        """Dark-energy density today, ``1 - Omega_m - Omega_k``."""
+        return 1.0 - self.Omega_m - self.Omega_k
+
+    def parameters(self) -> dict:
+        """The 8 parameters as a dict of tensors."""
+        return {key: getattr(self, key) for key in _PARAMETERS}
+
+    def to(self, device=None) -> "Cosmology":
+        """A copy with the parameters on ``device`` (differentiable: the graph is kept)."""
+        params = {key: value.to(device) for key, value in self.parameters().items()}
+        return Cosmology(**params, name=self.name)
+
+    @property
+    def device(self):
+        return self.Omega_c.device
+
+    def __repr__(self) -> str:
+        body = ", ".join(f"{key}={float(value.detach()):.6g}" for key, value in self.parameters().items())
+        return f"Cosmology({body}{', name=' + repr(self.name) if self.name else ''})"
+
+    # Background ------------------------------------------------------------------------
+    def _as_a(self, a) -> torch.Tensor:
+        a = torch.as_tensor(a, dtype=torch.float64, device=self.device)
+        if not bool(((a > 0) & torch.isfinite(a)).all()):
+            raise ValueError("Cosmology: the scale factor `a` must be positive and finite")
+        return a
+
+    def _dark_energy(self, a):
+        """``Ode(a) a^0 / Ode``: ``a^(-3(1 + w0 + wa)) exp(3 wa (a - 1))``."""
+        return torch.exp(-3.0 * (1.0 + self.w0 + self.wa) * torch.log(a) + 3.0 * self.wa * (a - 1.0))
+
+    def E_squared(self, a) -> torch.Tensor:
+        """``E(a)^2 = (H(a)/H0)^2`` (float64, any shape of ``a``)."""
+        a = self._as_a(a)
+        return self.Omega_m * a**-3 + self.Omega_k * a**-2 + self.Omega_de * self._dark_energy(a)
+
+    def E(self, a) -> torch.Tensor:
+        """``E(a) = H(a)/H0``."""
+        return torch.sqrt(self.E_squared(a))
+
+    def dlnE_dlna(self, a) -> torch.Tensor:
+        """``d ln E / d ln a``."""
+        a = self._as_a(a)
+        de = self.Omega_de * self._dark_energy(a)
+        derivative = (
+            -3.0 * self.Omega_m * a**-3
+            - 2.0 * self.Omega_k * a**-2
+            + de * (-3.0 * (1.0 + self.w0 + self.wa) + 3.0 * self.wa * a)
+        )
+        return 0.5 * derivative / self.E_squared(a)
+
+    def Omega_m_a(self, a) -> torch.Tensor:
+        """``Omega_m(a) = Omega_m a^-3 / E(a)^2``."""
+        a = self._as_a(a)
+        return self.Omega_m * a**-3 / self.E_squared(a)
+
+    # Growth (convenience: builds a table each call; a simulation builds one once) ------
+    def growth(self, a) -> "GrowthValues":
+        """:class:`GrowthValues` (D1, D2, f1, f2, Gp, gp, Gf, gf, E) at ``a``."""
+        return growth_table(self).at(a)
+
+    def growth_factor(self, a) -> torch.Tensor:
+        """Linear growth ``D1(a)``, 1 at ``a = 1``."""
+        return self.growth(a).D1
+
+
+def Planck15(**overrides) -> Cosmology:
+    """Planck 2015 (TT,TE,EE+lowP+lensing+ext, the jax-cosmo/astropy values)."""
+    params = dict(Omega_c=0.2589, Omega_b=0.0486, h=0.6774, n_s=0.9667, sigma8=0.8159)
+    params.update(overrides)
+    return Cosmology(**params, name="Planck15")
+
+
+def Planck18(**overrides) -> Cosmology:
+    """Planck 2018 (TT,TE,EE+lowE+lensing+BAO, Table 2 last column; Omega_c = omega_c / h^2)."""
+    h = 0.6766
+    params = dict(Omega_c=0.11933 / h**2, Omega_b=0.02242 / h**2, h=h, n_s=0.9665, sigma8=0.8102)
+    params.update(overrides)
+    return Cosmology(**params, name="Planck18")
+
+
+# ---------------------------------------------------------------------------------------
+# Growth
+
+
+class GrowthValues(NamedTuple):
+    """Growth quantities at a set of scale factors (float64 tensors, shape of ``a``)."""
+
+    a: torch.Tensor
+    E: torch.Tensor  # H/H0
+    D1: torch.Tensor  # linear growth, 1 at a = 1
+    D2: torch.Tensor  # second-order growth, 1 at a = 1 (positive; LPT uses 3/7 D2)
+    f1: torch.Tensor  # dlnD1/dlna
+    f2: torch.Tensor  # dlnD2/dlna
+    Gp: torch.Tensor  # = D1
+    gp: torch.Tensor  # dD1/da
+    Gf: torch.Tensor  # a^3 E dD1/da
+    gf: torch.Tensor  # dGf/da = 1.5 Omega_m D1 / (a^2 E)
+
+
+class GrowthTable:
+    """D1, D2 and their ``ln a`` derivatives on a grid of ``ln a``, evaluated by cubic
+    Hermite interpolation (the derivatives are known at the nodes, so the error is
+    ``O(h^4)``; with the default grid D1, D2, f1, f2 are within 1e-5 of a converged
+    integration). Build it with :func:`growth_table`.
+    """
+
+    def __init__(self, cosmology, log_a, D1, F1, D2, F2):
+        self.cosmology = cosmology
+        self.log_a = log_a  # (n,)
+        # values (n, 2) and d/dlna (n, 2) of (D1, D2)
+        self.values = torch.stack([D1, D2], dim=-1)
+        self.slopes = torch.stack([F1, F2], dim=-1)
+
+    def _interpolate(self, log_a):
+        grid = self.log_a
+        step = grid[1] - grid[0]
+        if bool((log_a < grid[0] - 1e-12).any()) or bool((log_a > grid[-1] + 1e-12).any()):
+            raise ValueError(
+                f"growth: scale factor outside the table range [{math.exp(float(grid[0])):.3g}, "
+                f"{math.exp(float(grid[-1])):.3g}]; build the table with a smaller `a_min`"
+            )
+        position = ((log_a - grid[0]) / step).detach()
+        index = position.floor().long().clamp(0, grid.numel() - 2)
+        t = ((log_a - grid[index]) / step).unsqueeze(-1)
+        y0, y1 = self.values[index], self.values[index + 1]
+        m0, m1 = self.slopes[index] * step, self.slopes[index + 1] * step
+        t2, t3 = t * t, t * t * t
+        value = (2 * t3 - 3 * t2 + 1) * y0 + (t3 - 2 * t2 + t) * m0 + (-2 * t3 + 3 * t2) * y1 + (t3 - t2) * m1
+        slope = ((6 * t2 - 6 * t) * y0 + (3 * t2 - 4 * t + 1) * m0 + (-6 * t2 + 6 * t) * y1 + (3 * t2 - 2 * t) * m1) / step
+        return value, slope
+
+    def at(self, a) -> GrowthValues:
+        """All growth quantities at ``a`` (any shape; float64)."""
+        cosmology = self.cosmology
+        a = cosmology._as_a(a).to(self.log_a.device)
+        value, slope = self._interpolate(torch.log(a))
+        D1, D2 = value[..., 0], value[..., 1]
+        F1, F2 = slope[..., 0], slope[..., 1]
+        E = cosmology.E(a)
+        gp = F1 / a
+        return GrowthValues(
+            a=a,
+            E=E,
+            D1=D1,
+            D2=D2,
+            f1=F1 / D1,
+            f2=F2 / D2,
+            Gp=D1,
+            gp=gp,
+            Gf=a**3 * E * gp,
+            gf=1.5 * cosmology.Omega_m * D1 / (a**2 * E),
+        )
+
+
+def growth_table(cosmology: Cosmology, a_min: float = 1e-3, steps: int = 128) -> GrowthTable:
+    """Integrate the growth ODEs from ``a_min`` to 1 (RK4, ``steps`` equal steps in ``ln a``).
+
+    In ``ln a`` with ``F = dD/dlna`` the ODEs of the module docstring read
+    ``dF1/dlna = -(2 + dlnE/dlna) F1 + 1.5 Om(a) D1`` and
+    ``dF2/dlna = -(2 + dlnE/dlna) F2 + 1.5 Om(a) (D2 - D1^2)``. The decaying mode
+    excited by starting at ``a_min`` with the matter-dominated solution falls as
+    ``a^-5/2`` relative to the growing mode, so ``a_min = 1e-3`` is converged.
+    Differentiable in the cosmological parameters.
+    """
+    if not 0 < a_min < 1:
+        raise ValueError(f"growth_table: `a_min` must be in (0, 1), got {a_min}")
+    device = cosmology.device
+    log_a = torch.linspace(math.log(a_min), 0.0, steps + 1, dtype=torch.float64, device=device)
+    h = float(log_a[1] - log_a[0])
+    # Background at every node and midpoint, in one vectorised evaluation.
+    fine = torch.linspace(math.log(a_min), 0.0, 2 * steps + 1, dtype=torch.float64, device=device)
+    a_fine = torch.exp(fine)
+    damping = 2.0 + cosmology.dlnE_dlna(a_fine)
+    source = 1.5 * cosmology.Omega_m_a(a_fine)
+
+    def derivative(state, j):
+        D1, F1, D2, F2 = state
+        return (
+            F1,
+            -damping[j] * F1 + source[j] * D1,
+            F2,
+            -damping[j] * F2 + source[j] * (D2 - D1 * D1),
+        )
+
+    a0 = a_min
+    zero = cosmology.Omega_m * 0.0  # keeps every entry a float64 tensor on the device
+    state = (zero + a0, zero + a0, zero - 3.0 / 7.0 * a0**2, zero - 6.0 / 7.0 * a0**2)
+    history = [state]
+    for i in range(steps):
+        j = 2 * i
+        k1 = derivative(state, j)
+        k2 = derivative(tuple(s + 0.5 * h * k for s, k in zip(state, k1)), j + 1)
+        k3 = derivative(tuple(s + 0.5 * h * k for s, k in zip(state, k2)), j + 1)
+        k4 = derivative(tuple(s + h * k for s, k in zip(state, k3)), j + 2)
+        state = tuple(s + h / 6.0 * (a + 2 * b + 2 * c + d) for s, a, b, c, d in zip(state, k1, k2, k3, k4))
+        history.append(state)
+    D1, F1, D2, F2 = (torch.stack(column) for column in zip(*history))
+    norm1, norm2 = D1[-1], D2[-1]
+    return GrowthTable(cosmology, log_a, D1 / norm1, F1 / norm1, D2 / norm2, F2 / norm2)
+
+
+# ---------------------------------------------------------------------------------------
+# Linear power
+
+
+def eisenstein_hu_transfer(k, cosmology: Cosmology, wiggles: bool = True) -> torch.Tensor:
+    """Eisenstein & Hu (1998, ApJ 496, 605) matter transfer function.
+
+    Args:
+        k: wavenumbers in h/Mpc (tensor, any shape; float64 is used inside).
+        cosmology: the :class:`Cosmology` (Omega_m, Omega_b, h; T_CMB = 2.7255 K).
+        wiggles: True for the full fit with baryon acoustic oscillations (their
+            eqs. 2-24), False for the zero-baryon-oscillation shape (eqs. 26-31).
+
+    Returns:
+        ``T(k)`` (float64, shape of ``k``), 1 at ``k -> 0``.
+    """
+    k = torch.as_tensor(k, dtype=torch.float64, device=cosmology.device)
+    h = cosmology.h
+    omega_m = cosmology.Omega_m * h**2
+    omega_b = cosmology.Omega_b * h**2
+    f_b = cosmology.Omega_b / cosmology.Omega_m
+    f_c = cosmology.Omega_c / cosmology.Omega_m
+    theta = T_CMB / 2.7
+    k_mpc = k * h  # 1/Mpc
+
+    if not wiggles:
+        # eq. 26: fitted sound horizon (Mpc); eqs. 28-31.
+        s = 44.5 * torch.log(9.83 / omega_m) / torch.sqrt(1.0 + 10.0 * omega_b**0.75)
+        alpha_gamma = 1.0 - 0.328 * torch.log(431.0 * omega_m) * f_b + 0.38 * torch.log(22.3 * omega_m) * f_b**2
+        gamma_eff = cosmology.Omega_m * h * (alpha_gamma + (1.0 - alpha_gamma) / (1.0 + (0.43 * k_mpc * s) ** 4))
+        q = k * theta**2 / gamma_eff
+        L0 = torch.log(2.0 * math.e + 1.8 * q)
+        C0 = 14.2 + 731.0 / (1.0 + 62.5 * q)
+        return L0 / (L0 + C0 * q**2)
+
+    z_eq = 2.50e4 * omega_m * theta**-4  # eq. 2
+    k_eq = 7.46e-2 * omega_m * theta**-2  # eq. 3, 1/Mpc
+    b1 = 0.313 * omega_m**-0.419 * (1.0 + 0.607 * omega_m**0.674)
+    b2 = 0.238 * omega_m**0.223
+    z_d = 1291.0 * omega_m**0.251 / (1.0 + 0.659 * omega_m**0.828) * (1.0 + b1 * omega_b**b2)  # eq. 4
+    R_d = 31.5 * omega_b * theta**-4 * (1000.0 / z_d)  # eq. 5
+    R_eq = 31.5 * omega_b * theta**-4 * (1000.0 / z_eq)
+    s = (
+        2.0 / (3.0 * k_eq) * torch.sqrt(6.0 / R_eq)
+        * torch.log((torch.sqrt(1.0 + R_d) + torch.sqrt(R_d + R_eq)) / (1.0 + torch.sqrt(R_eq)))
+    )  # eq. 6, Mpc
+    k_silk = 1.6 * omega_b**0.52 * omega_m**0.73 * (1.0 + (10.4 * omega_m) ** -0.95)  # eq. 7
+    q = k_mpc / (13.41 * k_eq)  # eq. 10
+
+    a1 = (46.9 * omega_m) ** 0.670 * (1.0 + (32.1 * omega_m) ** -0.532)
+    a2 = (12.0 * omega_m) ** 0.424 * (1.0 + (45.0 * omega_m) ** -0.582)
+    alpha_c = a1 ** (-f_b) * a2 ** (-(f_b**3))  # eq. 11
+    bb1 = 0.944 / (1.0 + (458.0 * omega_m) ** -0.708)
+    bb2 = (0.395 * omega_m) ** -0.0266
+    beta_c = 1.0 / (1.0 + bb1 * (f_c**bb2 - 1.0))  # eq. 12
+
+    def T0(alpha, beta):  # eqs. 19-20
+        L = torch.log(math.e + 1.8 * beta * q)
+        C = 14.2 / alpha + 386.0 / (1.0 + 69.9 * q**1.08)
+        return L / (L + C * q**2)
+
+    ks = k_mpc * s
+    f = 1.0 / (1.0 + (ks / 5.4) ** 4)  # eq. 18
+    T_c = f * T0(1.0, beta_c) + (1.0 - f) * T0(alpha_c, beta_c)  # eq. 17
+
+    y = (1.0 + z_eq) / (1.0 + z_d)
+    sqrt_1y = torch.sqrt(1.0 + y)
+    G = y * (-6.0 * sqrt_1y + (2.0 + 3.0 * y) * torch.log((sqrt_1y + 1.0) / (sqrt_1y - 1.0)))  # eq. 15
+    alpha_b = 2.07 * k_eq * s * (1.0 + R_d) ** -0.75 * G  # eq. 14
+    beta_node = 8.41 * omega_m**0.435  # eq. 23
+    beta_b = 0.5 + f_b + (3.0 - 2.0 * f_b) * torch.sqrt((17.2 * omega_m) ** 2 + 1.0)  # eq. 24
+    # eq. 22; k -> 0 limit of s_tilde is 0 (ks is positive for every k we are given)
+    s_tilde = s / (1.0 + (beta_node / ks) ** 3) ** (1.0 / 3.0)
+    x = k_mpc * s_tilde
+    j0 = torch.where(x.abs() < 1e-6, 1.0 - x * x / 6.0, torch.sin(x) / torch.where(x == 0, 1.0, x))
+    T_b = (
+        T0(1.0, 1.0) / (1.0 + (ks / 5.2) ** 2)
+        + alpha_b / (1.0 + (beta_b / ks) ** 3) * torch.exp(-((k_mpc / k_silk) ** 1.4))
+    ) * j0  # eq. 21
+    return f_b * T_b + f_c * T_c  # eq. 16
+
+
+def _top_hat(x):
+    """Fourier transform of a unit spherical top hat, ``3 (sin x - x cos x) / x^3``."""
+    small = x.abs() < 1e-3
+    safe = torch.where(small, torch.ones_like(x), x)
+    exact = 3.0 * (torch.sin(safe) - safe * torch.cos(safe)) / safe**3
+    return torch.where(small, 1.0 - x * x / 10.0, exact)
+
+
+def _log_k_grid(device, k_min=1e-5, k_max=1e2, points=4097):
+    return torch.logspace(math.log10(k_min), math.log10(k_max), points, dtype=torch.float64, device=device)
+
+
+def _simpson(values, x):
+    """Simpson's rule on an odd number of equally spaced samples along the last axis."""
+    dx = x[1] - x[0]
+    return dx / 3.0 * (values[..., 0] + values[..., -1] + 4.0 * values[..., 1:-1:2].sum(-1) + 2.0 * values[..., 2:-1:2].sum(-1))
+
+
+def sigma_r(power: Callable, radius: float = 8.0, device=None) -> torch.Tensor:
+    """``sigma(R)`` of a power spectrum: ``sigma^2 = 1/(2 pi^2) int k^3 P(k) W(kR)^2 dln k``.
+
+    ``power`` maps k in h/Mpc to P in (Mpc/h)^3; ``radius`` in Mpc/h. Simpson's rule
+    on 4097 points in ``ln k`` over [1e-5, 100] h/Mpc.
+    """
+    k = _log_k_grid(device)
+    integrand = k**3 * power(k) * _top_hat(k * radius) ** 2
+    return torch.sqrt(_simpson(integrand, torch.log(k)) / (2.0 * math.pi**2))
+
+
+def linear_power(k, cosmology: Cosmology, *, wiggles: bool = True) -> torch.Tensor:
+    """Linear matter power at ``a = 1``: ``P(k) = A k^n_s T(k)^2`` with ``sigma8`` fixing ``A``.
+
+    Args:
+        k: wavenumbers in h/Mpc.
+        cosmology: the :class:`Cosmology`.
+        wiggles: Eisenstein & Hu with (True) or without (False) BAO wiggles.
+
+    Returns:
+        ``P(k)`` in (Mpc/h)^3, float64, differentiable in the parameters.
+    """
+    def shape(kk):
+        return kk**cosmology.n_s * eisenstein_hu_transfer(kk, cosmology, wiggles) ** 2
+
+    amplitude = (cosmology.sigma8 / sigma_r(shape, 8.0, cosmology.device)) ** 2
+    k = torch.as_tensor(k, dtype=torch.float64, device=cosmology.device)
+    return amplitude * shape(k)
+
+
+class PowerTable:
+    """A linear power spectrum at ``a = 1`` read from a two-column text file.
+
+    The file holds ``k`` (h/Mpc, strictly increasing, positive) and ``P(k)``
+    ((Mpc/h)^3, positive) in two whitespace-separated columns; lines starting
+    with ``#`` are comments. Values in between are interpolated linearly in
+    ``(ln k, ln P)``. Calling it with wavenumbers outside the table raises a
+    ValueError (no extrapolation).
+
+    Args:
+        path: the text file.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        rows = []
+        try:
+            with open(self.path) as handle:
+                for number, line in enumerate(handle, start=1):
+                    text = line.split("#", 1)[0].strip()
+                    if not text:
+                        continue
+                    fields = text.replace(",", " ").split()
+                    if len(fields) != 2:
+                        raise ValueError(
+                            f"power table {self.path!r}, line {number}: expected 2 columns "
+                            f"(k in h/Mpc, P in (Mpc/h)^3), got {len(fields)}: {text!r}"
+                        )
+                    try:
+                        rows.append((float(fields[0]), float(fields[1])))
+                    except ValueError:
+                        raise ValueError(
+                            f"power table {self.path!r}, line {number}: not two numbers: {text!r}"
+                        ) from None
+        except FileNotFoundError:
+            raise ValueError(f"power table: file {self.path!r} not found") from None
+        if len(rows) < 2:
+            raise ValueError(f"power table {self.path!r}: needs at least 2 rows, got {len(rows)}")
+        table = torch.tensor(rows, dtype=torch.float64)
+        k, p = table[:, 0], table[:, 1]
+        if not bool(torch.isfinite(table).all()) or bool((k <= 0).any()) or bool((p <= 0).any()):
+            raise ValueError(f"power table {self.path!r}: k and P must be finite and positive")
+        if bool((k[1:] <= k[:-1]).any()):
+            raise ValueError(f"power table {self.path!r}: k must be strictly increasing")
+        self.k, self.power = k, p
+        self._log_k, self._log_p = torch.log(k), torch.log(p)
+
+    @property
+    def k_range(self) -> tuple[float, float]:
+        return float(self.k[0]), float(self.k[-1])
+
+    def check_covers(self, k_min: float, k_max: float) -> None:
+        """ValueError unless the table spans ``[k_min, k_max]`` (h/Mpc)."""
+        low, high = self.k_range
+        # A relative tolerance lets a table written with the mesh's own k values match.
+        if k_min < low * (1 - 1e-9) or k_max > high * (1 + 1e-9):
+            raise ValueError(
+                f"power table {self.path!r} covers k in [{low:.4g}, {high:.4g}] h/Mpc but the "
+                f"mesh needs [{k_min:.4g}, {k_max:.4g}] h/Mpc; extend the table"
+            )
+
+    def __call__(self, k, cosmology: Cosmology | None = None) -> torch.Tensor:
+        """``P(k)`` in (Mpc/h)^3 at ``k`` in h/Mpc (the cosmology is ignored)."""
+        k = torch.as_tensor(k, dtype=torch.float64)
+        device = k.device
+        if k.numel():
+            self.check_covers(float(k.min()), float(k.max()))
+        log_k = torch.log(k)
+        grid, values = self._log_k.to(device), self._log_p.to(device)
+        index = torch.searchsorted(grid, log_k.reshape(-1).contiguous()).clamp(1, grid.numel() - 1)
+        index = index.reshape(k.shape)
+        t = (log_k - grid[index - 1]) / (grid[index] - grid[index - 1])
+        return torch.exp(values[index - 1] + t * (values[index] - values[index - 1]))
+
+
+def resolve_power(power) -> Callable:
+    """A callable ``power(k, cosmology) -> P(k)`` at ``a = 1`` from a user choice.
+
+    ``power`` may be ``"eisenstein_hu"`` (with wiggles), ``"eisenstein_hu_nowiggle"``,
+    a path to a two-column table (:class:`PowerTable`), or such a callable.
+    """
+    if callable(power):
+        return power
+    if isinstance(power, (str, os.PathLike)):
+        name = os.fspath(power)
+        if name in ("eisenstein_hu", "eh", "eisenstein_hu_wiggles"):
+            return lambda k, cosmology: linear_power(k, cosmology, wiggles=True)
+        if name in ("eisenstein_hu_nowiggle", "eh_nowiggle"):
+            return lambda k, cosmology: linear_power(k, cosmology, wiggles=False)
+        return PowerTable(name)
+    raise ValueError(
+        "`power_spectrum` must be 'eisenstein_hu', 'eisenstein_hu_nowiggle', a path to a "
+        f"two-column table or a callable (k, cosmology) -> P, got {power!r}"
+    )

@@ -1,0 +1,187 @@
+"""Initial conditions: white noise, the linear density field, and 1LPT/2LPT.
+
+Linear field (DESIGN.md normalisation): with ``N`` cells, box volume ``V``
+((Mpc/h)^3) and white noise ``omega ~ N(0, 1)`` on the particle grid::
+
+    delta(k) = DFT(omega)(k) * sqrt(P(|k|) N / V),   delta(k = 0) = 0,
+    delta_L(x) = IDFT(delta)(x) / N                      (the linear field at a = 1)
+
+so that ``<|DFT delta_L|^2> = P N^2 / V`` (the estimator of :mod:`torchpm.analysis`
+returns ``P``).
+
+LPT (positions in force-mesh cells ``c``; ``phi_ij = d_i d_j grad^-2 delta``)::
+
+    Psi1 = -grad grad^-2 delta,   S = sum_{i<j} (phi_ii phi_jj - phi_ij^2),   Psi2 = -grad grad^-2 S
+    x0 = q + D1 Psi1 + 3/7 D2 Psi2,   p0 = a0^2 E(a0) [f1 D1 Psi1 + f2 3/7 D2 Psi2]
+
+computed on the particle grid (as FastPM does) with the simulation's gradient and
+Laplacian kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from .cosmology import Cosmology, GrowthValues
+from .mesh import as_shape
+from .pm import FourierKernels, gradient_inverse_laplacian, multiply_real, stack_products
+
+__all__ = ["white_noise", "linear_field", "lpt_displacements", "lpt_initial_state", "check_finite"]
+
+
+def check_finite(tensor: torch.Tensor, name: str) -> None:
+    """ValueError naming ``name`` when ``tensor`` holds NaN or infinity."""
+    if not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise ValueError(f"`{name}` contains {bad} NaN or infinite values; expected finite numbers")
+
+
+def white_noise(
+    shape: int | Sequence[int],
+    *,
+    batch: int = 1,
+    seed: int = 0,
+    dtype=torch.float32,
+    device=None,
+    mesh=None,
+) -> torch.Tensor:
+    """Seeded standard normal white noise on the particle grid.
+
+    The global field is drawn on the CPU from ``torch.Generator().manual_seed(seed)``
+    in C order and this rank's block is cut from it, so the field is the same on
+    any device and any process grid.
+
+    Returns:
+        ``(batch, *local_real_shape)`` of ``mesh`` (the whole grid by default).
+    """
+    shape = as_shape(shape, "shape")
+    if int(batch) < 1:
+        raise ValueError(f"`batch` must be a positive integer, got {batch!r}")
+    generator = torch.Generator().manual_seed(int(seed))
+    noise = torch.randn((int(batch), *shape), generator=generator, dtype=torch.float64)
+    if mesh is not None:
+        (x0, y0, z0), (nx, ny, nz) = mesh.local_real_offset, mesh.local_real_shape
+        noise = noise[:, x0 : x0 + nx, y0 : y0 + ny, z0 : z0 + nz]
+    return noise.to(dtype=dtype, device=device).contiguous()
+
+
+def power_kernel(
+    kernels: FourierKernels, box_size: Sequence[float], power: Callable, cosmology: Cosmology
+) -> torch.Tensor:
+    """``sqrt(P(|k|) N / V)`` on the Fourier block (0 at k = 0), in the field dtype.
+
+    P is evaluated in float64 on the block's device, once per simulation.
+    """
+    mesh = kernels.mesh
+    k = kernels.k_magnitude.to(torch.float64)
+    k = k.expand(*mesh.local_fourier_shape)
+    nonzero = k > 0
+    # P at k = 0 is never used (the mode is zeroed); evaluate it at the smallest k.
+    k_floor = k[nonzero].min() if bool(nonzero.any()) else torch.ones((), dtype=k.dtype, device=k.device)
+    volume = math.prod(float(b) for b in box_size)
+    cosmology = cosmology.to(k.device)
+    p = power(torch.where(nonzero, k, k_floor), cosmology)
+    if isinstance(p, torch.Tensor):
+        p = p.to(device=k.device, dtype=torch.float64)
+    else:
+        p = torch.as_tensor(p, dtype=torch.float64, device=k.device)
+    check_finite(p, "power spectrum values")
+    if bool((p < 0).any()):
+        raise ValueError("the power spectrum must not be negative")
+    amplitude = torch.sqrt(p * (mesh.size / volume))
+    return torch.where(nonzero, amplitude, torch.zeros_like(amplitude)).to(kernels.dtype)
+
+
+def linear_field(noise: torch.Tensor, amplitude: torch.Tensor, mesh) -> torch.Tensor:
+    """The linear density field at ``a = 1`` from white noise.
+
+    Args:
+        noise: ``(B, *local_real_shape)`` white noise (unit variance).
+        amplitude: :func:`power_kernel` of the grid.
+        mesh: the particle-grid mesh.
+
+    Returns:
+        ``(B, *local_real_shape)`` dimensionless overdensity ``delta_L``.
+    """
+    return mesh.irfftn(multiply_real(mesh.rfftn(noise), amplitude))
+
+
+def lpt_displacements(delta: torch.Tensor, kernels: FourierKernels, order: int = 2):
+    """First- and second-order LPT displacements of the linear field, in Mpc/h.
+
+    Args:
+        delta: ``(B, *local_real_shape)`` linear field on the particle grid.
+        kernels: :class:`FourierKernels` of the particle grid.
+        order: 1 or 2.
+
+    Returns:
+        ``(psi1, psi2)``, each ``(B, 3, *local_real_shape)`` (``psi2`` is None for order 1).
+    """
+    if order not in (1, 2):
+        raise ValueError(f"`lpt_order` must be 1 or 2, got {order!r}")
+    mesh = kernels.mesh
+    delta_k = mesh.rfftn(delta)
+    psi1 = gradient_inverse_laplacian(delta_k, kernels)
+    if order == 1:
+        return psi1, None
+    # phi_ij = (i g_i)(i g_j)(-1/k^2) delta = G_i G_j * (-L) delta; G_i G_j is real.
+    potential = multiply_real(delta_k, kernels.inverse_laplacian_pair, paired=True)
+    G = kernels.gradient
+    pairs = [(0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2)]
+    # All six second derivatives in one batched inverse transform; the sign goes on
+    # the small (at most 2-d) kernel products, not on the mesh.
+    hessian = mesh.irfftn(stack_products(potential, [-(G[i] * G[j]) for i, j in pairs]))
+    xx, yy, zz, xy, xz, yz = hessian.unbind(1)
+    source = xx * yy + xx * zz + yy * zz - xy * xy - xz * xz - yz * yz
+    psi2 = gradient_inverse_laplacian(mesh.rfftn(source), kernels)
+    return psi1, psi2
+
+
+def grid_positions(particle_shape: Sequence[int], mesh_factor: int, *, dtype, device, offset=(0, 0, 0)):
+    """``(N, 3)`` unperturbed positions ``q`` in force-mesh cells, C order over the grid block."""
+    axes = [
+        (torch.arange(n, dtype=dtype, device=device) + o) * mesh_factor for n, o in zip(particle_shape, offset)
+    ]
+    grid = torch.meshgrid(*axes, indexing="ij")
+    return torch.stack(grid, dim=-1).reshape(-1, 3)
+
+
+def lpt_initial_state(
+    psi1: torch.Tensor,
+    psi2: torch.Tensor | None,
+    growth: GrowthValues,
+    q: torch.Tensor,
+    cell_size: Sequence[float],
+):
+    """Positions and momenta at ``a0`` in force-mesh cells from LPT displacements.
+
+    Args:
+        psi1, psi2: ``(B, 3, *grid)`` displacements in Mpc/h (``psi2`` may be None).
+        growth: :class:`GrowthValues` at ``a0`` (0-d entries).
+        q: ``(N, 3)`` grid positions in force-mesh cells.
+        cell_size: force-mesh cell sizes (Mpc/h).
+
+    Returns:
+        ``(x0, p0)``, each ``(B, N, 3)``.
+    """
+    batch = psi1.shape[0]
+    dtype = psi1.dtype
+    inverse_cell = torch.tensor([1.0 / c for c in cell_size], dtype=dtype, device=psi1.device)
+
+    def per_particle(psi):  # (B, 3, *grid) in Mpc/h -> (B, N, 3) in cells
+        return psi.reshape(batch, 3, -1).transpose(1, 2) * inverse_cell
+
+    D1, f1 = growth.D1.to(dtype), growth.f1.to(dtype)
+    momentum_factor = (growth.a**2 * growth.E).to(dtype)
+    first = per_particle(psi1)
+    displacement = D1 * first
+    velocity = f1 * D1 * first
+    if psi2 is not None:
+        D2 = (3.0 / 7.0 * growth.D2).to(dtype)
+        second = per_particle(psi2)
+        displacement = displacement + D2 * second
+        velocity = velocity + growth.f2.to(dtype) * D2 * second
+    return q + displacement, momentum_factor * velocity
