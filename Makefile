@@ -11,12 +11,18 @@ SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.h
 CU_SOURCES := $(shell find csrc -name '*.cu')
 CU_OBJECTS := $(patsubst csrc/%.cu,.cuda-check/%.o,$(CU_SOURCES))
 
-.PHONY: run test deps build cuda-check bench bench-dfft example-dfft test-distributed clean
+.PHONY: run test deps test-deps build cuda-check bench bench-dfft example-dfft test-distributed clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
 	@$(PYTHON) -c "import numpy, pytest, tqdm, matplotlib" 2>/dev/null || \
 		$(PYTHON) -m pip install numpy pytest tqdm matplotlib
+
+# Independent codes the physics is validated against (tests only).
+test-deps: deps
+	@$(PYTHON) -c "import scipy, astropy, colossus" 2>/dev/null || \
+		$(PYTHON) -m pip install scipy astropy==8.0.2 colossus==1.4.0
+	@PYTHON=$(PYTHON) bash tools/install_jaxpm.sh
 
 $(STAMP): $(SOURCES)
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -e .
@@ -25,7 +31,7 @@ $(STAMP): $(SOURCES)
 build: deps $(STAMP)
 
 run: build
-	$(PYTHON) examples/paint_readout.py
+	$(PYTHON) -m torchpm run
 
 # Compile every CUDA source to an object file whenever nvcc is present, so a CUDA
 # compile error fails CI on machines without a GPU (nothing is linked or run).
@@ -43,11 +49,12 @@ cuda-check: deps
 		-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DTORCHPM_WITH_CUDA \
 		$$($(PYTHON) tools/torch_includes.py) -Icsrc
 
-test: build cuda-check
+test: build test-deps cuda-check
 	$(PYTHON) -m pytest -ra
 
 bench: build
 	$(PYTHON) benchmarks/bench_cic.py
+	$(PYTHON) benchmarks/bench_pm.py
 
 bench-dfft: build
 	$(PYTHON) benchmarks/bench_dfft.py
