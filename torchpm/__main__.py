@@ -68,7 +68,13 @@ def load_config(path: str | None) -> dict:
     config = dict(DEFAULTS)
     if path is None:
         return config
-    import tomllib
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise SystemExit("torchpm run: reading a config needs Python >= 3.11 or `pip install tomli`") from None
 
     try:
         with open(path, "rb") as handle:
