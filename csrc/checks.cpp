@@ -9,16 +9,6 @@ namespace torchpm {
 
 namespace {
 
-std::string shape_string(at::IntArrayRef sizes) {
-  std::ostringstream out;
-  out << "(";
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    out << (i ? ", " : "") << sizes[i];
-  }
-  out << ")";
-  return out.str();
-}
-
 void check_floating(const char* op, const char* name, const at::Tensor& t) {
   TORCH_CHECK_VALUE(
       t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
@@ -27,6 +17,16 @@ void check_floating(const char* op, const char* name, const at::Tensor& t) {
 }
 
 }  // namespace
+
+std::string format_list(at::IntArrayRef values, const char* open, const char* close) {
+  std::ostringstream out;
+  out << open;
+  for (size_t i = 0; i < values.size(); ++i) {
+    out << (i ? ", " : "") << values[i];
+  }
+  out << close;
+  return out.str();
+}
 
 CicGeometry make_geometry(
     const char* op,
@@ -46,10 +46,10 @@ CicGeometry make_geometry(
   for (int d = 0; d < 3; ++d) {
     TORCH_CHECK_VALUE(
         shape[d] > 0, op, ": expected every entry of `shape` to be positive, got ",
-        shape_string(shape), ".");
+        format_list(shape), ".");
     TORCH_CHECK_VALUE(
         offset[d] > -(int64_t(1) << 40) && offset[d] < (int64_t(1) << 40), op,
-        ": `offset` ", shape_string(offset), " is out of range.");
+        ": `offset` ", format_list(offset), " is out of range.");
     g.shape[d] = shape[d];
     g.offset[d] = offset[d];
     g.periodic[d] = periodic[d];
@@ -61,7 +61,7 @@ at::Tensor check_positions(const char* op, const at::Tensor& positions) {
   TORCH_CHECK_VALUE(
       positions.dim() == 3 && positions.size(2) == 3, op,
       ": expected `positions` of shape (B, N, 3), got ",
-      shape_string(positions.sizes()), ".");
+      format_list(positions.sizes()), ".");
   check_floating(op, "positions", positions);
   return positions.contiguous();
 }
@@ -79,7 +79,7 @@ at::Tensor check_particle_values(
           values.size(1) == positions.size(1),
       op, ": expected `", name, "` of shape (B, N) or (B, N, C) with (B, N) = (",
       positions.size(0), ", ", positions.size(1), ") from `positions`, got ",
-      shape_string(values.sizes()), ".");
+      format_list(values.sizes()), ".");
   TORCH_CHECK_VALUE(
       values.scalar_type() == positions.scalar_type(), op, ": expected `", name,
       "` to have the dtype of `positions` (", positions.scalar_type(), "), got ",
@@ -106,7 +106,7 @@ at::Tensor check_mesh(
       (mesh.dim() == 4 || mesh.dim() == 5) && mesh.size(0) == positions.size(0),
       op, ": expected `", name, "` of shape (B, nx, ny, nz) or (B, C, nx, ny, nz) "
       "with B = ", positions.size(0), " from `positions`, got ",
-      shape_string(mesh.sizes()), ".");
+      format_list(mesh.sizes()), ".");
   TORCH_CHECK_VALUE(
       mesh.scalar_type() == positions.scalar_type(), op, ": expected `", name,
       "` to have the dtype of `positions` (", positions.scalar_type(), "), got ",
@@ -121,7 +121,7 @@ at::Tensor check_mesh(
   for (int64_t d = mesh.dim() - 3; d < mesh.dim(); ++d) {
     TORCH_CHECK_VALUE(
         mesh.size(d) > 0, op, ": expected every mesh size of `", name,
-        "` to be positive, got ", shape_string(mesh.sizes()), ".");
+        "` to be positive, got ", format_list(mesh.sizes()), ".");
   }
   auto out = mesh.contiguous();
   return has_channel_dim ? out : out.unsqueeze(1);

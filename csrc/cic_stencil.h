@@ -93,6 +93,21 @@ C10_HOST_DEVICE inline acc_t cic_corner_weight(
   return s.weight[0][a] * s.weight[1][b] * s.weight[2][c];
 }
 
+// Linear indices and weights of all 8 corners, corner = 4a + 2b + c.
+template <typename acc_t>
+C10_HOST_DEVICE inline void cic_corners(
+    const CicStencil<acc_t>& s,
+    const CicGeometry& g,
+    int64_t* index,
+    acc_t* weight) {
+#pragma unroll
+  for (int corner = 0; corner < 8; ++corner) {
+    const int a = corner >> 2, b = (corner >> 1) & 1, c = corner & 1;
+    index[corner] = cic_corner_index(s, g, a, b, c);
+    weight[corner] = cic_corner_weight(s, a, b, c);
+  }
+}
+
 // Gradient of corner (a, b, c)'s weight with respect to the position.
 template <typename acc_t>
 C10_HOST_DEVICE inline void cic_corner_weight_gradient(

@@ -29,6 +29,9 @@ struct CicGeometry {
   bool periodic[3];
 };
 
+// "(a, b, c)" (or with other brackets), for error messages.
+std::string format_list(at::IntArrayRef values, const char* open = "(", const char* close = ")");
+
 // Builds and validates the geometry from the op arguments.
 CicGeometry make_geometry(
     const char* op,

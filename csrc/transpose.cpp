@@ -1,23 +1,11 @@
 // Argument checks and layout of the block transposer (see transpose.h).
 #include "transpose.h"
+#include "torchpm.h"
 
 #include <sstream>
 
 namespace torchpm {
 
-namespace {
-
-std::string list_string(at::IntArrayRef values) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < values.size(); ++i) {
-    out << (i ? ", " : "") << values[i];
-  }
-  out << "]";
-  return out.str();
-}
-
-}  // namespace
 
 int64_t wrap_block_dim(const char* op, int64_t dim, int64_t ndim) {
   TORCH_CHECK_VALUE(
@@ -31,13 +19,13 @@ int64_t wrap_block_dim(const char* op, int64_t dim, int64_t ndim) {
 void check_unpack_buffer(const char* op, const at::Tensor& buffer, at::IntArrayRef shape) {
   int64_t numel = 1;
   for (auto s : shape) {
-    TORCH_CHECK_VALUE(s >= 0, op, ": `shape` ", list_string(shape), " has a negative size.");
+    TORCH_CHECK_VALUE(s >= 0, op, ": `shape` ", format_list(shape, "[", "]"), " has a negative size.");
     numel *= s;
   }
   TORCH_CHECK_VALUE(
       buffer.dim() == 1 && buffer.numel() == numel, op,
       ": expected `buffer` to be 1-D with prod(shape) = ", numel, " elements for shape ",
-      list_string(shape), ", got a tensor of shape ", list_string(buffer.sizes()), ".");
+      format_list(shape, "[", "]"), ", got a tensor of shape ", format_list(buffer.sizes(), "[", "]"), ".");
 }
 
 BlockLayout make_block_layout(
@@ -57,12 +45,12 @@ BlockLayout make_block_layout(
   layout.start.push_back(0);
   for (auto s : sizes) {
     TORCH_CHECK_VALUE(
-        s >= 0, op, ": expected non-negative chunk `sizes`, got ", list_string(sizes), ".");
+        s >= 0, op, ": expected non-negative chunk `sizes`, got ", format_list(sizes, "[", "]"), ".");
     layout.start.push_back(layout.start.back() + s);
   }
   TORCH_CHECK_VALUE(
-      layout.start.back() == shape[dim], op, ": `sizes` ", list_string(sizes), " sum to ",
-      layout.start.back(), " but dimension ", dim, " of shape ", list_string(shape),
+      layout.start.back() == shape[dim], op, ": `sizes` ", format_list(sizes, "[", "]"), " sum to ",
+      layout.start.back(), " but dimension ", dim, " of shape ", format_list(shape, "[", "]"),
       " has size ", shape[dim], ".");
   int64_t inner = 1;
   for (int64_t d = 0; d < dim; ++d) {

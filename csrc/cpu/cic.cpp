@@ -37,11 +37,7 @@ void deposit(
   cic_stencil<scalar_t, acc_t>(position, g, s);
   int64_t idx[8];
   acc_t w[8];
-  for (int corner = 0; corner < 8; ++corner) {
-    const int a = corner >> 2, b = (corner >> 1) & 1, c = corner & 1;
-    idx[corner] = cic_corner_index(s, g, a, b, c);
-    w[corner] = cic_corner_weight(s, a, b, c);
-  }
+  cic_corners(s, g, idx, w);
   for (int64_t ch = 0; ch < channels; ++ch) {
     const acc_t v = values ? static_cast<acc_t>(values[ch]) : acc_t(1);
     scalar_t* m = mesh + ch * channel_stride;
@@ -293,11 +289,7 @@ at::Tensor cic_readout_cpu(
               const scalar_t* m = field + (batch == 1 ? 0 : p / n) * channels * channel_stride;
               int64_t idx[8];
               acc_t w[8];
-              for (int corner = 0; corner < 8; ++corner) {
-                const int a = corner >> 2, b = (corner >> 1) & 1, c = corner & 1;
-                idx[corner] = cic_corner_index(s, g, a, b, c);
-                w[corner] = cic_corner_weight(s, a, b, c);
-              }
+              cic_corners(s, g, idx, w);
               for (int64_t ch = 0; ch < channels; ++ch) {
                 const scalar_t* mc = m + ch * channel_stride;
                 acc_t acc = 0;

@@ -85,11 +85,7 @@ __global__ void readout_kernel(
   const scalar_t* m = mesh + (p / per_batch) * channels * channel_stride;
   int64_t idx[8];
   acc_t w[8];
-  for (int corner = 0; corner < 8; ++corner) {
-    const int a = corner >> 2, b = (corner >> 1) & 1, c = corner & 1;
-    idx[corner] = cic_corner_index(s, g, a, b, c);
-    w[corner] = cic_corner_weight(s, a, b, c);
-  }
+  cic_corners(s, g, idx, w);
   for (int64_t ch = 0; ch < channels; ++ch) {
     acc_t acc = 0;
 #pragma unroll

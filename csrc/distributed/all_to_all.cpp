@@ -12,6 +12,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/library.h>
 
+#include "../torchpm.h"
+
 #include <sstream>
 #include <string>
 #include <vector>
@@ -19,26 +21,16 @@
 namespace torchpm {
 namespace {
 
-std::string list_string(at::IntArrayRef values) {
-  std::ostringstream out;
-  out << "[";
-  for (size_t i = 0; i < values.size(); ++i) {
-    out << (i ? ", " : "") << values[i];
-  }
-  out << "]";
-  return out.str();
-}
-
 int64_t checked_sum(const char* name, at::IntArrayRef splits, int64_t group_size) {
   TORCH_CHECK_VALUE(
       static_cast<int64_t>(splits.size()) == group_size,
       "torchpm._all_to_all: expected `", name, "` to have one entry per rank of the group (",
-      group_size, "), got ", list_string(splits), ".");
+      group_size, "), got ", format_list(splits, "[", "]"), ".");
   int64_t total = 0;
   for (auto s : splits) {
     TORCH_CHECK_VALUE(
         s >= 0, "torchpm._all_to_all: `", name, "` must be non-negative, got ",
-        list_string(splits), ".");
+        format_list(splits, "[", "]"), ".");
     total += s;
   }
   return total;
@@ -67,7 +59,7 @@ at::Tensor all_to_all(
   const int64_t received = checked_sum("output_split_sizes", output_split_sizes, size);
   TORCH_CHECK_VALUE(
       sent == input.numel(), "torchpm._all_to_all: `input_split_sizes` ",
-      list_string(input_split_sizes), " sum to ", sent, " but `input` has ", input.numel(),
+      format_list(input_split_sizes, "[", "]"), " sum to ", sent, " but `input` has ", input.numel(),
       " elements.");
 
   auto in = input.contiguous();
