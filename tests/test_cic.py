@@ -396,10 +396,14 @@ def test_cuda_deterministic_mode():
             torch.ops.torchpm.cic_paint(x, None, [8, 8, 8], [0, 0, 0], [True] * 3)
         first = torchpm.cic_paint(x, None, (8, 8, 8))
         second = torchpm.cic_paint(x, None, (8, 8, 8))
+        # the readout's backward paints: it must take the deterministic path too
+        mesh = torch.randn(1, 3, 8, 8, 8, device="cuda", requires_grad=True)
+        torchpm.cic_readout(mesh, x).sum().backward()
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.equal(first, second)
     torch.testing.assert_close(first, torchpm.cic_paint(x, None, (8, 8, 8)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mesh.grad, torchpm.cic_paint(x, torch.ones(1, x.shape[1], 3, device="cuda"), (8, 8, 8)), rtol=1e-5, atol=1e-4)
 
 
 def test_build_reports_cuda_kernels_and_registers_cuda_dispatch():

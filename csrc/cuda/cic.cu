@@ -47,16 +47,15 @@ __global__ void paint_kernel(
   }
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
   scalar_t* m = mesh + (p / per_batch) * channels * channel_stride;
-  for (int a = 0; a < 2; ++a) {
-    for (int b = 0; b < 2; ++b) {
-      for (int c = 0; c < 2; ++c) {
-        const acc_t w = cic_corner_weight(s, a, b, c);
-        const int64_t idx = cic_corner_index(s, g, a, b, c);
-        for (int64_t ch = 0; ch < channels; ++ch) {
-          const acc_t v = values ? static_cast<acc_t>(values[p * channels + ch]) : acc_t(1);
-          gpuAtomicAdd(m + ch * channel_stride + idx, static_cast<scalar_t>(v * w));
-        }
-      }
+  int64_t idx[8];
+  acc_t w[8];
+  cic_corners(s, g, idx, w);
+  for (int64_t ch = 0; ch < channels; ++ch) {
+    const acc_t v = values ? static_cast<acc_t>(values[p * channels + ch]) : acc_t(1);
+    scalar_t* mc = m + ch * channel_stride;
+#pragma unroll
+    for (int corner = 0; corner < 8; ++corner) {
+      gpuAtomicAdd(mc + idx[corner], static_cast<scalar_t>(v * w[corner]));
     }
   }
 }

@@ -196,7 +196,11 @@ def _readout_backward(ctx, grad_values):
     grad_mesh = grad_positions = None
     if ctx.needs_input_grad[0]:
         shape = list(mesh.shape[-3:])
-        grad_mesh = _ops.cic_paint(positions, grad_values, shape, offset, periodic)
+        if _use_reference(positions):
+            # deterministic mode may have been switched on after the forward
+            grad_mesh = _reference.cic_paint_reference(positions, grad_values, shape, offset, periodic)
+        else:
+            grad_mesh = _ops.cic_paint(positions, grad_values, shape, offset, periodic)
     if ctx.needs_input_grad[1]:
         grad_positions = _ops._cic_position_gradient(mesh, positions, grad_values, offset, periodic)
     return grad_mesh, grad_positions, None, None
