@@ -18,7 +18,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .mesh import LocalMesh
+from .mesh import LocalMesh, as_box_size
 
 __all__ = ["PowerSpectrum", "power_spectrum", "cross_power", "correlation_coefficient", "transfer_function"]
 
@@ -31,15 +31,6 @@ class PowerSpectrum(NamedTuple):
     k: torch.Tensor
     power: torch.Tensor
     modes: torch.Tensor
-
-
-def _box(box_size):
-    if isinstance(box_size, (int, float)):
-        box_size = (box_size,) * 3
-    box = tuple(float(b) for b in box_size)
-    if len(box) != 3 or not all(math.isfinite(b) and b > 0 for b in box):
-        raise ValueError(f"`box_size` must be positive and finite (Mpc/h), got {box_size!r}")
-    return box
 
 
 def _fields(field, name):
@@ -126,7 +117,7 @@ def cross_power(
     b, _ = _fields(field_b, "field_b")
     if a.shape != b.shape:
         raise ValueError(f"`field_a` and `field_b` must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
-    box = _box(box_size)
+    box = as_box_size(box_size)
     mesh = mesh or LocalMesh(a.shape[-3:])
     a_k = mesh.rfftn(a.to(torch.float64))
     b_k = a_k if field_b is field_a else mesh.rfftn(b.to(torch.float64))
@@ -158,7 +149,7 @@ def power_spectrum(
     if n_particles is not None:
         if int(n_particles) <= 0:
             raise ValueError(f"`n_particles` must be positive, got {n_particles}")
-        noise = math.prod(_box(box_size)) / int(n_particles)
+        noise = math.prod(as_box_size(box_size)) / int(n_particles)
     elif shot_noise is not None:
         noise = float(shot_noise)
     return PowerSpectrum(result.k, result.power - noise, result.modes)

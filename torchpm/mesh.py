@@ -37,7 +37,7 @@ import torch
 
 from .ops import cic_paint, cic_readout
 
-__all__ = ["LocalMesh", "as_shape"]
+__all__ = ["LocalMesh", "as_box_size", "as_shape"]
 
 
 def as_shape(value, name: str) -> tuple[int, int, int]:
@@ -60,6 +60,22 @@ def as_shape(value, name: str) -> tuple[int, int, int]:
             raise ValueError(f"`{name}` must be positive integers, got {value!r}")
         result.append(int(item))
     return tuple(result)
+
+
+def as_box_size(box_size) -> tuple[float, float, float]:
+    """``box_size`` (a number or 3 numbers, Mpc/h) as 3 positive finite floats, or a
+    ValueError naming ``box_size``."""
+    if isinstance(box_size, bool):
+        raise ValueError(f"`box_size` must be a positive number or 3 positive numbers, got {box_size!r}")
+    if isinstance(box_size, numbers.Real):
+        box_size = (box_size,) * 3
+    try:
+        box = tuple(float(b) for b in box_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"`box_size` must be a positive number or 3 positive numbers, got {box_size!r}") from None
+    if len(box) != 3 or not all(math.isfinite(b) and b > 0 for b in box):
+        raise ValueError(f"`box_size` must be positive and finite (Mpc/h), got {box_size!r}")
+    return box
 
 
 class LocalMesh:

@@ -107,10 +107,11 @@ class FourierKernels:
             for wi in w:
                 window = window * torch.sinc(wi / (2.0 * math.pi)) ** 2
             inverse = inverse / window
-        self.inverse_laplacian = inverse.to(dtype)
-        # The same, repeated on a last axis of 2 to multiply the real view of a complex
-        # block contiguously (faster than a stride-0 broadcast).
-        self.inverse_laplacian_pair = self.inverse_laplacian.unsqueeze(-1).expand(*inverse.shape, 2).contiguous()
+        # Stored repeated on a last axis of 2, to multiply the real view of a complex
+        # block contiguously (faster than a stride-0 broadcast); the plain kernel is
+        # a view of it, not a second copy of a mesh-sized tensor.
+        self.inverse_laplacian_pair = inverse.to(dtype).unsqueeze(-1).expand(*inverse.shape, 2).contiguous()
+        self.inverse_laplacian = self.inverse_laplacian_pair[..., 0]
         self.dtype = dtype
 
     def to(self, device) -> "FourierKernels":

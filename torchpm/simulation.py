@@ -19,7 +19,7 @@ from .ic import (
     power_kernel,
     white_noise as make_white_noise,
 )
-from .mesh import LocalMesh, as_shape
+from .mesh import LocalMesh, as_box_size, as_shape
 from .pm import FourierKernels, compute_forces, kick_drift_kick, step_factors
 
 __all__ = ["Simulation", "SimulationState"]
@@ -38,20 +38,6 @@ class SimulationState(NamedTuple):
     positions: torch.Tensor
     momenta: torch.Tensor
     a: float
-
-
-def _box(box_size) -> tuple[float, float, float]:
-    if isinstance(box_size, bool):
-        raise ValueError(f"`box_size` must be a positive number or 3 positive numbers, got {box_size!r}")
-    if isinstance(box_size, numbers.Real):
-        box_size = (box_size,) * 3
-    try:
-        box = tuple(float(b) for b in box_size)
-    except (TypeError, ValueError):
-        raise ValueError(f"`box_size` must be a positive number or 3 positive numbers, got {box_size!r}") from None
-    if len(box) != 3 or not all(math.isfinite(b) and b > 0 for b in box):
-        raise ValueError(f"`box_size` must be positive and finite (Mpc/h), got {box_size!r}")
-    return box
 
 
 def _scale_factors(a_start, steps, a_end) -> list[float]:
@@ -144,7 +130,7 @@ class Simulation(nn.Module):
     ):
         super().__init__()
         self.particle_shape = as_shape(n_particles, "n_particles")
-        self.box_size = _box(box_size)
+        self.box_size = as_box_size(box_size)
         if isinstance(mesh_factor, bool) or not float(mesh_factor).is_integer() or int(mesh_factor) < 1:
             raise ValueError(f"`mesh_factor` must be a positive integer, got {mesh_factor!r}")
         self.mesh_factor = int(mesh_factor)

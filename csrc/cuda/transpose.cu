@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "../transpose.h"
@@ -64,10 +65,13 @@ void launch(const BlockLayout& layout, void* tensor, void* buffer, const at::Dev
     return;
   }
   const int64_t chunks = static_cast<int64_t>(layout.start.size()) - 1;
-  auto start = at::tensor(
-                   at::ArrayRef<int64_t>(layout.start),
-                   at::TensorOptions().dtype(at::kLong))
-                   .to(device, /*non_blocking=*/false);
+  // The chunk starts travel through pinned memory with an asynchronous copy on the
+  // current stream, so a pack/unpack never stalls the host (the caching host
+  // allocator keeps the pinned block alive until the copy has run).
+  auto host_start = at::empty(
+      {chunks + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  std::copy(layout.start.begin(), layout.start.end(), host_start.data_ptr<int64_t>());
+  auto start = host_start.to(device, /*non_blocking=*/true);
   auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 65535 * 8);
   const int64_t* s = start.data_ptr<int64_t>();

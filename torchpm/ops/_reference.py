@@ -66,6 +66,14 @@ def _corners(lo, hi, frac, shape):
     return torch.stack(indices), torch.stack(weights)
 
 
+def _gather_corners(mesh, index):
+    """Mesh values at the 8 corners: mesh (B, [C,] nx, ny, nz), index (8, B, N) -> (8, B, C, N)."""
+    channels_mesh = mesh if mesh.dim() == 5 else mesh.unsqueeze(1)
+    batch, channels = channels_mesh.shape[:2]
+    flat = channels_mesh.reshape(batch, channels, -1)
+    return torch.stack([torch.gather(flat, 2, index[k].unsqueeze(1).expand(-1, channels, -1)) for k in range(8)])
+
+
 def cic_paint_reference(
     positions: torch.Tensor,
     weights: torch.Tensor | None,
@@ -105,15 +113,9 @@ def cic_readout_reference(
     """Pure-torch :func:`torchpm.ops.cic_readout` (same arguments and result)."""
     periodic = _as_periodic(periodic)
     shape = tuple(mesh.shape[-3:])
-    batch = positions.shape[0]
     lo, hi, frac = _stencil(positions, shape, tuple(offset), periodic, "cic_readout_reference")
     index, weight = _corners(lo, hi, frac, shape)
-    channels_mesh = mesh if mesh.dim() == 5 else mesh.unsqueeze(1)
-    flat = channels_mesh.reshape(batch, channels_mesh.shape[1], -1)  # (B, C, cells)
-    # gathered[k, b, c, n] = flat[b, c, index[k, b, n]]
-    gathered = torch.stack(
-        [torch.gather(flat, 2, index[k].unsqueeze(1).expand(-1, flat.shape[1], -1)) for k in range(8)]
-    )
+    gathered = _gather_corners(mesh, index)  # (8, B, C, N)
     values = (gathered * weight.unsqueeze(2)).sum(0).transpose(1, 2)  # (B, N, C)
     return values if mesh.dim() == 5 else values.squeeze(-1)
 
@@ -138,26 +140,18 @@ def cic_position_gradient_reference(
     batch = positions.shape[0]
     lo, hi, _ = _stencil(positions.detach(), shape, tuple(offset), periodic, "cic_position_gradient_reference", check=False)
     frac = positions - torch.floor(positions.detach())
-    channels_mesh = mesh if mesh.dim() == 5 else mesh.unsqueeze(1)
-    flat = channels_mesh.reshape(batch, channels_mesh.shape[1], -1)
+    index, _ = _corners(lo, hi, frac, shape)
     if values is None:
         v = positions.new_ones(batch, positions.shape[1], 1)
     else:
         v = values if values.dim() == 3 else values.unsqueeze(-1)
+    # sum over channels of value * mesh at each corner: (8, B, N)
+    weighted = (_gather_corners(mesh, index) * v.transpose(1, 2).unsqueeze(0)).sum(2)
     gradient = torch.zeros_like(positions)
-    _, ny, nz = shape
-    for a in (0, 1):
-        for b in (0, 1):
-            for c in (0, 1):
-                corner = (a, b, c)
-                nodes = [(hi if s else lo)[..., d] for d, s in enumerate(corner)]
-                index = (nodes[0] * ny + nodes[1]) * nz + nodes[2]
-                gathered = torch.gather(flat, 2, index.unsqueeze(1).expand(-1, flat.shape[1], -1))
-                s = (gathered.transpose(1, 2) * v).sum(-1)  # (B, N)
-                u = [frac[..., d] if corner[d] else 1 - frac[..., d] for d in range(3)]
-                sign = [1.0 if corner[d] else -1.0 for d in range(3)]
-                dw = torch.stack(
-                    [sign[0] * u[1] * u[2], u[0] * sign[1] * u[2], u[0] * u[1] * sign[2]], -1
-                )
-                gradient = gradient + s.unsqueeze(-1) * dw
+    corners = [(a, b, c) for a in (0, 1) for b in (0, 1) for c in (0, 1)]  # the order of _corners
+    for k, corner in enumerate(corners):
+        u = [frac[..., d] if corner[d] else 1 - frac[..., d] for d in range(3)]
+        sign = [1.0 if corner[d] else -1.0 for d in range(3)]
+        dw = torch.stack([sign[0] * u[1] * u[2], u[0] * sign[1] * u[2], u[0] * u[1] * sign[2]], -1)
+        gradient = gradient + weighted[k].unsqueeze(-1) * dw
     return gradient
