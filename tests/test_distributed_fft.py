@@ -216,6 +216,10 @@ def case_layout(grid, ctx):
         for other in all_coords(grid):
             assert d.real_block(other) == expected_layout(shape, grid, other)[0]
             assert d.fourier_block(other) == expected_layout(shape, grid, other)[1]
+        whole = global_random((2, *shape), 7)
+        assert torch.equal(d.local_real_part(whole), whole[real_slices(shape, grid, coords)])
+        whole_k = torch.fft.rfftn(whole, dim=(-3, -2, -1))
+        assert torch.equal(d.local_fourier_part(whole_k), whole_k[fourier_slices(shape, grid, coords)])
 
 
 def case_fft(grid, ctx):
