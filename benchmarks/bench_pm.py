@@ -38,7 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torchpm  # noqa: E402
-from torchpm.pm import kick_drift_kick, multiply_real, stack_products, step_factors  # noqa: E402
+from torchpm.fourier import multiply_real, stack_products
+from torchpm.pm import kick_drift_kick, step_factors  # noqa: E402
 
 
 class PeakMemory:

@@ -8,7 +8,8 @@ import torch
 import torchpm
 from torchpm.cosmology import growth_table
 from torchpm.mesh import LocalMesh
-from torchpm.pm import FourierKernels, compute_forces, gradient_inverse_laplacian, kick_drift_kick, step_factors
+from torchpm.fourier import FourierKernels, gradient_inverse_laplacian
+from torchpm.pm import compute_forces, kick_drift_kick, step_factors
 
 
 def _wave(shape, axis, n, dtype=torch.float64, device="cpu"):

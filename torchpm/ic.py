@@ -27,7 +27,7 @@ import torch
 
 from .cosmology import Cosmology, GrowthValues
 from .mesh import as_shape
-from .pm import FourierKernels, gradient_inverse_laplacian, multiply_real, stack_products
+from .fourier import FourierKernels, gradient_inverse_laplacian, multiply_real, stack_products
 
 __all__ = ["white_noise", "linear_field", "lpt_displacements", "lpt_initial_state", "check_finite"]
 

@@ -20,7 +20,8 @@ from .ic import (
     white_noise as make_white_noise,
 )
 from .mesh import LocalMesh, as_box_size, as_shape
-from .pm import FourierKernels, compute_forces, kick_drift_kick, step_factors
+from .fourier import FourierKernels
+from .pm import compute_forces, kick_drift_kick, step_factors
 
 __all__ = ["Simulation", "SimulationState"]
 
@@ -33,11 +34,14 @@ class SimulationState(NamedTuple):
         momenta: ``(B, N, 3)`` ``p = a^3 E dx/da`` in Mpc/h (``H0 = 1``); the peculiar
             velocity in km/s is ``100 p / a``.
         a: the scale factor (float).
+        ids: ``(B, N)`` int64, each particle's Lagrangian index ``(i * ny + j) * nz + k``
+            on the global particle grid; ``-1`` marks an empty (padding) slot.
     """
 
     positions: torch.Tensor
     momenta: torch.Tensor
     a: float
+    ids: torch.Tensor | None = None
 
 
 def _scale_factors(a_start, steps, a_end) -> list[float]:

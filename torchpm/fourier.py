@@ -1,0 +1,158 @@
+"""Fourier-space kernels of a mesh: gradient, inverse Laplacian, compensation, and the
+products that apply them to a complex field without copies.
+
+Used by the initial conditions (:mod:`torchpm.ic`), the forces (:mod:`torchpm.pm`) and
+anything else that works in Fourier space. Wavenumbers ``w = 2 pi fftfreq(n)`` are in
+radians per cell; with cell sizes ``c_i`` (Mpc/h) the physical wavevector is
+``k_i = w_i / c_i`` (h/Mpc). Kernels are built in physical units, so a mesh whose
+cells are not cubes is handled correctly. Everything is written in terms of the
+mesh's :meth:`wavevectors`, never the axis order of the complex block, so it runs
+unchanged on a distributed (transposed) Fourier layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "FourierKernels",
+    "gradient_inverse_laplacian",
+    "multiply_real",
+    "stack_products",
+    "GRADIENTS",
+    "LAPLACIANS",
+]
+
+GRADIENTS = ("fd4", "exact")
+LAPLACIANS = ("exact", "fd")
+
+
+class FourierKernels:
+    """Fourier-space kernels of one mesh, built once and reused every step.
+
+    Args:
+        mesh: a :class:`torchpm.mesh.LocalMesh` (or the distributed equivalent).
+        cell_size: 3 cell sizes in Mpc/h.
+        gradient: ``"fd4"`` (4-point finite difference, the FastPM default) or
+            ``"exact"`` (``i k``, Nyquist zeroed).
+        laplacian: ``"exact"`` (``-1/k^2``) or ``"fd"`` (3-point finite difference).
+        cic_compensation: divide by the CIC window ``prod_i sinc(w_i/2pi)^2``.
+        dtype, device: of the kernels (real dtype of the fields).
+
+    Attributes:
+        gradient: ``(g_x, g_y, g_z)``, complex, ``i g_i / c_i`` in h/Mpc, each
+            broadcasting against the complex block like :meth:`mesh.wavevectors`.
+        inverse_laplacian: real, ``1/k_eff^2`` in (Mpc/h)^2 (0 at k = 0), times the
+            CIC compensation when asked for; ``-gradient * inverse_laplacian``
+            is ``-G L``, i.e. ``-grad (grad^2)^-1``.
+        k_magnitude: ``|k|`` in h/Mpc (exact), real, broadcastable like the block.
+    """
+
+    def __init__(
+        self,
+        mesh,
+        cell_size: Sequence[float],
+        *,
+        gradient: str = "fd4",
+        laplacian: str = "exact",
+        cic_compensation: bool = False,
+        dtype=torch.float32,
+        device=None,
+    ):
+        if gradient not in GRADIENTS:
+            raise ValueError(f"`gradient` must be one of {GRADIENTS}, got {gradient!r}")
+        if laplacian not in LAPLACIANS:
+            raise ValueError(f"`laplacian` must be one of {LAPLACIANS}, got {laplacian!r}")
+        self.mesh = mesh
+        self.cell_size = tuple(float(c) for c in cell_size)
+        self.options = dict(gradient=gradient, laplacian=laplacian, cic_compensation=bool(cic_compensation))
+        # Built in float64, stored in the field dtype.
+        w = mesh.wavevectors(dtype=torch.float64, device=device)
+        complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+        gradients = []
+        k_squared = 0.0
+        k_squared_fd = 0.0
+        for axis, (wi, ci) in enumerate(zip(w, self.cell_size)):
+            if gradient == "exact":
+                n = mesh.global_shape[axis]
+                # The Nyquist mode of an even axis has no sign: its derivative is zeroed.
+                g = torch.where((wi.abs() - math.pi).abs() < 1e-9, torch.zeros_like(wi), wi) if n % 2 == 0 else wi
+            else:
+                g = (8.0 * torch.sin(wi) - torch.sin(2.0 * wi)) / 6.0
+            gradients.append((1j * g / ci).to(complex_dtype))
+            k_squared = k_squared + (wi / ci) ** 2
+            k_squared_fd = k_squared_fd + (2.0 * torch.sin(wi / 2.0) / ci) ** 2
+        self.gradient = tuple(gradients)
+        self.k_magnitude = torch.sqrt(k_squared).to(dtype)
+        k_eff = k_squared if laplacian == "exact" else k_squared_fd
+        inverse = torch.where(k_eff > 0, 1.0 / torch.where(k_eff > 0, k_eff, 1.0), 0.0)
+        if cic_compensation:
+            window = 1.0
+            for wi in w:
+                window = window * torch.sinc(wi / (2.0 * math.pi)) ** 2
+            inverse = inverse / window
+        # Stored repeated on a last axis of 2, to multiply the real view of a complex
+        # block contiguously (faster than a stride-0 broadcast); the plain kernel is
+        # a view of it, not a second copy of a mesh-sized tensor.
+        self.inverse_laplacian_pair = inverse.to(dtype).unsqueeze(-1).expand(*inverse.shape, 2).contiguous()
+        self.inverse_laplacian = self.inverse_laplacian_pair[..., 0]
+        self.dtype = dtype
+
+    def to(self, device) -> "FourierKernels":
+        """The same kernels on ``device`` (rebuilt there)."""
+        return FourierKernels(self.mesh, self.cell_size, dtype=self.dtype, device=device, **self.options)
+
+    @property
+    def device(self):
+        return self.inverse_laplacian.device
+
+
+def multiply_real(field_k: torch.Tensor, kernel, paired: bool = False) -> torch.Tensor:
+    """``field_k * kernel`` for a complex field and a real kernel, without promoting the
+    kernel to a complex copy (the product runs on the real view). ``paired``: the kernel
+    already has a trailing axis of 2 (real and imaginary parts get the same factor)."""
+    kernel = torch.as_tensor(kernel, device=field_k.device)
+    if not paired:
+        kernel = kernel.unsqueeze(-1)
+    return torch.view_as_complex(torch.view_as_real(field_k) * kernel)
+
+
+def stack_products(field_k: torch.Tensor, factors) -> torch.Tensor:
+    """``torch.stack([field_k * f for f in factors], dim=1)``.
+
+    Without autograd the products are written straight into one buffer (no stack copy).
+    """
+    needs_graph = torch.is_grad_enabled() and (
+        field_k.requires_grad or any(isinstance(f, torch.Tensor) and f.requires_grad for f in factors)
+    )
+    if needs_graph:
+        return torch.stack([field_k * f for f in factors], dim=1)
+    out = field_k.new_empty(field_k.shape[0], len(factors), *field_k.shape[1:])
+    for index, factor in enumerate(factors):
+        torch.mul(field_k, factor, out=out[:, index])
+    return out
+
+
+def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, scale=None, gradient=None) -> torch.Tensor:
+    """``-grad grad^-2`` of a field given in Fourier space, in real space.
+
+    Args:
+        field_k: ``(B, *local_fourier_shape)`` complex (the DFT of a dimensionless field).
+        kernels: the :class:`FourierKernels` of the mesh.
+        scale: optional real factor (tensor broadcastable against ``field_k``, or
+            a number) applied to the potential, e.g. a force-correction filter.
+        gradient: optional replacement for ``kernels.gradient`` (e.g. the same
+            kernels times per-axis constants; they are 1-d, so this is free).
+
+    Returns:
+        ``(B, 3, *local_real_shape)``: component ``i`` is ``-d_i (grad^2)^-1 field``
+        in Mpc/h (divide by the cell size for mesh units).
+    """
+    potential = multiply_real(field_k, kernels.inverse_laplacian_pair, paired=True)
+    if scale is not None:
+        potential = multiply_real(potential, scale)
+    # -d_i grad^-2 = -(i g_i)(-1/k^2) = +(i g_i) / k^2
+    return kernels.mesh.irfftn(stack_products(potential, gradient or kernels.gradient))
