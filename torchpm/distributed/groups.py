@@ -108,6 +108,30 @@ class _SumOverGrid(torch.autograd.Function):
         return grad, None
 
 
+class _ReplicatedInput(torch.autograd.Function):
+    """Identity whose backward sums the gradient over the grid.
+
+    For a tensor that every rank holds the same copy of (a cosmological parameter, a
+    network weight) and uses in its own part of a distributed computation: each rank's
+    backward yields only its part's contribution, and the sum is the gradient of the
+    whole computation, which every rank then holds.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, groups):
+        ctx.groups = groups
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        for group in ctx.groups:
+            dist.all_reduce(grad, group=group)
+        return grad, None
+
+
 class GridGroups:
     """The two axes of a process grid and the grid-wide operations built on them."""
 
@@ -156,6 +180,15 @@ class GridGroups:
             dist.all_reduce(result, op=reduce_op, group=group)
         return result
 
+    def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` for use in a distributed computation when every rank holds the same
+        copy: the identity, whose backward sums the gradient over the grid, so every rank
+        receives the full gradient (see :class:`_ReplicatedInput`). Identity on a 1 x 1 grid."""
+        groups = self._groups()
+        if not groups or not tensor.requires_grad:
+            return tensor
+        return _ReplicatedInput.apply(tensor, groups)
+
     def all_gather_counts(self, values: Sequence[int], device=None) -> torch.Tensor:
         """``(grid size, len(values))`` int64: every rank's ``values``, row ``r0 * P1 + r1``."""
         table = torch.zeros(self.size, len(values), dtype=torch.int64, device=device)
@@ -166,18 +199,25 @@ class GridGroups:
         """Raise ``exception`` on every rank when any rank passes a non-empty ``error``.
 
         Collective: each rank reports whether it failed (one small all-reduce), so a
-        rank whose input is bad cannot leave the others waiting in a collective. The
-        message names the failing ranks and repeats this rank's own error, or says
-        that another rank failed.
+        rank whose input is bad cannot leave the others waiting in a collective. On
+        failure the ranks exchange their messages, and every rank raises with all of
+        them, each naming its rank.
         """
-        if not self._groups():
+        groups = self._groups()
+        if not groups:
             if error:
                 raise exception(error)
             return
         failed = self.all_gather_counts([1 if error else 0], device=device).reshape(-1)
-        if bool(failed.any()):
-            ranks = [int(r) for r in torch.nonzero(failed).reshape(-1).tolist()]
-            where = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of the {self.shape[0]} x {self.shape[1]} grid"
-            if error:
-                raise exception(f"{error} (failed on {where})")
-            raise exception(f"another rank failed ({where}); see its error. Every rank raises together.")
+        if not bool(failed.any()):
+            return
+        import torch.distributed as dist
+
+        messages = [(self.rank, error)] if error else []
+        for group in groups:
+            parts = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, messages, group=group)
+            messages = [item for part in parts for item in part]
+        p0, p1 = self.shape
+        text = "; ".join(f"rank {rank} (grid {divmod(rank, p1)}): {message}" for rank, message in sorted(messages))
+        raise exception(f"{text} [every rank of the {p0} x {p1} grid raises this error together]")
