@@ -37,7 +37,7 @@ def case_ids(world_size):
         ids += [f"simulation_b1-{grid}", f"simulation_b2-{grid}", f"gradient_b1-{grid}", f"gradient_b2-{grid}"]
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
-                    f"bad_input-{grid}"]
+                    f"bad_input-{grid}", f"disagreement-{grid}"]
     if world_size > 1:
         ids.append(f"failfast-{GRIDS[world_size][0][0]}x{GRIDS[world_size][0][1]}")  # last: breaks its groups
     return ids
@@ -145,10 +145,11 @@ def case_simulation_b2(grid, ctx):
     _compare_runs(grid, ctx, 2)
 
 
-def _compare_gradients(grid, ctx, batch):
+def _compare_gradients(grid, ctx, batch, checkpoint=False):
     import torchpm
 
-    serial, distributed = simulations(grid, ctx)
+    serial, _ = simulations(grid, ctx)
+    _, distributed = simulations(grid, ctx, checkpoint=checkpoint)
     field = global_random((batch, *serial.mesh_shape), 5)  # fixed random field of the loss
     results = []
     for sim in (serial, distributed):
@@ -170,7 +171,8 @@ def case_gradient_b1(grid, ctx):
 
 
 def case_gradient_b2(grid, ctx):
-    _compare_gradients(grid, ctx, 2)
+    # with checkpointing: the recomputed steps migrate again in the backward pass
+    _compare_gradients(grid, ctx, 2, checkpoint=True)
 
 
 # ----------------------------------------------------------------------------
@@ -332,6 +334,19 @@ def case_bad_input(grid, ctx):
         assert "white_noise" in str(error) and "rank 0" in str(error), str(error)
     else:
         raise AssertionError("non-finite white noise on rank 0 did not raise everywhere")
+
+
+def case_disagreement(grid, ctx):
+    """Ranks building decompositions of different meshes: every rank raises, none aborts."""
+    from torchpm.distributed import PencilDecomposition
+
+    shape = (8, 8, 8) if ctx["rank"] == 0 else (8, 8, 9)
+    try:
+        PencilDecomposition(shape, ctx["groups"][grid])
+    except ValueError as error:
+        assert "disagree" in str(error) and "(8, 8, 9)" in str(error), str(error)
+    else:
+        raise AssertionError("decompositions of different meshes were accepted")
 
 
 def case_failfast(grid, ctx):

@@ -113,6 +113,26 @@ class PencilDecomposition:
         self.fourier_shape = self.layout.fourier_shape
         self.local_real_shape, self.local_real_offset = self.real_block(self.grid_coords)
         self.local_fourier_shape, self.local_fourier_offset = self.fourier_block(self.grid_coords)
+        self._check_agreement()
+
+    def _check_agreement(self):
+        """Every rank of the grid must describe the same mesh: a rank with another global
+        shape would exchange messages of other sizes, which gloo answers by aborting a
+        process or returning wrong numbers. One small all-reduce at construction; every
+        rank raises the same error."""
+        if self.is_local:
+            return
+        mine = [*self.global_shape, *self.grid_shape]
+        table = self.grid.all_gather_counts(mine)
+        if bool((table != table[0]).any()):
+            rows = "; ".join(
+                f"rank {rank}: global shape {tuple(row[:3])}, grid {tuple(row[3:])}"
+                for rank, row in enumerate(table.tolist())
+            )
+            raise ValueError(
+                f"PencilDecomposition: the ranks disagree on the mesh ({rows}); every rank must build the "
+                "decomposition with the same `global_shape` on the same process grid"
+            )
 
     # ------------------------------------------------------------------ layout
 
