@@ -254,6 +254,14 @@ def case_migration(grid, ctx):
         # The reverse path brings values back to their slots.
         back = plan.gather(attribute)
         assert back.shape[1] == moved.shape[1]
+        if round_ % 50 == 49:
+            # Routing by explicit destination: every particle back to the rank that made it.
+            home = torch.where(ids >= 10_000, ids - 10_000, ids) // per_rank
+            home = torch.where(ids >= 0, home, torch.zeros_like(home))
+            _, positions, ids = mesh.migrate(positions, ids, destination=home)
+            mine = ids[ids >= 0]
+            mine = torch.where(mine >= 10_000, mine - 10_000, mine) // per_rank
+            assert bool((mine == rank).all()) and int((ids >= 0).sum()) == batch * per_rank, "routing home"
 
 
 def case_migration_gradcheck(grid, ctx):

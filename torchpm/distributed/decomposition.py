@@ -403,7 +403,7 @@ class PencilDecomposition:
     # -------------------------------------------------------------- particles
 
     def migrate(self, positions: torch.Tensor, ids: torch.Tensor, *attributes: torch.Tensor,
-                capacity: int | None = None):
+                capacity: int | None = None, destination: torch.Tensor | None = None):
         """Move particles to the rank that owns their position (wrapped along split axes).
 
         Args:
@@ -411,6 +411,8 @@ class PencilDecomposition:
             ids: ``(B, n)`` int64 particle ids, ``-1`` for empty slots.
             attributes: more per-particle tensors ``(B, n, ...)`` to move along.
             capacity: most slots per batch member on a rank afterwards (None: grow as needed).
+            destination: optional ``(B, n)`` int64 grid rank (``r0 * P1 + r1``) to send each
+                particle to instead of the owner of its position.
 
         Returns:
             ``(plan, positions, ids, *attributes)``; ``plan.exchange`` moves any
@@ -429,7 +431,7 @@ class PencilDecomposition:
         debug = _particles.debug_checks()
         before = (ids >= 0).sum(1) if debug else None
         plan, positions, ids = _particles.migrate(
-            self.layout, self.grid, positions, ids, capacity=capacity, corner=corner
+            self.layout, self.grid, positions, ids, capacity=capacity, corner=corner, destination=destination
         )
         moved = [plan.exchange(a) for a in attributes]
         if debug:

@@ -160,7 +160,7 @@ def _status_error(table, grid: GridGroups, capacity, what):
 
 
 def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids: torch.Tensor, *,
-            capacity: int | None = None, corner=(0.0, 0.0, 0.0)):
+            capacity: int | None = None, corner=(0.0, 0.0, 0.0), destination: torch.Tensor | None = None):
     """Move particles to the ranks that own their positions.
 
     Args:
@@ -169,6 +169,9 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         ids: ``(B, n)`` int64, ``-1`` for empty slots.
         capacity: most slots per batch member a rank may hold afterwards (None: no limit).
         corner: position given to empty slots (a point inside this rank's block).
+        destination: optional ``(B, n)`` int64 grid rank ``r0 * P1 + r1`` to send each
+            particle to, instead of the owner of its position (e.g. to bring values
+            back to where they started).
 
     Returns:
         ``(plan, positions, ids)``: the plan, and the wrapped, moved positions and ids
@@ -189,9 +192,12 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         bad = int((valid & ~torch.isfinite(positions.detach()).all(-1)).sum()) if first else 0
         plane = torch.where(finite, plane, torch.zeros_like(plane)).to(torch.int64)
         plane = plane.clamp_(0, layout.global_shape[axis] - 1)  # only non-finite positions are affected
-        destination = layout.owner(plane, axis)
+        if destination is None:
+            target_coords = layout.owner(plane, axis)
+        else:
+            target_coords = destination // grid.shape[1] if axis == 0 else destination % grid.shape[1]
         member = torch.arange(batch, device=ids.device).unsqueeze(1).expand(batch, count)
-        key = torch.where(valid, destination * batch + member, torch.full_like(destination, size * batch))
+        key = torch.where(valid, target_coords * batch + member, torch.full_like(target_coords, size * batch))
         key = key.reshape(-1)
         order = torch.argsort(key, stable=True)
         counts = torch.bincount(key, minlength=size * batch + 1)[: size * batch].view(size, batch)
@@ -224,6 +230,8 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         stages.append(stage)
         positions = stage.forward(positions)
         ids = stage.forward(ids.unsqueeze(-1), fill=-1).squeeze(-1)
+        if destination is not None:
+            destination = stage.forward(destination.unsqueeze(-1), fill=-1).squeeze(-1)
         count = count_out
         first = False
     # Without split axes nothing moves; the (periodic) mass-assignment ops reject
