@@ -22,6 +22,7 @@ from .ic import (
 from .mesh import LocalMesh, as_box_size, as_shape
 from .fourier import FourierKernels
 from .pm import compute_forces, kick_drift_kick, step_factors
+from .adjoint import adjoint_integrate
 
 __all__ = ["Simulation", "SimulationState"]
 
@@ -105,7 +106,11 @@ class Simulation(nn.Module):
             (``k``: ``|k|`` mesh in h/Mpc, ``a``: 0-d tensor) multiplying the potential.
         dtype: of particles and fields (float32 default; the background is float64).
         checkpoint: recompute each step in the backward pass instead of keeping its
-            intermediate meshes, so memory does not grow with the number of steps.
+            intermediate meshes (the state at every step boundary is still kept).
+        adjoint: compute gradients by the adjoint method (:mod:`torchpm.adjoint`): the
+            backward pass integrates backwards in time, so memory does not grow with
+            the number of steps. Gradients reach the white noise, the cosmology's
+            tensors and an ``nn.Module`` force correction's parameters.
 
     ``forward(white_noise)`` returns a :class:`SimulationState` in Mpc/h. Shapes:
     white noise ``(B, nx, ny, nz)`` (or without the batch axis), positions and
@@ -131,6 +136,7 @@ class Simulation(nn.Module):
         force_correction: Callable | None = None,
         dtype: torch.dtype = torch.float32,
         checkpoint: bool = False,
+        adjoint: bool = False,
     ):
         super().__init__()
         self.particle_shape = as_shape(n_particles, "n_particles")
@@ -160,6 +166,7 @@ class Simulation(nn.Module):
         # An nn.Module correction becomes a submodule: .to() moves it, .parameters() lists it.
         self.force_correction = force_correction
         self.checkpoint = bool(checkpoint)
+        self.adjoint = bool(adjoint)
         self.kernel_options = dict(gradient=gradient, laplacian=laplacian)
         self.cic_compensation = bool(cic_compensation)
 
@@ -332,6 +339,11 @@ class Simulation(nn.Module):
         factors = step_factors(
             table, torch.tensor(self.scale_factors, dtype=torch.float64), self.integrator
         )
+        if self.adjoint and torch.is_grad_enabled():
+            positions, momenta, _ = adjoint_integrate(
+                positions, momenta, factors, self.forces, self._adjoint_parameters(), callback=callback
+            )
+            return positions, momenta
         forces = self.forces(positions, factors[0].a_start)
         for number, factor in enumerate(factors, start=1):
             if self.checkpoint and torch.is_grad_enabled():
@@ -343,6 +355,25 @@ class Simulation(nn.Module):
             if callback is not None:
                 callback(number, float(factor.a_end))
         return positions, momenta
+
+    def _adjoint_parameters(self) -> list:
+        """The tensors the forces depend on that need gradients (for :mod:`torchpm.adjoint`)."""
+        parameters = [t for t in self.cosmology.parameters().values() if t.requires_grad]
+        correction = self.force_correction
+        if isinstance(correction, nn.Module):
+            parameters += [p for p in correction.parameters() if p.requires_grad]
+        elif correction is not None:
+            # A plain callable may close over tensors the adjoint cannot see: refuse
+            # rather than silently drop their gradients.
+            kernels = self.kernels("force")
+            probe = correction(kernels.k_magnitude, torch.tensor(self.a_start, dtype=self.dtype, device=self.device))
+            if isinstance(probe, torch.Tensor) and probe.requires_grad:
+                raise ValueError(
+                    "Simulation(adjoint=True): the `force_correction` callable returns a filter that requires "
+                    "grad, but only an nn.Module's parameters are visible to the adjoint; wrap the callable "
+                    "in an nn.Module holding its tensors as parameters"
+                )
+        return parameters
 
     # ------------------------------------------------------------------------------
     def to_physical(self, positions, momenta, a) -> SimulationState:
