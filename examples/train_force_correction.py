@@ -45,8 +45,8 @@ from torchpm.nn import CICPaint, NeuralSplineCorrection, PowerSpectrum, save_wei
 
 @dataclass
 class Config:
-    particles: int = 32  # per side
-    box_size: float = 128.0  # Mpc/h
+    particles: int = 24  # per side
+    box_size: float = 96.0  # Mpc/h
     steps: int = 10  # cheap runs, linear in a from a_start to 1
     mesh_factor: int = 1  # cheap runs
     reference_steps: int = 40
@@ -55,7 +55,7 @@ class Config:
     train_seeds: int = 4  # per process
     test_seeds: int = 2
     batch: int = 2
-    iterations: int = 120
+    iterations: int = 100
     learning_rate: float = 1e-2
     position_weight: float = 0.1
     knots: int = 12
@@ -67,6 +67,7 @@ class Config:
 SIZES = {
     "small": Config(),
     "large": Config(particles=64, box_size=256.0, train_seeds=8, test_seeds=4, batch=4, iterations=300),
+    "medium": Config(particles=32, box_size=128.0, iterations=150),
     "tiny": Config(particles=8, box_size=64.0, steps=4, reference_steps=8, reference_mesh_factor=2,
                    train_seeds=2, test_seeds=1, batch=2, iterations=4, knots=6, hidden=(8,), dtype="float64"),
 }

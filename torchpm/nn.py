@@ -180,19 +180,27 @@ class PowerSpectrum(nn.Module):
         )
 
 
-def _cubic_bspline(k: torch.Tensor, coefficients: torch.Tensor, k_max: float) -> torch.Tensor:
+def _bspline_taps(k: torch.Tensor, knots: int, k_max: float):
+    """Where each ``k`` falls among ``knots`` control points spread evenly over
+    ``[0, k_max]`` (``k`` clamped to that range): the index of the first of the 4
+    control points of its cubic B-spline segment (into the end-padded control points)
+    and the 4 weights, ``(4, *k.shape)``."""
+    t = torch.clamp(k / k_max, 0.0, 1.0) * (knots - 1)
+    index = torch.clamp(torch.floor(t), max=knots - 2).long()
+    u = t - index
+    u2, u3 = u * u, u * u * u
+    weights = torch.stack(((1 - u) ** 3 / 6, (3 * u3 - 6 * u2 + 4) / 6, (-3 * u3 + 3 * u2 + 3 * u + 1) / 6, u3 / 6))
+    return index, weights
+
+
+def _cubic_bspline(k: torch.Tensor, coefficients: torch.Tensor, k_max: float, taps=None) -> torch.Tensor:
     """Uniform cubic B-spline with control points ``coefficients`` (``n >= 2``) spread
     evenly over ``[0, k_max]``, evaluated at ``k`` (clamped to that range). The end
     control points are repeated, so the curve is flat beyond ``k_max``; zero control
-    points give exactly zero."""
-    n = coefficients.shape[-1]
-    t = torch.clamp(k / k_max, 0.0, 1.0) * (n - 1)
-    index = torch.clamp(torch.floor(t), max=n - 2).long()
-    u = t - index
+    points give exactly zero. ``taps``: :func:`_bspline_taps` of ``k``, if known."""
+    index, weights = taps if taps is not None else _bspline_taps(k, coefficients.shape[-1], k_max)
     padded = torch.cat([coefficients[:1], coefficients, coefficients[-1:], coefficients[-1:]])
-    u2, u3 = u * u, u * u * u
-    weights = ((1 - u) ** 3 / 6, (3 * u3 - 6 * u2 + 4) / 6, (-3 * u3 + 3 * u2 + 3 * u + 1) / 6, u3 / 6)
-    return sum(w * padded[index + j] for j, w in enumerate(weights))
+    return sum(weights[j] * padded[index + j] for j in range(4))
 
 
 class NeuralSplineCorrection(nn.Module):
@@ -246,6 +254,7 @@ class NeuralSplineCorrection(nn.Module):
         nn.init.zeros_(last.weight)
         nn.init.zeros_(last.bias)
         self.network = nn.Sequential(*layers, last)
+        self._taps_cache = None
         reference = last.weight
         self.register_buffer(
             "condition_values", torch.zeros(conditions, dtype=reference.dtype, device=reference.device), persistent=False
@@ -267,9 +276,20 @@ class NeuralSplineCorrection(nn.Module):
         inputs = torch.cat([a, self.condition_values.to(reference.dtype)])
         return self.network(inputs)
 
+    def _taps(self, k: torch.Tensor):
+        # A simulation passes the same |k| mesh at every step: its spline taps are
+        # computed once and reused while it is the same, unmodified tensor object (the
+        # cache holds a reference to it, so its memory cannot be reused by another k).
+        if k.requires_grad or torch.compiler.is_compiling():
+            return None
+        cache = self._taps_cache
+        if cache is None or cache[0] is not k or cache[1] != k._version:
+            cache = self._taps_cache = (k, k._version, _bspline_taps(k, self.knots, self.k_max))
+        return cache[2]
+
     def forward(self, k: torch.Tensor, a) -> torch.Tensor:
         coefficients = self.control_points(a).to(k.dtype)
-        return 1.0 + _cubic_bspline(k, coefficients, self.k_max)
+        return 1.0 + _cubic_bspline(k, coefficients, self.k_max, self._taps(k))
 
     def extra_repr(self) -> str:
         return f"k_max={self.k_max:.4g}, knots={self.knots}, conditions={self.conditions}"
