@@ -15,8 +15,8 @@ CU_OBJECTS := $(patsubst csrc/%.cu,.cuda-check/%.o,$(CU_SOURCES))
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
-	@$(PYTHON) -c "import numpy, pytest, tqdm, matplotlib" 2>/dev/null || \
-		$(PYTHON) -m pip install numpy pytest tqdm matplotlib
+	@$(PYTHON) -c "import numpy, pytest, tqdm, matplotlib, safetensors" 2>/dev/null || \
+		$(PYTHON) -m pip install numpy pytest tqdm matplotlib safetensors
 
 # Independent codes the physics is validated against (tests only).
 test-deps: deps

@@ -23,6 +23,7 @@ from .distributed.layout import balanced_grid
 from .mesh import LocalMesh, as_box_size, as_shape
 from .fourier import FourierKernels
 from .pm import StepFactors, compute_forces, step_factors
+from .adjoint import adjoint_integrate
 
 __all__ = ["Simulation", "SimulationState"]
 
@@ -156,7 +157,13 @@ class Simulation(nn.Module):
             (``k``: ``|k|`` mesh in h/Mpc, ``a``: 0-d tensor) multiplying the potential.
         dtype: of particles and fields (float32 default; the background is float64).
         checkpoint: recompute each step in the backward pass instead of keeping its
-            intermediate meshes, so memory does not grow with the number of steps.
+            intermediate meshes (the state at every step boundary is still kept).
+        adjoint: compute gradients by the adjoint method (:mod:`torchpm.adjoint`): the
+            backward pass integrates backwards in time, so memory does not grow with
+            the number of steps. Gradients reach the white noise, the cosmology's
+            tensors and an ``nn.Module`` force correction's parameters. Works on a
+            process grid too: particles migrate in the backward pass as well, and the
+            gradients return to the ranks and slots the particles started from.
         grid: ``(P0, P1)`` process grid to run on, over the default
             ``torch.distributed`` process group (``P0 * P1`` must equal its world
             size); ``"auto"`` for :func:`torchpm.distributed.balanced_grid` of the
@@ -202,6 +209,7 @@ class Simulation(nn.Module):
         force_correction: Callable | None = None,
         dtype: torch.dtype = torch.float32,
         checkpoint: bool = False,
+        adjoint: bool = False,
         grid=None,
         mesh=None,
         particle_capacity: int | None = None,
@@ -234,6 +242,7 @@ class Simulation(nn.Module):
         # An nn.Module correction becomes a submodule: .to() moves it, .parameters() lists it.
         self.force_correction = force_correction
         self.checkpoint = bool(checkpoint)
+        self.adjoint = bool(adjoint)
         self.kernel_options = dict(gradient=gradient, laplacian=laplacian)
         self.cic_compensation = bool(cic_compensation)
 
@@ -563,6 +572,8 @@ class Simulation(nn.Module):
         )[start:stop]
         if not factors:
             return positions, momenta, ids
+        if self.adjoint and torch.is_grad_enabled():
+            return self._evolve_adjoint(positions, momenta, ids, factors, cosmology, callback, start)
         forces = self.forces(positions, factors[0].a_start, ids, cosmology)
         for number, factor in enumerate(factors, start=start + 1):
             if self.checkpoint and torch.is_grad_enabled():
@@ -574,6 +585,79 @@ class Simulation(nn.Module):
             if callback is not None:
                 callback(number, float(factor.a_end))
         return positions, momenta, ids
+
+    def _evolve_adjoint(self, positions, momenta, ids, factors, cosmology, callback, start):
+        """:meth:`evolve` with gradients by the adjoint method (:mod:`torchpm.adjoint`)."""
+        mesh = self.force_mesh
+        step_callback = None if callback is None else (lambda number, a: callback(number + start, a))
+        parameters = self._adjoint_parameters()
+        if mesh.is_local:
+            def local_forces(x, a):
+                return self.forces(x, a, ids, cosmology)
+
+            positions, momenta, _ = adjoint_integrate(
+                positions, momenta, factors, local_forces, parameters, callback=step_callback
+            )
+            return positions, momenta, ids
+        # On a grid the particles migrate after every drift, in the forward pass and
+        # again in the backward pass (by the reconstructed positions). Their layout
+        # (ids, and the rank and slot each started from) travels with them, and the
+        # gradients of the initial state are sent home by destination at the end:
+        # exact whatever the rounding of the reconstruction.
+        start_shape = positions.shape
+        layout = {
+            "ids": ids,
+            "home": torch.full_like(ids, mesh.grid.rank).unsqueeze(-1),
+            "slot": torch.arange(ids.shape[1], device=ids.device).expand_as(ids).unsqueeze(-1),
+        }
+
+        def migrate(x, *payload):
+            _, x, moved_ids, home, slot, *payload = mesh.migrate(
+                x, layout["ids"], layout["home"], layout["slot"], *payload, capacity=self.particle_capacity
+            )
+            layout.update(ids=moved_ids, home=home, slot=slot)
+            return (x, *payload)
+
+        def grid_forces(x, a):
+            return self.forces(x, a, layout["ids"], cosmology)
+
+        def restore(x0, adjoint_x, adjoint_p):
+            _, _, home_ids, slot, adjoint_x, adjoint_p = mesh.migrate(
+                x0, layout["ids"], layout["slot"], adjoint_x, adjoint_p, destination=layout["home"].squeeze(-1)
+            )
+            valid = home_ids >= 0
+            member = torch.arange(valid.shape[0], device=valid.device).unsqueeze(1).expand_as(valid)[valid]
+            index = slot.squeeze(-1)[valid]
+            out_x = adjoint_x.new_zeros(start_shape)
+            out_p = adjoint_p.new_zeros(start_shape)
+            out_x[member, index] = adjoint_x[valid]
+            out_p[member, index] = adjoint_p[valid]
+            return out_x, out_p
+
+        positions, momenta, _ = adjoint_integrate(
+            positions, momenta, factors, grid_forces, parameters,
+            migrate=migrate, restore=restore, callback=step_callback,
+        )
+        return positions, momenta, layout["ids"]
+
+    def _adjoint_parameters(self) -> list:
+        """The tensors the forces depend on that need gradients (for :mod:`torchpm.adjoint`)."""
+        parameters = [t for t in self.cosmology.parameters().values() if t.requires_grad]
+        correction = self.force_correction
+        if isinstance(correction, nn.Module):
+            parameters += [p for p in correction.parameters() if p.requires_grad]
+        elif correction is not None:
+            # A plain callable may close over tensors the adjoint cannot see: refuse
+            # rather than silently drop their gradients.
+            kernels = self.kernels("force")
+            probe = correction(kernels.k_magnitude, torch.tensor(self.a_start, dtype=self.dtype, device=self.device))
+            if isinstance(probe, torch.Tensor) and probe.requires_grad:
+                raise ValueError(
+                    "Simulation(adjoint=True): the `force_correction` callable returns a filter that requires "
+                    "grad, but only an nn.Module's parameters are visible to the adjoint; wrap the callable "
+                    "in an nn.Module holding its tensors as parameters"
+                )
+        return parameters
 
     # ------------------------------------------------------------------------------
     def to_physical(self, positions, momenta, a, ids=None) -> SimulationState:
