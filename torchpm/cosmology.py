@@ -202,7 +202,7 @@ class GrowthValues(NamedTuple):
     a: torch.Tensor
     E: torch.Tensor  # H/H0
     D1: torch.Tensor  # linear growth, 1 at a = 1
-    D2: torch.Tensor  # second-order growth, 1 at a = 1 (positive; LPT uses 3/7 D2)
+    D2: torch.Tensor  # second-order growth, 1 at a = 1 (positive; 2LPT uses 3/7 D2 or D2_norm D2)
     f1: torch.Tensor  # dlnD1/dlna
     f2: torch.Tensor  # dlnD2/dlna
     Gp: torch.Tensor  # = D1
@@ -222,7 +222,7 @@ class GrowthValues(NamedTuple):
 #   (F1^2)' = 2 s D1 F1 - 2 d F1^2
 # A = _A_ONE + s _A_S + d _A_D. Being linear, one RK step is a 7x7 matrix that depends on
 # the background only, so every step is built at once and chained by a prefix product.
-# (row, column, coefficient) of the entries of A that are constants, times s and times d.
+# Entries are (row, column, coefficient): the constant part, the factors of s and of d.
 _A_ONE = ((0, 1, 1.0), (2, 3, 1.0), (4, 5, 2.0), (5, 6, 1.0))
 _A_S = ((1, 0, 1.0), (3, 2, 1.0), (3, 4, -1.0), (5, 4, 1.0), (6, 5, 2.0))
 _A_D = ((1, 1, -1.0), (3, 3, -1.0), (5, 5, -1.0), (6, 6, -2.0))
@@ -230,10 +230,11 @@ _A_D = ((1, 1, -1.0), (3, 3, -1.0), (5, 5, -1.0), (6, 6, -2.0))
 
 def _system_matrix(s: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """``A`` of the linear growth system at each sample: ``(..., 7, 7)``."""
-    patterns = torch.zeros(3, 7, 7, dtype=torch.float64, device=s.device)
+    patterns = torch.zeros(3, 7, 7, dtype=torch.float64)
     for layer, entries in enumerate((_A_ONE, _A_S, _A_D)):
         for i, j, value in entries:
             patterns[layer, i, j] = value
+    patterns = patterns.to(s.device)  # one copy, not 13 writes on an accelerator
     return patterns[0] + s[..., None, None] * patterns[1] + d[..., None, None] * patterns[2]
 
 
@@ -344,10 +345,11 @@ class GrowthTable:
         self.log_a = log_a
         self.values = values
         self.D2_norm = D2_norm
+        self._step = float(log_a[-1] - log_a[0]) / (log_a.numel() - 1)  # a Python float: no sync per lookup
 
     def _interpolate(self, log_a):
         grid = self.log_a
-        step = (grid[-1] - grid[0]) / (grid.numel() - 1)
+        step = self._step
         if bool((log_a < grid[0] - 1e-12).any()) or bool((log_a > grid[-1] + 1e-12).any()):
             raise ValueError(
                 f"growth: scale factor outside the table range [{math.exp(float(grid[0])):.3g}, "
@@ -357,14 +359,14 @@ class GrowthTable:
         index = position.floor().long().clamp(0, grid.numel() - 2)
         t = ((log_a - grid[index]) / step).unsqueeze(-1)
         left, right = self.values[index], self.values[index + 1]  # (..., 2, 3)
-        scale = (1.0, float(step), float(step) ** 2)
+        scale = (1.0, step, step**2)
         basis, slope_basis = _hermite5(t)
         value = 0.0
         slope = 0.0
         for k in range(3):
             value = value + (basis[k] * left[..., k] + basis[k + 3] * right[..., k]) * scale[k]
             slope = slope + (slope_basis[k] * left[..., k] + slope_basis[k + 3] * right[..., k]) * scale[k]
-        return value, slope / float(step)
+        return value, slope / step
 
     def at(self, a) -> GrowthValues:
         """All growth quantities at ``a`` (any shape; float64)."""
