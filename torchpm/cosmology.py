@@ -24,6 +24,7 @@ at ``a = 1``. FastPM's time functions are
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Callable, NamedTuple
 
@@ -423,7 +424,8 @@ def growth_table(cosmology: Cosmology, a_min: float = 1e-3, steps: int | None = 
         raise ValueError(f"growth_table: `a_min` must be in (0, 1), got {a_min}")
     if steps is None:
         steps = max(2, math.ceil(-math.log(a_min) * _STEPS_PER_EFOLD))
-    if isinstance(steps, bool) or not isinstance(steps, (int, float)) or int(steps) != steps or steps < 2:
+    integral = isinstance(steps, numbers.Real) and not isinstance(steps, bool) and math.isfinite(steps)
+    if not integral or int(steps) != steps or steps < 2:
         raise ValueError(f"growth_table: `steps` must be an integer >= 2, got {steps!r}")
     steps = int(steps)
     w_early = float((cosmology.w0 + cosmology.wa).detach())

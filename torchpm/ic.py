@@ -36,7 +36,7 @@ from .cosmology import Cosmology, GrowthValues
 from .mesh import as_shape
 from .fourier import FourierKernels, gradient_inverse_laplacian, multiply_real, stack_products
 
-__all__ = ["white_noise", "linear_field", "lpt_displacements", "lpt_initial_state", "check_finite", "LPT_NORMALISATIONS"]
+__all__ = ["white_noise", "linear_field", "lpt_displacements", "lpt_initial_state", "check_finite"]
 
 LPT_NORMALISATIONS = ("fastpm", "exact")
 
