@@ -183,7 +183,8 @@ def _second_order_terms(normalisation, a_start=0.1):
         for order in (1, 2)
     }
     delta = sims[1].linear_field(sims[1].white_noise(seed=4))
-    (x1, p1), (x2, p2) = (sims[order].lpt(delta) for order in (1, 2))
+    (x1, p1, ids1), (x2, p2, ids2) = (sims[order].lpt(delta) for order in (1, 2))
+    assert torch.equal(ids1, ids2)
     return x2 - x1, p2 - p1
 
 
