@@ -412,7 +412,7 @@ def growth_table(cosmology: Cosmology, a_min: float = 1e-3, steps: int | None = 
     start, 100 times earlier than ``a_min``, is the matter-dominated growing mode with
     its first-order curvature and dark-energy corrections (:func:`_early_growth`), so
     no decaying mode is excited. Measured against an adaptive solver at rtol 1e-12
-    (tests/test_precision.py), D1, D2, f1, f2, Gf, gf and gp are within ~3e-10 at any
+    (tests/test_precision.py), D1, D2, f1, f2, Gf, gf and gp are within ~5e-10 at any
     ``a`` in the range with the default steps. Differentiable in the parameters.
 
     Raises:
