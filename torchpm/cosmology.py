@@ -331,7 +331,7 @@ class GrowthTable:
     """D1, D2 and their first two ``ln a`` derivatives on a grid of ``ln a``, evaluated by
     quintic Hermite interpolation (value, slope and curvature are all known at the
     nodes, from the ODE, so the value error is ``O(h^6)`` and the slope's ``O(h^5)``:
-    with the default grid D1, D2, f1, f2, Gf, gf are within ~1e-10 of a converged
+    with the default grid D1, D2, f1, f2, Gf, gf are within ~5e-10 of a converged
     integration at any ``a`` of the range). Build it with :func:`growth_table`.
 
     Attributes:
