@@ -132,6 +132,38 @@ def test_growth_table_matches_tight_ode_solution(name, a_min):
     assert max(errors.values()) <= 1e-8, errors
 
 
+@pytest.mark.parametrize("name", ["planck15", "open_phantom"])
+def test_kick_and_drift_factors_match_the_ode(name):
+    # The FastPM factors difference Gf and D1 between nearby a (the previous table gave
+    # them to ~1e-4); here from the scipy solution at the nodes and half steps.
+    from torchpm.pm import step_factors
+
+    params = COSMOLOGIES[name]
+    a = np.linspace(0.1, 1.0, 11)
+    half = np.sqrt(a[:-1] * a[1:])
+    points, reference = _reference_growth(params, np.concatenate([a, half]))
+    position = {float(x): i for i, x in enumerate(points)}
+
+    def ref(key, x):
+        return np.array([reference[key][position[float(np.exp(np.log(v)))]] for v in x])
+
+    cosmology = torchpm.Cosmology(**params)
+
+    def E(x):
+        return cosmology.E(torch.tensor(x)).numpy()
+
+    expected = dict(
+        first_kick=(ref("Gf", half) - ref("Gf", a[:-1])) / (a[:-1] ** 2 * E(a[:-1]) * ref("gf", a[:-1])),
+        drift=(ref("D1", a[1:]) - ref("D1", a[:-1])) / (half**3 * E(half) * ref("gp", half)),
+        second_kick=(ref("Gf", a[1:]) - ref("Gf", half)) / (a[1:] ** 2 * E(a[1:]) * ref("gf", a[1:])),
+    )
+    factors = step_factors(growth_table(cosmology), torch.tensor(a))
+    for key, value in expected.items():
+        ours = np.array([float(getattr(f, key)) for f in factors])
+        error = float(np.max(np.abs(ours / value - 1)))
+        assert error <= 1e-8, (key, error)
+
+
 def test_growth_table_convergence_is_what_makes_it_accurate():
     # A coarse table must be measurably worse: the comparison above can fail.
     params = COSMOLOGIES["planck15"]
