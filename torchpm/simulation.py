@@ -11,6 +11,7 @@ from torch import nn
 
 from .cosmology import Cosmology, Planck15, growth_table, resolve_power, PowerTable
 from .ic import (
+    check_lpt_normalisation,
     grid_positions,
     linear_field,
     lpt_displacements,
@@ -150,6 +151,11 @@ class Simulation(nn.Module):
             its result is reused while the cosmology does not change, unless it
             requires grad).
         lpt_order: 1 or 2.
+        lpt_normalisation: 2LPT growth normalisation: ``"fastpm"`` (default, FastPM and
+            JaxPM: ``x = q + D1 Psi1 + 3/7 D2(a)/D2(1) Psi2``, exact only for
+            Omega_m = 1) or ``"exact"`` (pmwd, PM++: ``-D2(a)/D1(1)^2`` with
+            ``D2 -> -3/7 D1^2`` early; 0.85% larger 2LPT term for Planck15). See
+            :mod:`torchpm.ic`.
         integrator: ``"fastpm"`` (growth-corrected kick-drift-kick) or ``"leapfrog"``.
         gradient: ``"fd4"`` (default) or ``"exact"``; laplacian: ``"exact"`` or ``"fd"``.
         cic_compensation: deconvolve the CIC window in the force kernel.
@@ -202,6 +208,7 @@ class Simulation(nn.Module):
         cosmology: Cosmology | None = None,
         power_spectrum="eisenstein_hu",
         lpt_order: int = 2,
+        lpt_normalisation: str = "fastpm",
         integrator: str = "fastpm",
         gradient: str = "fd4",
         laplacian: str = "exact",
@@ -225,6 +232,7 @@ class Simulation(nn.Module):
         if lpt_order not in (1, 2):
             raise ValueError(f"`lpt_order` must be 1 or 2, got {lpt_order!r}")
         self.lpt_order = lpt_order
+        self.lpt_normalisation = check_lpt_normalisation(lpt_normalisation)
         if integrator not in ("fastpm", "leapfrog"):
             raise ValueError(f"`integrator` must be 'fastpm' or 'leapfrog', got {integrator!r}")
         self.integrator = integrator
@@ -496,7 +504,7 @@ class Simulation(nn.Module):
         growth = table.at(torch.tensor(self.a_start, dtype=torch.float64))
         block, offset = self.particle_mesh.local_real_shape, self.particle_mesh.local_real_offset
         q = grid_positions(block, self.mesh_factor, dtype=self.dtype, device=self.device, offset=offset)
-        positions, momenta = lpt_initial_state(psi1, psi2, growth, q, self.cell_size)
+        positions, momenta = lpt_initial_state(psi1, psi2, growth, q, self.cell_size, self.lpt_normalisation)
         ids = self._lagrangian_ids(block, offset).expand(positions.shape[0], -1)
         _, positions, ids, momenta = self.force_mesh.migrate(
             positions, ids, momenta, capacity=self.particle_capacity
