@@ -66,4 +66,4 @@ test-distributed: build
 	$(PYTHON) -m pytest tests/test_distributed_fft.py tests/test_distributed_ops.py
 
 clean:
-	rm -rf build .cuda-check torchpm/_C*.so *.egg-info
+	rm -rf build .cuda-check torchpm/_C*.so torchpm/libtorchpm_ops.so *.egg-info
