@@ -6,9 +6,9 @@
 // Two layers:
 //  * torchpm::ops::*: typed calls of the registered ops through the dispatcher,
 //    exactly what torch.ops.torchpm.* calls from Python: the same schema, device
-//    dispatch and argument checks. They carry no autograd of their own (Python
-//    registers the ops' autograd with torch.library.register_autograd, which a
-//    program without Python never runs).
+//    dispatch and argument checks. They carry no autograd formula in a program
+//    without Python (Python registers the ops' autograd with
+//    torch.library.register_autograd): do not differentiate through them.
 //  * torchpm::cic_paint / torchpm::cic_readout: the same ops wrapped in
 //    torch::autograd::Function, whose backwards call the same ops as Python's
 //    (readout's mesh gradient is paint, both position gradients are
