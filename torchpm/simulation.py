@@ -110,8 +110,7 @@ class Simulation(nn.Module):
         adjoint: compute gradients by the adjoint method (:mod:`torchpm.adjoint`): the
             backward pass integrates backwards in time, so memory does not grow with
             the number of steps. Gradients reach the white noise, the cosmology's
-            tensors and an ``nn.Module`` force correction's parameters. Takes
-            precedence over ``checkpoint``.
+            tensors and an ``nn.Module`` force correction's parameters.
 
     ``forward(white_noise)`` returns a :class:`SimulationState` in Mpc/h. Shapes:
     white noise ``(B, nx, ny, nz)`` (or without the batch axis), positions and
