@@ -13,7 +13,7 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
     ) from error
 
 from . import ops  # noqa: E402
-from .ops import cic_paint, cic_readout  # noqa: E402
+from .ops import cic_paint, cic_readout, paint, readout  # noqa: E402
 
 from . import analysis, cosmology, distributed, fourier, ic, mesh, pm  # noqa: E402
 from .cosmology import Cosmology, Planck15, Planck18, PowerTable, linear_power  # noqa: E402
@@ -29,6 +29,8 @@ def has_cuda_kernels() -> bool:
 
 
 __all__ = [
+    "paint",
+    "readout",
     "cic_paint",
     "cic_readout",
     "has_cuda_kernels",

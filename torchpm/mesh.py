@@ -20,8 +20,9 @@ Interface (what the physics may use, and nothing else):
 * ``wavevectors(dtype, device)``: ``(w_x, w_y, w_z)`` in radians per cell,
   ``2 pi fftfreq(n)`` (``rfftfreq`` along z) of the local Fourier block, each
   shaped to broadcast against the local complex block in its actual layout;
-* ``paint(positions, weights)`` / ``readout(mesh, positions)``: CIC on the
-  local block (the distributed version adds halo and particle exchanges).
+* ``paint(positions, weights, order=...)`` / ``readout(mesh, positions, order=...)``:
+  mass assignment (``"ngp"``, ``"cic"``, ``"tsc"``, ``"pcs"``) on the local block
+  (the distributed version adds halo and particle exchanges).
 
 Fourier kernels must be written in terms of :meth:`wavevectors` only, never by
 assuming the axis order of the complex tensor.
@@ -35,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from .ops import cic_paint, cic_readout
+from .ops import paint, readout
 
 __all__ = ["LocalMesh", "as_box_size", "as_shape"]
 
@@ -153,19 +154,22 @@ class LocalMesh:
             weights[-1] = 1.0
         return weights.view(1, 1, -1)
 
-    def paint(self, positions: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """CIC paint of ``(B, N, 3)`` positions in mesh-cell units onto the local block.
+    def paint(
+        self, positions: torch.Tensor, weights: torch.Tensor | None = None, *, order: str = "cic"
+    ) -> torch.Tensor:
+        """Paint ``(B, N, 3)`` positions in mesh-cell units onto the local block with the
+        mass-assignment window ``order`` (``"ngp"``, ``"cic"``, ``"tsc"``, ``"pcs"``).
 
         Returns ``(B, *local_real_shape)`` (or ``(B, C, ...)`` for ``(B, N, C)`` weights).
         """
-        return cic_paint(
-            positions, weights, self.local_real_shape, offset=self.local_real_offset, periodic=True
+        return paint(
+            positions, weights, self.local_real_shape, order=order, offset=self.local_real_offset, periodic=True
         )
 
-    def readout(self, mesh: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """CIC readout of ``(B, [C,] *local_real_shape)`` at ``(B, N, 3)`` positions:
-        ``(B, N)`` or ``(B, N, C)``."""
-        return cic_readout(mesh, positions, offset=self.local_real_offset, periodic=True)
+    def readout(self, mesh: torch.Tensor, positions: torch.Tensor, *, order: str = "cic") -> torch.Tensor:
+        """Readout of ``(B, [C,] *local_real_shape)`` at ``(B, N, 3)`` positions with the
+        window ``order``: ``(B, N)`` or ``(B, N, C)``."""
+        return readout(mesh, positions, order=order, offset=self.local_real_offset, periodic=True)
 
     def _check_real(self, field, op):
         if field.is_complex() or tuple(field.shape[-3:]) != self.local_real_shape:
