@@ -90,7 +90,7 @@ class FourierKernels:
         if not isinstance(cic_compensation, bool):
             raise TypeError(f"`cic_compensation` must be a bool, got {cic_compensation!r}")
         if window_compensation is not None:
-            window_compensation = ORDER_NAMES[order_number(window_compensation, "window_compensation")]
+            window_compensation = ORDER_NAMES[order_number(window_compensation, "FourierKernels", "window_compensation")]
             if cic_compensation:
                 raise ValueError("pass at most one of `cic_compensation` and `window_compensation`")
         if gradient not in GRADIENTS:

@@ -173,7 +173,7 @@ class Simulation(nn.Module):
         for name, value in (("cic_compensation", cic_compensation), ("window_compensation", window_compensation)):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {value!r}")
-        self.paint_order = ORDER_NAMES[order_number(paint_order, "paint_order")]
+        self.paint_order = ORDER_NAMES[order_number(paint_order, "Simulation", "paint_order")]
         if cic_compensation and (window_compensation or self.paint_order != "cic"):
             raise ValueError(
                 "`cic_compensation` is the CIC-only older switch; with `paint_order` or "

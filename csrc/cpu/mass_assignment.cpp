@@ -177,7 +177,10 @@ void paint_kernel(
   scalar_t* out = mesh.data_ptr<scalar_t>();
   const int64_t total = batch * n;
 
-  const bool serial = total < kSerialPaintLimit || at::get_num_threads() == 1;
+  // Decided by the particle count alone, never by the thread count: the binned
+  // path gives every cell its contributions in the same order with 1 thread or
+  // many, and a different order from the serial path.
+  const bool serial = total < kSerialPaintLimit;
   std::vector<int64_t> plane(serial ? 0 : total);
   const CheckResult check = check_and_bin<scalar_t, W>(
       pos, check_finite ? values : nullptr, channels, total, g,

@@ -18,17 +18,18 @@ ORDER_NAMES = {v: k for k, v in ORDERS.items()}
 MAX_AXIS = 2**31 - 1
 
 
-def order_number(order, op: str) -> int:
+def order_number(order, op: str, name: str = "order") -> int:
     """``"ngp"|"cic"|"tsc"|"pcs"`` (or 1..4) -> the stencil width 1..4."""
+    expected = f"{op}: `{name}` must be one of {tuple(ORDERS)} (or 1..4), got {order!r}"
     if isinstance(order, str):
         key = order.lower()
         if key in ORDERS:
             return ORDERS[key]
-        raise ValueError(f"{op}: `order` must be one of {tuple(ORDERS)}, got {order!r}")
+        raise ValueError(expected)
     if isinstance(order, (bool, np.bool_)) or not isinstance(order, (int, np.integer)):
-        raise TypeError(f"{op}: `order` must be one of {tuple(ORDERS)} (or 1..4), got {order!r}")
+        raise TypeError(expected)
     if not 1 <= int(order) <= 4:
-        raise ValueError(f"{op}: `order` must be one of {tuple(ORDERS)} (or 1..4), got {order!r}")
+        raise ValueError(expected)
     return int(order)
 
 
