@@ -13,6 +13,14 @@
 
 #include "torchpm.h"
 
+// Unrolls a loop of compile-time length in device code; host compilers that do
+// not know the pragma would warn, and unroll constant trip counts themselves.
+#ifdef __CUDACC__
+#define TORCHPM_UNROLL _Pragma("unroll")
+#else
+#define TORCHPM_UNROLL
+#endif
+
 namespace torchpm {
 
 // Node j of the global mesh sits at x = j. Along each axis a particle at x
@@ -67,6 +75,7 @@ template <typename acc_t, int W>
 struct Stencil {
   static constexpr int width = W;
   int64_t first_x;  // local x index of the first node (binning by plane)
+  bool z_contiguous;  // the z nodes are adjacent in memory (no periodic wrap)
   int64_t offset[3][W];
   acc_t weight[3][W];
   acc_t derivative[3][W];
@@ -106,6 +115,7 @@ C10_HOST_DEVICE inline bool make_stencil(
     const int64_t n = g.shape[d];
     if (g.periodic[d]) {
       int64_t node = wrap_index(first, n);
+      TORCHPM_UNROLL
       for (int k = 0; k < W; ++k) {
         stencil.offset[d][k] = node * stride[d];
         node = (node + 1 == n) ? 0 : node + 1;
@@ -117,12 +127,16 @@ C10_HOST_DEVICE inline bool make_stencil(
       if (first < 0 || first + W > n) {
         return false;
       }
+      TORCHPM_UNROLL
       for (int k = 0; k < W; ++k) {
         stencil.offset[d][k] = (first + k) * stride[d];
       }
       if (d == 0) {
         stencil.first_x = first;
       }
+    }
+    if (d == 2) {
+      stencil.z_contiguous = stencil.offset[2][W - 1] - stencil.offset[2][0] == W - 1;
     }
     acc_t unused[W];
     bspline_weights<W, acc_t>(

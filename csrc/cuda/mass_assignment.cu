@@ -30,6 +30,18 @@ int64_t blocks_for(int64_t count) {
 constexpr int kBadPositions = 0;
 constexpr int kBadValues = 1;
 
+// Adds the number of threads of the warp with `flag` set to *counter with one
+// atomic per warp (when many particles are bad, per-thread atomics on one
+// address serialise). Every thread of the warp that is still running must call
+// it; threads that returned early are excluded by __activemask().
+__device__ inline void count_in_warp(bool flag, unsigned long long* counter) {
+  const unsigned active = __activemask();
+  const unsigned flagged = __ballot_sync(active, flag);
+  if (flagged != 0 && (threadIdx.x & 31) == static_cast<unsigned>(__ffs(active) - 1)) {
+    atomicAdd(counter, static_cast<unsigned long long>(__popc(flagged)));
+  }
+}
+
 template <typename scalar_t, int W>
 __global__ void paint_kernel(
     const scalar_t* __restrict__ positions,
@@ -47,8 +59,9 @@ __global__ void paint_kernel(
     return;
   }
   Stencil<acc_t, W> s;
-  if (!make_stencil<scalar_t, acc_t, W>(positions + 3 * p, g, s)) {
-    atomicAdd(bad + kBadPositions, 1ULL);
+  const bool valid = make_stencil<scalar_t, acc_t, W>(positions + 3 * p, g, s);
+  count_in_warp(!valid, bad + kBadPositions);
+  if (!valid) {
     return;
   }
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
@@ -93,8 +106,9 @@ __global__ void readout_kernel(
     return;
   }
   Stencil<acc_t, W> s;
-  if (!make_stencil<scalar_t, acc_t, W>(positions + 3 * p, g, s)) {
-    atomicAdd(bad + kBadPositions, 1ULL);
+  const bool valid = make_stencil<scalar_t, acc_t, W>(positions + 3 * p, g, s);
+  count_in_warp(!valid, bad + kBadPositions);
+  if (!valid) {
     return;
   }
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
@@ -102,24 +116,26 @@ __global__ void readout_kernel(
   bool finite = true;
   for (int64_t ch = 0; ch < channels; ++ch) {
     const scalar_t* mc = m + ch * channel_stride;
+    // Separable sum, as on the CPU: the z dot product, then the (x, y) weights.
     acc_t acc = 0;
 #pragma unroll
     for (int a = 0; a < W; ++a) {
 #pragma unroll
       for (int b = 0; b < W; ++b) {
         const scalar_t* row = mc + s.offset[0][a] + s.offset[1][b];
-        const acc_t wab = s.weight[0][a] * s.weight[1][b];
+        acc_t along_z = 0;
 #pragma unroll
         for (int c = 0; c < W; ++c) {
-          acc += (wab * s.weight[2][c]) * static_cast<acc_t>(row[s.offset[2][c]]);
+          along_z += s.weight[2][c] * static_cast<acc_t>(row[s.offset[2][c]]);
         }
+        acc += (s.weight[0][a] * s.weight[1][b]) * along_z;
       }
     }
     out[p * channels + ch] = static_cast<scalar_t>(acc);
     finite = finite && ::isfinite(acc);
   }
-  if (check_finite && !finite) {
-    atomicAdd(bad + kBadValues, 1ULL);
+  if (check_finite) {
+    count_in_warp(!finite, bad + kBadValues);
   }
 }
 
@@ -140,8 +156,9 @@ __global__ void position_gradient_kernel(
     return;
   }
   Stencil<acc_t, W> s;
-  if (!make_stencil<scalar_t, acc_t, W, true>(positions + 3 * p, g, s)) {
-    atomicAdd(bad + kBadPositions, 1ULL);
+  const bool valid = make_stencil<scalar_t, acc_t, W, true>(positions + 3 * p, g, s);
+  count_in_warp(!valid, bad + kBadPositions);
+  if (!valid) {
     return;
   }
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
@@ -152,6 +169,8 @@ __global__ void position_gradient_kernel(
 #pragma unroll
     for (int b = 0; b < W; ++b) {
       const int64_t row = s.offset[0][a] + s.offset[1][b];
+      acc_t along_z = 0;
+      acc_t along_z_derivative = 0;
 #pragma unroll
       for (int c = 0; c < W; ++c) {
         const int64_t idx = row + s.offset[2][c];
@@ -160,10 +179,12 @@ __global__ void position_gradient_kernel(
           const acc_t v = values ? static_cast<acc_t>(values[p * channels + ch]) : acc_t(1);
           sum += v * static_cast<acc_t>(m[ch * channel_stride + idx]);
         }
-        grad[0] += sum * (s.derivative[0][a] * s.weight[1][b] * s.weight[2][c]);
-        grad[1] += sum * (s.weight[0][a] * s.derivative[1][b] * s.weight[2][c]);
-        grad[2] += sum * (s.weight[0][a] * s.weight[1][b] * s.derivative[2][c]);
+        along_z += s.weight[2][c] * sum;
+        along_z_derivative += s.derivative[2][c] * sum;
       }
+      grad[0] += s.derivative[0][a] * s.weight[1][b] * along_z;
+      grad[1] += s.weight[0][a] * s.derivative[1][b] * along_z;
+      grad[2] += s.weight[0][a] * s.weight[1][b] * along_z_derivative;
     }
   }
   out[3 * p + 0] = static_cast<scalar_t>(grad[0]);
