@@ -415,7 +415,7 @@ def test_huge_meshes_are_refused_before_allocating():
 
 
 def test_integer_like_arguments_are_accepted():
-    ref = torchpm.paint(X, None, (4, 4, 4), offset=(1, 0, 0), periodic=(True, True, False) if False else True)
+    ref = torchpm.paint(X, None, (4, 4, 4), offset=(1, 0, 0), periodic=True)
     out = torchpm.paint(X, None, np.array([4, 4, 4]), offset=(np.int64(1), 0, torch.tensor(0)), periodic=np.bool_(True))
     torch.testing.assert_close(out, ref)
 
