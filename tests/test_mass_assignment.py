@@ -547,7 +547,7 @@ def test_power_spectrum_window_compensation_by_the_right_power():
     torch.testing.assert_close(old.power, new.power)
 
 
-@pytest.mark.parametrize("order", ["tsc", "pcs"])
+@pytest.mark.parametrize("order", ["cic", "tsc", "pcs"])
 def test_compensated_interlaced_poisson_power_is_shot_noise(order):
     """A Poisson-sampled uniform field has P(k) = V/N at every k. Painted with a
     window, the measured power is V/N sum_n W^2(k + 2 pi n): the compensated and
@@ -568,8 +568,20 @@ def test_compensated_interlaced_poisson_power_is_shot_noise(order):
         measured["uncompensated"] += power_spectrum(plain, float(n), bins=edges, mesh=mesh).power / seeds
     ratio = {key: value / noise for key, value in measured.items()}
     assert (ratio["interlaced"] - 1).abs().max().item() < 0.04, ratio
-    assert ratio["uncompensated"][-1].item() < 0.5, ratio
+    assert ratio["uncompensated"][-1].item() < 0.55, ratio
     # interlacing removes the aliasing the compensation alone leaves near 0.7 Nyquist
-    # (for PCS that residue is already below the sample variance of this test)
-    if order == "tsc":
+    # (a wrong interlacing phase would add aliasing instead; for PCS that residue is
+    # already below the sample variance of this test)
+    if order in ("cic", "tsc"):
         assert abs(ratio["interlaced"][-1].item() - 1) < abs(ratio["plain"][-1].item() - 1), ratio
+
+
+def test_paint_density_normalisation():
+    mesh = torchpm.LocalMesh(8)
+    x = random_positions(2, 500, "tsc", (8, 8, 8), (0, 0, 0), (True,) * 3, torch.float64, "cpu", seed=7)
+    w = torch.rand(2, 500, dtype=torch.float64)
+    delta = paint_density(x, mesh, weights=w, order="tsc")
+    expected = paint_reference(x, w, (8, 8, 8), order=3) * (512 / w.sum(1)).view(2, 1, 1, 1) - 1
+    torch.testing.assert_close(delta, expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="no particles"):
+        paint_density(x[:, :0], mesh)

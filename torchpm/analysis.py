@@ -227,9 +227,8 @@ def paint_density(
 
     Returns:
         ``(B, *local_real_shape)``: ``rho / mean(rho) - 1``, with the mean taken
-        over the global mesh from the total mass of ``positions`` (on a process
-        grid pass every rank's particles' total through ``weights``' sum if it
-        must be global). Measure its spectrum with
+        over the global mesh from the total mass of the particles (summed over
+        the process grid when the mesh has ``all_reduce``). Measure its spectrum with
         ``power_spectrum(delta, box, window=order, mesh=mesh)``; the result still
         contains shot noise ``V / N``.
     """
@@ -242,10 +241,16 @@ def paint_density(
             raise ValueError("paint_density: pass `mesh` or `shape`")
         mesh = LocalMesh(shape)
     cells = math.prod(mesh.global_shape)
-    total = positions.shape[1] if weights is None else weights.sum(1).view(-1, 1, 1, 1)
-    if isinstance(total, int) and total == 0:
-        raise ValueError("paint_density: no particles (N = 0); the overdensity is undefined")
-    scale = cells / total  # mean-1 normalisation
+    if weights is None:
+        total = torch.full((positions.shape[0],), float(positions.shape[1]), dtype=torch.float64, device=positions.device)
+    else:
+        total = weights.detach().to(torch.float64).sum(1)
+    if hasattr(mesh, "all_reduce"):  # a process grid: every rank's particles count
+        total = mesh.all_reduce(total)
+    if not bool((total > 0).all()):
+        raise ValueError("paint_density: no particles (or zero total weight); the overdensity is undefined")
+    # mean-1 normalisation (a constant: gradients flow through the painted field)
+    scale = (cells / total).to(positions.dtype).view(-1, 1, 1, 1)
     rho = mesh.paint(positions, weights, order=name)
     if not interlacing:
         return rho * scale - 1.0
