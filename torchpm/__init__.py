@@ -18,7 +18,7 @@ except OSError as error:  # pragma: no cover - exercised only on a broken instal
     ) from error
 
 from . import ops  # noqa: E402
-from .ops import cic_paint, cic_readout  # noqa: E402
+from .ops import cic_paint, cic_readout, paint, readout  # noqa: E402
 
 from . import adjoint, analysis, cosmology, distributed, fourier, ic, mesh, nn, pm  # noqa: E402
 from .cosmology import Cosmology, Planck15, Planck18, PowerTable, linear_power  # noqa: E402
@@ -34,6 +34,8 @@ def has_cuda_kernels() -> bool:
 
 
 __all__ = [
+    "paint",
+    "readout",
     "cic_paint",
     "cic_readout",
     "has_cuda_kernels",
