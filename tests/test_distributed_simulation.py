@@ -38,7 +38,7 @@ def case_ids(world_size):
                 f"adjoint_b2-{grid}"]
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
-                    f"bad_input-{grid}", f"disagreement-{grid}"]
+                    f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}"]
     if world_size > 1:
         ids.append(f"failfast-{GRIDS[world_size][0][0]}x{GRIDS[world_size][0][1]}")  # last: breaks its groups
     return ids
@@ -350,6 +350,28 @@ def case_bad_input(grid, ctx):
         assert "white_noise" in str(error) and "rank 0" in str(error), str(error)
     else:
         raise AssertionError("non-finite white noise on rank 0 did not raise everywhere")
+
+
+def case_interlaced_tsc(grid, ctx):
+    """TSC painting with interlacing and its compensated P(k) on the grid (particles given
+    to ranks regardless of position) equal the serial ones."""
+    from torchpm.analysis import paint_density, power_spectrum
+    from torchpm.distributed import PencilDecomposition
+    from torchpm.mesh import LocalMesh
+
+    shape, box = (10, 8, 6), (50.0, 40.0, 30.0)
+    mesh = PencilDecomposition(shape, ctx["groups"][grid])
+    positions = torch.rand(2, 300, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    positions = positions * torch.tensor(shape, dtype=torch.float64) * 1.5 - 2.0  # some outside the box
+    weights = 0.5 + torch.rand(2, 300, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    mine = torch.arange(300) % ctx["world"] == ctx["rank"]
+    serial = paint_density(positions, LocalMesh(shape), weights=weights, order="tsc", interlacing=True)
+    local = paint_density(positions[:, mine], mesh, weights=weights[:, mine], order="tsc", interlacing=True)
+    expected = mesh.local_real_part(serial)
+    assert_small(float((local - expected).abs().max()), float(expected.abs().max()), "interlaced TSC density")
+    spectrum = power_spectrum(local, box, window="tsc", mesh=mesh)
+    reference = power_spectrum(serial, box, window="tsc")
+    assert_small(float((spectrum.power - reference.power).abs().max()), float(reference.power.abs().max()), "P(k)")
 
 
 def case_disagreement(grid, ctx):

@@ -232,6 +232,23 @@ def transfer_function(field, reference, box_size, **options) -> PowerSpectrum:
     return PowerSpectrum(auto.k, torch.sqrt(auto.power / auto_ref.power), auto.modes)
 
 
+def _owned(mesh, positions, weights):
+    """On a process grid, the particles (and weights) moved to the ranks owning their
+    positions, as painting needs; empty slots of the padded result get zero weight.
+    Unchanged on one device."""
+    if getattr(mesh, "is_local", True):
+        return positions, weights
+    ids = torch.zeros(positions.shape[:2], dtype=torch.int64, device=positions.device)
+    attributes = () if weights is None else (weights.reshape(*weights.shape[:2], -1),)
+    _, positions, ids, *moved = mesh.migrate(positions, ids, *attributes)
+    if weights is not None:
+        weights = moved[0].reshape(*moved[0].shape[:2], *weights.shape[2:])
+    if bool((ids < 0).any()):
+        mask = (ids >= 0).to(positions.dtype)
+        weights = mask if weights is None else weights * mask.reshape(*mask.shape, *([1] * (weights.dim() - 2)))
+    return positions, weights
+
+
 def paint_density(
     positions: torch.Tensor,
     mesh=None,
@@ -282,10 +299,10 @@ def paint_density(
         raise ValueError("paint_density: no particles (or zero total weight); the overdensity is undefined")
     # mean-1 normalisation (a constant: gradients flow through the painted field)
     scale = (cells / total).to(positions.dtype).view(-1, 1, 1, 1)
-    rho = mesh.paint(positions, weights, order=name)
+    rho = mesh.paint(*_owned(mesh, positions, weights), order=name)
     if not interlacing:
         return rho * scale - 1.0
-    shifted = mesh.paint(positions + 0.5, weights, order=name)
+    shifted = mesh.paint(*_owned(mesh, positions + 0.5, weights), order=name)
     rho_k = mesh.rfftn(rho)
     shifted_k = mesh.rfftn(shifted)
     w = mesh.wavevectors(dtype=torch.float64, device=positions.device)
