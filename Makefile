@@ -15,13 +15,15 @@ CU_OBJECTS := $(patsubst csrc/%.cu,.cuda-check/%.o,$(CU_SOURCES))
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
-	@$(PYTHON) -c "import numpy, pytest, tqdm, matplotlib" 2>/dev/null || \
-		$(PYTHON) -m pip install numpy pytest tqdm matplotlib
+	@$(PYTHON) -c "import numpy, pytest, tqdm, matplotlib, h5py" 2>/dev/null || \
+		$(PYTHON) -m pip install numpy pytest tqdm matplotlib h5py
 
-# Independent codes the physics is validated against (tests only).
+# Independent codes the physics is validated against, and pynbody, an
+# independent reader of the Gadget HDF5 snapshots (tests only).
 test-deps: deps
 	@$(PYTHON) -c "import scipy, astropy, colossus" 2>/dev/null || \
 		$(PYTHON) -m pip install scipy astropy==8.0.2 colossus==1.4.0
+	@$(PYTHON) -c "import pynbody" 2>/dev/null || $(PYTHON) -m pip install pynbody==2.8.0
 	@PYTHON=$(PYTHON) bash tools/install_jaxpm.sh
 
 $(STAMP): $(SOURCES)
@@ -30,8 +32,9 @@ $(STAMP): $(SOURCES)
 
 build: deps $(STAMP)
 
+# --overwrite: `make run` replaces the outputs of the previous `make run` in out/.
 run: build
-	$(PYTHON) -m torchpm run
+	$(PYTHON) -m torchpm run --overwrite
 
 # Compile every CUDA source to an object file whenever nvcc is present, so a CUDA
 # compile error fails CI on machines without a GPU (nothing is linked or run).

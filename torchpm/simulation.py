@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
+from .config import simulation_arguments
 from .cosmology import Cosmology, Planck15, growth_table, resolve_power, PowerTable
 from .ic import (
     check_finite,
@@ -19,9 +19,10 @@ from .ic import (
     power_kernel,
     white_noise as make_white_noise,
 )
-from .mesh import LocalMesh, as_box_size, as_shape
+from .mesh import LocalMesh
 from .fourier import FourierKernels
 from .pm import compute_forces, kick_drift_kick, step_factors
+from .resources import check_memory, estimate_memory
 
 __all__ = ["Simulation", "SimulationState"]
 
@@ -42,39 +43,6 @@ class SimulationState(NamedTuple):
     momenta: torch.Tensor
     a: float
     ids: torch.Tensor | None = None
-
-
-def _scale_factors(a_start, steps, a_end) -> list[float]:
-    a_start = float(a_start)
-    if not (0 < a_start <= 1):
-        raise ValueError(f"`a_start` must be in (0, 1], got {a_start}")
-    if isinstance(steps, bool):
-        raise ValueError(f"`steps` must be a number of steps or a list of scale factors, got {steps!r}")
-    if isinstance(steps, numbers.Integral) or (isinstance(steps, numbers.Real) and float(steps).is_integer()):
-        steps = int(steps)
-        if steps < 0:
-            raise ValueError(f"`steps` must not be negative, got {steps}")
-        a_end = float(a_end)
-        if not (0 < a_end <= 1):
-            raise ValueError(f"`a_end` must be in (0, 1], got {a_end}")
-        if steps > 0 and a_end <= a_start:
-            raise ValueError(f"`a_end` ({a_end}) must be larger than `a_start` ({a_start})")
-        if steps == 0:
-            return [a_start]
-        # Steps linear in a, the FastPM default.
-        return [a_start + (a_end - a_start) * i / steps for i in range(steps + 1)]
-    try:
-        values = [float(s) for s in steps]
-    except (TypeError, ValueError):
-        raise ValueError(f"`steps` must be a number of steps or a list of scale factors, got {steps!r}") from None
-    if not all(0 < s <= 1 for s in values):
-        raise ValueError(f"every scale factor in `steps` must be in (0, 1], got {values}")
-    grid = [a_start] + values
-    if any(b <= a for a, b in zip(grid, grid[1:])):
-        raise ValueError(
-            f"`steps` must be strictly increasing scale factors after `a_start` = {a_start}, got {values}"
-        )
-    return grid
 
 
 class Simulation(nn.Module):
@@ -106,6 +74,14 @@ class Simulation(nn.Module):
         dtype: of particles and fields (float32 default; the background is float64).
         checkpoint: recompute each step in the backward pass instead of keeping its
             intermediate meshes, so memory does not grow with the number of steps.
+        memory_check: ``"error"`` (default) refuses a run whose estimated peak memory
+            (:func:`torchpm.resources.estimate_memory`) exceeds what the device has
+            available — at construction (CPU, batch 1) and before each run on the
+            module's device with the actual batch; ``"warn"`` warns; ``"off"`` skips.
+
+    Plain arguments are checked by :func:`torchpm.config.simulation_arguments` (the
+    declaration shared with the CLI): strings, bools and non-integral floats where
+    numbers or shapes are expected are errors.
 
     ``forward(white_noise)`` returns a :class:`SimulationState` in Mpc/h. Shapes:
     white noise ``(B, nx, ny, nz)`` (or without the batch axis), positions and
@@ -131,21 +107,24 @@ class Simulation(nn.Module):
         force_correction: Callable | None = None,
         dtype: torch.dtype = torch.float32,
         checkpoint: bool = False,
+        memory_check: str = "error",
     ):
         super().__init__()
-        self.particle_shape = as_shape(n_particles, "n_particles")
-        self.box_size = as_box_size(box_size)
-        if isinstance(mesh_factor, bool) or not float(mesh_factor).is_integer() or int(mesh_factor) < 1:
-            raise ValueError(f"`mesh_factor` must be a positive integer, got {mesh_factor!r}")
-        self.mesh_factor = int(mesh_factor)
-        self.scale_factors = _scale_factors(a_start, steps, a_end)
+        checked = simulation_arguments(
+            n_particles=n_particles, box_size=box_size, mesh_factor=mesh_factor, a_start=a_start, steps=steps,
+            a_end=a_end, lpt_order=lpt_order, integrator=integrator, gradient=gradient, laplacian=laplacian,
+            cic_compensation=cic_compensation, checkpoint=checkpoint,
+        )
+        self.particle_shape = checked["particle_shape"]
+        self.box_size = checked["box_size"]
+        self.mesh_factor = checked["mesh_factor"]
+        self.scale_factors = checked["scale_factors"]
         self.a_start = self.scale_factors[0]
-        if lpt_order not in (1, 2):
-            raise ValueError(f"`lpt_order` must be 1 or 2, got {lpt_order!r}")
-        self.lpt_order = lpt_order
-        if integrator not in ("fastpm", "leapfrog"):
-            raise ValueError(f"`integrator` must be 'fastpm' or 'leapfrog', got {integrator!r}")
-        self.integrator = integrator
+        self.lpt_order = checked["lpt_order"]
+        self.integrator = checked["integrator"]
+        if memory_check not in ("error", "warn", "off"):
+            raise ValueError(f"`memory_check` must be 'error', 'warn' or 'off', got {memory_check!r}")
+        self.memory_check = memory_check
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype}")
         self.dtype = dtype
@@ -154,14 +133,20 @@ class Simulation(nn.Module):
         if not isinstance(cosmology, Cosmology):
             raise ValueError(f"`cosmology` must be a torchpm.Cosmology, got {type(cosmology).__name__}")
         self.cosmology = cosmology
-        self.power = resolve_power(power_spectrum)
+        try:
+            self.power = resolve_power(power_spectrum)
+        except UnicodeDecodeError:
+            raise ValueError(f"`power_spectrum`: {power_spectrum!r} is not a UTF-8 text table (a binary file?)") from None
         if force_correction is not None and not callable(force_correction):
             raise ValueError("`force_correction` must be a callable (k, a) -> filter, e.g. an nn.Module")
         # An nn.Module correction becomes a submodule: .to() moves it, .parameters() lists it.
         self.force_correction = force_correction
-        self.checkpoint = bool(checkpoint)
-        self.kernel_options = dict(gradient=gradient, laplacian=laplacian)
-        self.cic_compensation = bool(cic_compensation)
+        self.checkpoint = checked["checkpoint"]
+        self.kernel_options = dict(gradient=checked["gradient"], laplacian=checked["laplacian"])
+        self.cic_compensation = checked["cic_compensation"]
+        # Before any allocation: refuse a run that cannot fit (the module starts on the CPU).
+        self._memory_checked: set = set()
+        self._check_memory(torch.device("cpu"), 1)
 
         self.mesh_shape = tuple(n * self.mesh_factor for n in self.particle_shape)
         self.particle_mesh = LocalMesh(self.particle_shape)
@@ -184,6 +169,29 @@ class Simulation(nn.Module):
         k_min = min(2 * math.pi / b for b in self.box_size)
         k_max = math.sqrt(sum((math.pi * n / b) ** 2 for n, b in zip(self.particle_shape, self.box_size)))
         return k_min, k_max
+
+    def memory_estimate(self, batch: int = 1, ranks: int = 1):
+        """Estimated peak memory per rank, a :class:`torchpm.resources.MemoryEstimate` (bytes)."""
+        return estimate_memory(self.particle_shape, self.mesh_factor, self.dtype, batch=batch, ranks=ranks)
+
+    def _check_memory(self, device: torch.device, batch: int) -> None:
+        key = (str(device), int(batch))
+        if self.memory_check == "off" or key in self._memory_checked:
+            return
+        check_memory(self.memory_estimate(batch), device, self.memory_check, what=f"this Simulation (batch {batch})")
+        self._memory_checked.add(key)
+
+    def step_index(self, a: float) -> int:
+        """The index of ``a`` in :attr:`scale_factors` (0: ``a_start``), or a ValueError."""
+        a = float(a)
+        for index, value in enumerate(self.scale_factors):
+            if abs(a - value) <= 1e-9 * value:
+                return index
+        raise ValueError(
+            f"scale factor {a} is not one of this simulation's scale factors "
+            f"({self.scale_factors[0]:.6g} to {self.scale_factors[-1]:.6g}, {self.steps} steps): "
+            "a run can stop and resume only at the end of a step"
+        )
 
     @property
     def device(self) -> torch.device:
@@ -274,6 +282,7 @@ class Simulation(nn.Module):
         linear_field: torch.Tensor | None = None,
         callback: Callable | None = None,
         return_mesh_units: bool = False,
+        until: float | None = None,
     ) -> SimulationState:
         """Run the simulation from white noise (or from a given linear field).
 
@@ -283,13 +292,19 @@ class Simulation(nn.Module):
                 on the particle grid (same shapes).
             callback: called as ``callback(step, a)`` after the LPT (step 0) and after
                 each step, e.g. to advance a progress bar.
-            return_mesh_units: return positions (unwrapped) and momenta in force-mesh cells.
+            return_mesh_units: return positions (unwrapped) and momenta in force-mesh cells
+                (what :meth:`resume` with ``mesh_units=True`` continues bit for bit).
+            until: stop at this scale factor (one of :attr:`scale_factors`) instead of the last.
 
         Returns:
-            :class:`SimulationState` at the last scale factor.
+            :class:`SimulationState` at ``until`` (default: the last scale factor).
         """
         if (white_noise is None) == (linear_field is None):
             raise ValueError("pass exactly one of `white_noise` and `linear_field`")
+        stop = self.steps if until is None else self.step_index(until)
+        field = white_noise if linear_field is None else linear_field
+        if isinstance(field, torch.Tensor):
+            self._check_memory(self.device, field.shape[0] if field.dim() == 4 else 1)
         cosmology = self.cosmology
         table = self.growth_table(cosmology)
         if linear_field is None:
@@ -299,11 +314,63 @@ class Simulation(nn.Module):
         positions, momenta = self.lpt(delta, table)
         if callback is not None:
             callback(0, self.a_start)
-        if self.steps:
-            positions, momenta = self.evolve(positions, momenta, table, callback=callback)
+        if stop:
+            positions, momenta = self.evolve(positions, momenta, table, callback=callback, stop=stop)
+        a = self.scale_factors[stop]
         if return_mesh_units:
-            return SimulationState(positions, momenta, self.scale_factors[-1])
-        return self.to_physical(positions, momenta, self.scale_factors[-1])
+            return SimulationState(positions, momenta, a)
+        return self.to_physical(positions, momenta, a)
+
+    def resume(
+        self,
+        state: SimulationState,
+        *,
+        mesh_units: bool = False,
+        until: float | None = None,
+        callback: Callable | None = None,
+        return_mesh_units: bool = False,
+    ) -> SimulationState:
+        """Continue a run from ``state`` at one of :attr:`scale_factors`.
+
+        The force at ``state.a`` is recomputed from the positions (on the CPU it is
+        bit-identical to the one the uninterrupted run kept), so resuming from a
+        mesh-unit state returned by ``forward(..., until=a, return_mesh_units=True)``
+        (or stored in a snapshot) reproduces the uninterrupted run bit for bit.
+
+        Args:
+            state: particles in Mpc/h (positions, momenta ``(B, N, 3)``, in the Lagrangian
+                C order of the particle grid), or in force-mesh cells with ``mesh_units=True``.
+            until: stop at this scale factor (default: the last).
+            callback: ``callback(step, a)`` after each step (steps numbered as in the full run).
+            return_mesh_units: as in :meth:`forward`.
+        """
+        if not isinstance(state, SimulationState):
+            raise TypeError(f"`state` must be a torchpm.SimulationState, got {type(state).__name__}")
+        start = self.step_index(state.a)
+        stop = self.steps if until is None else self.step_index(until)
+        if stop < start:
+            raise ValueError(f"`until` = {until} is before the state's scale factor {state.a}")
+        positions, momenta = state.positions, state.momenta
+        expected = (self.n_total, 3)
+        for name, tensor in (("positions", positions), ("momenta", momenta)):
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tuple(tensor.shape[1:]) != expected:
+                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise ValueError(f"`state.{name}` must have shape (B, {self.n_total}, 3), got {shape}")
+            if tensor.dtype != self.dtype:
+                raise ValueError(f"`state.{name}` has dtype {tensor.dtype}, this simulation runs in {self.dtype}")
+            check_finite(tensor, f"state.{name}")
+        self._check_memory(self.device, positions.shape[0])
+        positions, momenta = positions.to(self.device), momenta.to(self.device)
+        if not mesh_units:
+            cell = torch.tensor(self.cell_size, dtype=self.dtype, device=self.device)
+            positions, momenta = positions / cell, momenta / cell
+        if stop > start:
+            table = self.growth_table(self.cosmology)
+            positions, momenta = self.evolve(positions, momenta, table, callback=callback, start=start, stop=stop)
+        a = self.scale_factors[stop]
+        if return_mesh_units:
+            return SimulationState(positions, momenta, a)
+        return self.to_physical(positions, momenta, a)
 
     def lpt(self, delta: torch.Tensor, table=None):
         """LPT positions and momenta at ``a_start`` in force-mesh cells, each ``(B, N, 3)``."""
@@ -327,13 +394,15 @@ class Simulation(nn.Module):
             force_correction=self.force_correction,
         )
 
-    def evolve(self, positions, momenta, table, callback=None):
-        """Integrate from ``a_start`` over ``scale_factors`` (mesh units in and out)."""
+    def evolve(self, positions, momenta, table, callback=None, start: int = 0, stop: int | None = None):
+        """Integrate from ``scale_factors[start]`` to ``scale_factors[stop]`` (default: the
+        whole run; mesh units in and out)."""
+        # The factors of the whole run, then the slice: a resumed run uses the very same numbers.
         factors = step_factors(
             table, torch.tensor(self.scale_factors, dtype=torch.float64), self.integrator
-        )
+        )[start:stop]
         forces = self.forces(positions, factors[0].a_start)
-        for number, factor in enumerate(factors, start=1):
+        for number, factor in enumerate(factors, start=start + 1):
             if self.checkpoint and torch.is_grad_enabled():
                 positions, momenta, forces = torch.utils.checkpoint.checkpoint(
                     kick_drift_kick, positions, momenta, forces, factor, self.forces, use_reentrant=False
