@@ -2,20 +2,21 @@
 
 The estimate counts the arrays a FastPM run holds at its peak, per rank (mesh
 and particle terms divided by the number of ranks; uneven splits add at most
-one plane, which the margin covers):
+one plane, which the margin covers), in units of one real value ``s`` (4 or 8 bytes):
 
-* particles: positions, momenta and forces ``(B, N, 3)``, the kick/drift
-  temporaries (two more) and the int64 ids — ``5 * 3 * N * itemsize + 8 N`` per batch member;
-* the force computation on the mesh ``M = (B n)^3``: the painted density, its
-  R2C transform, the potential, one gradient at a time and its C2R result,
-  the 3-channel force mesh and the FFT library's work buffers — about 9 real meshes;
-* the initial conditions on the particle grid: noise, its transform, the
-  displacement fields of 1LPT and 2LPT (3 channels each) and the 6 second
-  derivatives of 2LPT — about 20 real particle-grid fields.
+* particles: positions, momenta and forces ``(B, N, 3)`` and two kick/drift
+  temporaries, plus the int64 ids: ``(15 s + 8) N``;
+* the initial conditions on the particle grid (noise, its transform, the 1LPT
+  and 2LPT displacements, the second derivatives of 2LPT): ``27 s N``;
+* the force computation on the mesh of ``M = B^3 N`` cells (painted density,
+  its R2C transform, potential, gradient and C2R outputs, the 3-channel force
+  mesh, FFT and paint work buffers): ``16 s M``;
 
-The peak is the larger of the LPT phase and a step, plus 15% for allocator
-slack. It is an estimate (it errs on the large side); ``memory_check="warn"``
-or ``"off"`` overrides the refusal.
+all times 1.2 for allocator slack. The coefficients were measured (peak RSS of
+a run without gradients, ``benchmarks/memory_estimate.py``, results in
+``benchmarks/RESULTS.md``): the estimate was 4% to 40% above the measured peak (2-core CPU).
+A run with gradients keeps more (every step's meshes unless ``checkpoint=True``).
+``memory_check="warn"`` or ``"off"`` overrides the refusal.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import torch
 
 __all__ = ["MemoryEstimate", "estimate_memory", "available_memory", "check_memory"]
 
-MESH_COPIES = 9
-LPT_COPIES = 20
+MESH_COPIES = 16
+LPT_COPIES = 27
 PARTICLE_VECTORS = 5
-SLACK = 1.15
+SLACK = 1.2
 
 
 class MemoryEstimate(NamedTuple):
@@ -70,7 +71,7 @@ def estimate_memory(particle_shape, mesh_factor: int, dtype=torch.float32, batch
     particles = (PARTICLE_VECTORS * 3 * itemsize + 8) * n_particles / ranks
     force_meshes = MESH_COPIES * itemsize * n_mesh / ranks
     lpt_fields = LPT_COPIES * itemsize * n_particles / ranks
-    peak = SLACK * (particles + max(force_meshes, lpt_fields))
+    peak = SLACK * (particles + force_meshes + lpt_fields)
     return MemoryEstimate(int(particles), int(force_meshes), int(lpt_fields), int(peak))
 
 
