@@ -120,7 +120,7 @@ def test_bad_value_names_the_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case", ["directory", "not_utf8", "missing", "binary_power", "empty_output",
-                                  "output_is_file", "output_under_file"])
+                                  "output_is_file", "output_under_file", "resume_missing", "resume_not_hdf5"])
 def test_bad_paths_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, case):
     monkeypatch.chdir(tmp_path)
     config = tmp_path / "run.toml"
@@ -128,7 +128,8 @@ def test_bad_paths_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, case):
     arguments = ["run", str(config)]
     match = {"directory": "is a directory", "not_utf8": "not UTF-8", "missing": "not found",
              "binary_power": "not a UTF-8 text table", "empty_output": "`output`",
-             "output_is_file": "not a folder", "output_under_file": "cannot create"}[case]
+             "output_is_file": "not a folder", "output_under_file": "cannot create",
+             "resume_missing": "cannot resume", "resume_not_hdf5": "cannot resume"}[case]
     if case == "directory":
         arguments = ["run", str(tmp_path)]
     elif case == "not_utf8":
@@ -146,6 +147,11 @@ def test_bad_paths_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, case):
     elif case == "output_under_file":
         (tmp_path / "taken").write_text("x")
         arguments += ["--output", "taken/run"]
+    elif case == "resume_missing":
+        arguments += ["--resume", str(tmp_path / "snap_000.hdf5")]
+    elif case == "resume_not_hdf5":
+        (tmp_path / "snap_000.hdf5").write_text("not hdf5")
+        arguments += ["--resume", str(tmp_path / "snap_000.hdf5")]
     assert main(arguments) == 2
     error = capsys.readouterr().err
     assert match in error and _line_count(error) == 1, error

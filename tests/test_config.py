@@ -161,3 +161,18 @@ def test_memory_check_counts_the_batch():
     noise_shape = (100_000, 1, 1, 1)  # the check runs before the noise's shape is used
     with pytest.raises(MemoryError, match=r"batch 100000"):
         sim(torch.zeros(noise_shape))
+
+
+@pytest.mark.parametrize("batch,seed,match", [(0, 0, "`batch`"), (1.5, 0, "`batch`"), ("2", 0, "`batch`"),
+                                              (1, 1.7, "`seed`"), (1, "abc", "`seed`"), (1, -1, "`seed`")])
+def test_white_noise_arguments(batch, seed, match):
+    sim = torchpm.Simulation(**TINY)
+    with pytest.raises(ValueError, match=match):
+        sim.white_noise(batch=batch, seed=seed)
+
+
+def test_binary_power_table_is_a_clear_error(tmp_path):
+    path = tmp_path / "power.bin"
+    path.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match="`power_spectrum`.*not a UTF-8 text table"):
+        torchpm.Simulation(power_spectrum=str(path), **TINY)

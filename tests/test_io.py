@@ -157,6 +157,30 @@ def test_missing_h5py_is_a_clear_error(tmp_path, monkeypatch):
         read_snapshot(str(tmp_path / "x.hdf5"))
 
 
+def test_explicit_multifile_set_without_distributed(tmp_path):
+    sim = _sim(torch.float64)
+    whole = sim(sim.white_noise(seed=3), until=0.7, return_mesh_units=True)
+    n = sim.n_total
+    cuts = [0, 40, 41, n]  # uneven files, one holding a single particle
+    for index in range(3):
+        part = slice(cuts[index], cuts[index + 1])
+        local = torchpm.SimulationState(whole.positions[:, part], whole.momenta[:, part], whole.a,
+                                        torch.arange(n)[part][None])
+        write_snapshot(str(tmp_path / "snap_003.hdf5"), local, sim, mesh_units=True, file_index=index,
+                       num_files=3, num_part_total=n)
+    assert sorted(os.listdir(tmp_path)) == [f"snap_003.{i}.hdf5" for i in range(3)]
+    snap = read_snapshot(str(tmp_path / "snap_003"))
+    assert torch.equal(snap.mesh_positions, whole.positions[0]) and torch.equal(snap.ids, torch.arange(n))
+    for parts in (2, 5):
+        pieces = [read_snapshot(str(tmp_path / "snap_003.2.hdf5"), share=(i, parts)) for i in range(parts)]
+        assert torch.equal(torch.cat([p.mesh_momenta for p in pieces]), whole.momenta[0])
+    with pytest.raises(ValueError, match="num_part_total"):
+        write_snapshot(str(tmp_path / "other.hdf5"), local, sim, file_index=0, num_files=2)
+    with pytest.raises(ValueError, match="ids"):
+        write_snapshot(str(tmp_path / "other.hdf5"), whole._replace(ids=None), sim, file_index=0, num_files=2,
+                       num_part_total=n)
+
+
 # ----------------------------------------------------------------------------------
 # Exact restart.
 

@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from .config import simulation_arguments
+from .config import as_int, simulation_arguments
 from .cosmology import Cosmology, Planck15, growth_table, resolve_power, PowerTable
 from .ic import (
     check_finite,
@@ -216,6 +216,9 @@ class Simulation(nn.Module):
 
     def white_noise(self, batch: int = 1, seed: int = 0) -> torch.Tensor:
         """Seeded white noise ``(batch, *n_particles)`` on this module's device and dtype."""
+        batch = as_int("batch", batch, 1)
+        seed = as_int("seed", seed, 0, 2**63 - 1)
+        self._check_memory(self.device, batch)
         return make_white_noise(
             self.particle_shape, batch=batch, seed=seed, dtype=self.dtype, device=self.device, mesh=self.particle_mesh
         )
