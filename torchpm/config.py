@@ -315,13 +315,14 @@ def _check_grid(name, value):
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One setting: its name, kind, default, unit, allowed values and meaning.
+    """One setting: its name, type, default, unit, allowed values and meaning.
 
-    ``check(name, value)`` returns the normalised value or raises SettingError.
-    ``allowed`` is the human-readable range or choices for the README table.
+    ``check(name, value)`` returns the normalised value or raises SettingError;
+    ``kind`` (the TOML type) and ``allowed`` (range or choices) describe it for people.
     """
 
     name: str
+    kind: str
     default: Any
     unit: str
     allowed: str
@@ -351,30 +352,126 @@ def _steps(name, value):
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("n_particles", 64, "", "int >= 1 or [nx, ny, nz]", "particles per side (the white-noise and linear-field grid)", as_shape),
-    Setting("box_size", 256.0, "Mpc/h", "> 0, or 3 values", "box side(s)", as_box_size),
-    Setting("mesh_factor", 2, "", "int >= 1", "force mesh cells per particle per side", _int(1)),
-    Setting("a_start", 0.1, "", "(0, 1]", "scale factor of the 2LPT initial conditions", _float(0.0, 1.0, True)),
-    Setting("a_end", 1.0, "", "(0, 1]", "final scale factor when `steps` is a count", _float(0.0, 1.0, True)),
-    Setting("steps", 10, "", f"0 to {MAX_STEPS}, or a list", "number of steps linear in a, or the increasing scale factors to step to", _steps),
-    Setting("lpt_order", 2, "", "1, 2", "order of the initial Lagrangian perturbation theory", _choice(1, 2)),
-    Setting("integrator", "fastpm", "", "fastpm, leapfrog", "kick-drift-kick factors (FastPM growth-corrected or plain)", _choice("fastpm", "leapfrog")),
-    Setting("gradient", "fd4", "", "fd4, exact", "gradient kernel of the force (4-point finite difference or i k)", _choice("fd4", "exact")),
-    Setting("laplacian", "exact", "", "exact, fd", "inverse-Laplacian kernel (-1/k^2 or its finite-difference form)", _choice("exact", "fd")),
-    Setting("cic_compensation", False, "", "true, false", "deconvolve the mass-assignment window in the force kernel", lambda n, v: as_bool(n, v)),
-    Setting("paint_order", "cic", "", "ngp, cic, tsc, pcs", "mass-assignment order of paint and readout", _choice(*PAINT_ORDERS)),
-    Setting("power_spectrum", "eisenstein_hu", "(Mpc/h)^3", "eisenstein_hu, eisenstein_hu_nowiggle, or a file", "linear P(k) at a = 1: a fit or a two-column table (k h/Mpc, P)", _check_power),
-    Setting("cosmology", "Planck15", "", "Planck15, Planck18, or a table", "preset or {Omega_c, Omega_b, h, n_s, sigma8[, Omega_k, w0, wa]}", _check_cosmology),
-    Setting("seed", 0, "", f"0 to {2**63 - 1}", "seed of the white noise", _int(0, 2**63 - 1)),
-    Setting("batch", 1, "", "1 to 1000000", "independent simulations run together", _int(1, 1_000_000)),
-    Setting("dtype", "float32", "", "float32, float64", "dtype of particles and fields (the background is float64)", _choice("float32", "float64")),
-    Setting("device", "cpu", "", "cpu, cuda, cuda:N", "where the run happens", _check_device),
-    Setting("threads", 0, "", "0 to 4096", "torch.set_num_threads (0 leaves torch's default)", _int(0, 4096)),
-    Setting("output", "out", "", "folder", "output folder (created and tested for writing before the run)", _check_output),
-    Setting("snapshots", [], "", "list in (0, 1]", "scale factors (on the step grid) at which to write Gadget HDF5 snapshots", lambda n, v: as_scale_factors(n, v)),
-    Setting("memory_check", "error", "", "error, warn, off", "what to do when the estimated peak memory exceeds the device's", _choice("error", "warn", "off")),
-    Setting("grid", [], "", "[] or [P0, P1]", "process grid of a distributed run ([] = balanced for the world size)", _check_grid),
-    Setting("collective_timeout", 300.0, "s", "> 0", "timeout of the collectives of a distributed run", _float(0.0, 1e7, True)),
+    Setting(
+        "n_particles", "int or 3 ints", default=64, unit="", allowed="int >= 1 or [nx, ny, nz]",
+        help="particles per side (the white-noise and linear-field grid)",
+        check=as_shape,
+    ),
+    Setting(
+        "box_size", "float or 3 floats", default=256.0, unit="Mpc/h", allowed="> 0, or 3 values",
+        help="box side(s)",
+        check=as_box_size,
+    ),
+    Setting(
+        "mesh_factor", "int", default=2, unit="", allowed="int >= 1",
+        help="force mesh cells per particle per side",
+        check=_int(1),
+    ),
+    Setting(
+        "a_start", "float", default=0.1, unit="", allowed="(0, 1]",
+        help="scale factor of the 2LPT initial conditions",
+        check=_float(0.0, 1.0, True),
+    ),
+    Setting(
+        "a_end", "float", default=1.0, unit="", allowed="(0, 1]",
+        help="final scale factor when `steps` is a count",
+        check=_float(0.0, 1.0, True),
+    ),
+    Setting(
+        "steps", "int or list of floats", default=10, unit="", allowed=f"0 to {MAX_STEPS}, or a list",
+        help="number of steps linear in a, or the increasing scale factors to step to",
+        check=_steps,
+    ),
+    Setting(
+        "lpt_order", "int", default=2, unit="", allowed="1, 2",
+        help="order of the initial Lagrangian perturbation theory",
+        check=_choice(1, 2),
+    ),
+    Setting(
+        "integrator", "string", default="fastpm", unit="", allowed="fastpm, leapfrog",
+        help="kick-drift-kick factors (FastPM growth-corrected or plain)",
+        check=_choice("fastpm", "leapfrog"),
+    ),
+    Setting(
+        "gradient", "string", default="fd4", unit="", allowed="fd4, exact",
+        help="gradient kernel of the force (4-point finite difference or i k)",
+        check=_choice("fd4", "exact"),
+    ),
+    Setting(
+        "laplacian", "string", default="exact", unit="", allowed="exact, fd",
+        help="inverse-Laplacian kernel (-1/k^2 or its finite-difference form)",
+        check=_choice("exact", "fd"),
+    ),
+    Setting(
+        "cic_compensation", "bool", default=False, unit="", allowed="true, false",
+        help="deconvolve the mass-assignment window in the force kernel",
+        check=lambda n, v: as_bool(n, v),
+    ),
+    Setting(
+        "paint_order", "string", default="cic", unit="", allowed="ngp, cic, tsc, pcs",
+        help="mass-assignment order of paint and readout",
+        check=_choice(*PAINT_ORDERS),
+    ),
+    Setting(
+        "power_spectrum", "string", default="eisenstein_hu", unit="(Mpc/h)^3", allowed="eisenstein_hu, eisenstein_hu_nowiggle, or a file",
+        help="linear P(k) at a = 1: a fit or a two-column table (k h/Mpc, P)",
+        check=_check_power,
+    ),
+    Setting(
+        "cosmology", "string or table", default="Planck15", unit="", allowed="Planck15, Planck18, or a table",
+        help="preset or {Omega_c, Omega_b, h, n_s, sigma8[, Omega_k, w0, wa]}",
+        check=_check_cosmology,
+    ),
+    Setting(
+        "seed", "int", default=0, unit="", allowed=f"0 to {2**63 - 1}",
+        help="seed of the white noise",
+        check=_int(0, 2**63 - 1),
+    ),
+    Setting(
+        "batch", "int", default=1, unit="", allowed="1 to 1000000",
+        help="independent simulations run together",
+        check=_int(1, 1_000_000),
+    ),
+    Setting(
+        "dtype", "string", default="float32", unit="", allowed="float32, float64",
+        help="dtype of particles and fields (the background is float64)",
+        check=_choice("float32", "float64"),
+    ),
+    Setting(
+        "device", "string", default="cpu", unit="", allowed="cpu, cuda, cuda:N",
+        help="where the run happens",
+        check=_check_device,
+    ),
+    Setting(
+        "threads", "int", default=0, unit="", allowed="0 to 4096",
+        help="torch.set_num_threads (0 leaves torch's default)",
+        check=_int(0, 4096),
+    ),
+    Setting(
+        "output", "string", default="out", unit="", allowed="folder",
+        help="output folder (created and tested for writing before the run)",
+        check=_check_output,
+    ),
+    Setting(
+        "snapshots", "list of floats", default=[], unit="", allowed="list in (0, 1]",
+        help="scale factors (on the step grid) at which to write Gadget HDF5 snapshots",
+        check=lambda n, v: as_scale_factors(n, v),
+    ),
+    Setting(
+        "memory_check", "string", default="error", unit="", allowed="error, warn, off",
+        help="what to do when the estimated peak memory exceeds the device's",
+        check=_choice("error", "warn", "off"),
+    ),
+    Setting(
+        "grid", "list of 2 ints", default=[], unit="", allowed="[] or [P0, P1]",
+        help="process grid of a distributed run ([] = balanced for the world size)",
+        check=_check_grid,
+    ),
+    Setting(
+        "collective_timeout", "float", default=300.0, unit="s", allowed="> 0",
+        help="timeout of the collectives of a distributed run",
+        check=_float(0.0, 1e7, True),
+    ),
 )
 
 BY_NAME = {setting.name: setting for setting in SETTINGS}
@@ -476,9 +573,9 @@ def markdown_table() -> str:
     def show(value):
         return json.dumps(value) if not isinstance(value, str) else f'"{value}"'
 
-    lines = ["| key | default | unit | allowed | meaning |", "|---|---|---|---|---|"]
+    lines = ["| key | type | default | unit | allowed | meaning |", "|---|---|---|---|---|---|"]
     for s in SETTINGS:
-        lines.append(f"| `{s.name}` | `{show(s.default)}` | {s.unit} | {s.allowed} | {s.help} |")
+        lines.append(f"| `{s.name}` | {s.kind} | `{show(s.default)}` | {s.unit} | {s.allowed} | {s.help} |")
     return "\n".join(lines) + "\n"
 
 
