@@ -24,6 +24,7 @@ test-deps: deps
 	@$(PYTHON) -c "import scipy, astropy, colossus" 2>/dev/null || \
 		$(PYTHON) -m pip install scipy astropy==8.0.2 colossus==1.4.0
 	@$(PYTHON) -c "import pynbody" 2>/dev/null || $(PYTHON) -m pip install pynbody==2.8.0
+	@$(PYTHON) -c "import hypothesis" 2>/dev/null || $(PYTHON) -m pip install hypothesis
 	@PYTHON=$(PYTHON) bash tools/install_jaxpm.sh
 
 $(STAMP): $(SOURCES)

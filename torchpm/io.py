@@ -36,7 +36,6 @@ h5py is needed by this module only (``pip install h5py``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -87,17 +86,36 @@ def _toml_value(value) -> str:
         text = repr(value)  # shortest text that round-trips exactly
         return text if any(c in text for c in ".en") else text + ".0"
     if isinstance(value, str):
-        return json.dumps(value)  # a valid TOML basic string
+        return _toml_string(value)
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{key} = {_toml_value(item)}" for key, item in value.items()) + " }"
+        return "{ " + ", ".join(f"{_toml_key(key)} = {_toml_value(item)}" for key, item in value.items()) + " }"
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quote, backslash and control characters (DEL included) escaped,
+    everything else (non-BMP characters too) written as itself."""
+    out = []
+    for character in text:
+        code = ord(character)
+        if character in '"\\':
+            out.append("\\" + character)
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(character)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_string(key)
+
+
 def to_toml(config: dict) -> str:
     """A flat config dict (scalars, lists, one-level tables) as TOML text."""
-    return "".join(f"{key} = {_toml_value(value)}\n" for key, value in config.items())
+    return "".join(f"{_toml_key(key)} = {_toml_value(value)}\n" for key, value in config.items())
 
 
 def simulation_config(sim) -> dict:
