@@ -176,3 +176,13 @@ def test_binary_power_table_is_a_clear_error(tmp_path):
     path.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ValueError, match="`power_spectrum`.*not a UTF-8 text table"):
         torchpm.Simulation(power_spectrum=str(path), **TINY)
+
+
+def test_huge_box_or_power_is_an_error_not_nan(tmp_path):
+    with pytest.raises(ValueError, match=r"`box_size`.*1e\+300"):
+        torchpm.Simulation(n_particles=4, box_size=1e300, steps=1)
+    table = tmp_path / "power.txt"
+    table.write_text("0.001 1e300\n100.0 1e300\n")
+    sim = torchpm.Simulation(power_spectrum=str(table), **TINY)
+    with pytest.raises(ValueError, match="LPT initial conditions are not finite.*power_spectrum"):
+        sim(sim.white_noise())

@@ -153,17 +153,22 @@ def as_shape(name: str, value) -> tuple[int, int, int]:
         raise _fail(name, expected, value) from None
 
 
+# A box far larger than the Hubble volume (~1.4e4 Mpc/h) is a typo; beyond float32's
+# range it would turn every position into inf or NaN.
+MAX_BOX_SIZE = 1e6
+
+
 def as_box_size(name: str, value) -> tuple[float, float, float]:
-    """A positive finite number or 3 of them (Mpc/h), as a 3-tuple."""
-    expected = "a positive finite number or a list of 3 (Mpc/h)"
+    """A positive finite number or 3 of them (Mpc/h, at most :data:`MAX_BOX_SIZE`), as a 3-tuple."""
+    expected = f"a number in (0, {MAX_BOX_SIZE:g}] or a list of 3 (Mpc/h)"
     if _is_number(value):
-        size = as_float(name, value, 0.0, low_open=True)
+        size = as_float(name, value, 0.0, MAX_BOX_SIZE, low_open=True)
         return (size, size, size)
     items = _items(name, value, expected)
     if len(items) != 3:
         raise _fail(name, expected, value)
     try:
-        return tuple(as_float(name, item, 0.0, low_open=True) for item in items)
+        return tuple(as_float(name, item, 0.0, MAX_BOX_SIZE, low_open=True) for item in items)
     except SettingError:
         raise _fail(name, expected, value) from None
 
@@ -358,7 +363,7 @@ SETTINGS: tuple[Setting, ...] = (
         check=as_shape,
     ),
     Setting(
-        "box_size", "float or 3 floats", default=256.0, unit="Mpc/h", allowed="> 0, or 3 values",
+        "box_size", "float or 3 floats", default=256.0, unit="Mpc/h", allowed="(0, 1e6], or 3 values",
         help="box side(s)",
         check=as_box_size,
     ),

@@ -315,6 +315,12 @@ class Simulation(nn.Module):
         else:
             delta = self._check_field(linear_field, "linear_field")
         positions, momenta = self.lpt(delta, table)
+        if not bool(torch.isfinite(positions).all() & torch.isfinite(momenta).all()):
+            raise ValueError(
+                "the LPT initial conditions are not finite: the linear power (`power_spectrum`, "
+                f"`box_size` = {self.box_size}) is too large for {self.dtype}; check the power table's units "
+                "((Mpc/h)^3) and the box size (Mpc/h)"
+            )
         if callback is not None:
             callback(0, self.a_start)
         if stop:
