@@ -174,6 +174,9 @@ def test_explicit_multifile_set_without_distributed(tmp_path):
     for parts in (2, 5):
         pieces = [read_snapshot(str(tmp_path / "snap_003.2.hdf5"), share=(i, parts)) for i in range(parts)]
         assert torch.equal(torch.cat([p.mesh_momenta for p in pieces]), whole.momenta[0])
+    os.rename(tmp_path / "snap_003.1.hdf5", tmp_path / "moved.hdf5")
+    with pytest.raises(FileNotFoundError, match=r"one of 3 files.*snap_003\.1\.hdf5"):
+        read_snapshot(str(tmp_path / "snap_003"))
     with pytest.raises(ValueError, match="num_part_total"):
         write_snapshot(str(tmp_path / "other.hdf5"), local, sim, file_index=0, num_files=2)
     with pytest.raises(ValueError, match="ids"):

@@ -441,7 +441,11 @@ def _resolve_files(path) -> list[str]:
         match = re.fullmatch(r"(.*)\.(\d+)\.hdf5", path)
         if not match:
             raise ValueError(f"{path!r} declares {num_files} files but is not named <base>.<i>.hdf5")
-        return snapshot_files(match.group(1), num_files)
+        files = snapshot_files(match.group(1), num_files)
+        missing = [name for name in files if not os.path.isfile(name)]
+        if missing:
+            raise FileNotFoundError(f"snapshot {path!r} is one of {num_files} files, but {missing} are missing")
+        return files
     base = path[: -len(".hdf5")] if path.endswith(".hdf5") else path
     for candidate in (base + ".hdf5", base + ".0.hdf5"):
         if os.path.isfile(candidate):
