@@ -207,7 +207,13 @@ def test_snapshots_resume_and_overwrite(tmp_path, capsys, monkeypatch):
         assert b["Header"].attrs["Time"] == 1.0
     body = [line for line in (first / "power_spectrum.txt").read_text().splitlines() if not line.startswith("#")]
     assert body == [line for line in (second / "power_spectrum.txt").read_text().splitlines() if not line.startswith("#")]
+    # --check validates the snapshot too, without running
+    capsys.readouterr()
+    assert main(["run", str(config), "--check", "--resume", str(first / "snap_000.hdf5")]) == 0
+    assert "resumes from" in capsys.readouterr().out
     # An incompatible config is refused with one line.
     config.write_text(config.read_text().replace("box_size = 64.0", "box_size = 65.0"))
+    assert main(["run", str(config), "--check", "--resume", str(first / "snap_000.hdf5")]) == 2
+    assert "box_size" in capsys.readouterr().err
     assert main(["run", str(config), "--resume", str(first / "snap_000.hdf5"), "--output", "third"]) == 2
     assert "box_size" in capsys.readouterr().err

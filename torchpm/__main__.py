@@ -156,9 +156,6 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
     from torchpm.io import read_snapshot, restart_state, to_toml, write_snapshot
 
     simulation = build_simulation(config)
-    if check:
-        print(describe(config, simulation), flush=True)
-        return {}
     device = simulation.device
     batch = config["batch"]
     snapshots = [simulation.scale_factors[simulation.step_index(a)] for a in config["snapshots"]]
@@ -177,6 +174,11 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
             start_state = restart_state(snapshot, simulation)
         except (OSError, ValueError, KeyError) as error:
             raise UserError(f"cannot resume from {resume!r}: {error}") from None
+    if check:
+        print(describe(config, simulation), flush=True)
+        if start_state is not None:
+            print(f"# resumes from {resume} at a = {start_state.a:.6g}", flush=True)
+        return {}
 
     output = config["output"]
     prepare_output(output, overwrite)
