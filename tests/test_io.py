@@ -174,6 +174,10 @@ def test_explicit_multifile_set_without_distributed(tmp_path):
     for parts in (2, 5):
         pieces = [read_snapshot(str(tmp_path / "snap_003.2.hdf5"), share=(i, parts)) for i in range(parts)]
         assert torch.equal(torch.cat([p.mesh_momenta for p in pieces]), whole.momenta[0])
+    # a reader's share, for a process grid whose resume sends particles to their owners
+    share = restart_state(read_snapshot(str(tmp_path / "snap_003"), share=(1, 2)), sim)
+    assert torch.equal(share.ids[0], torch.arange(n // 2, n))
+    assert torch.equal(share.positions[0], whole.positions[0, n // 2:])
     os.rename(tmp_path / "snap_003.1.hdf5", tmp_path / "moved.hdf5")
     with pytest.raises(FileNotFoundError, match=r"one of 3 files.*snap_003\.1\.hdf5"):
         read_snapshot(str(tmp_path / "snap_003"))

@@ -153,12 +153,12 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
 
     import torchpm
     from torchpm.analysis import power_spectrum
-    from torchpm.io import read_snapshot, restart_state, to_toml, write_snapshot
+    from torchpm.io import read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot
 
     simulation = build_simulation(config)
     device = simulation.device
     batch = config["batch"]
-    snapshots = [simulation.scale_factors[simulation.step_index(a)] for a in config["snapshots"]]
+    snapshots = [simulation.scale_factors[scale_factor_index(simulation, a)] for a in config["snapshots"]]
     if snapshots:
         try:
             import h5py  # noqa: F401
@@ -191,7 +191,7 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
     from tqdm import tqdm
 
     step_times = []
-    first = 0 if start_state is None else simulation.step_index(start_state.a)
+    first = 0 if start_state is None else scale_factor_index(simulation, start_state.a)
     bar = tqdm(total=simulation.steps - first, desc="PM steps", unit="step", disable=simulation.steps == first)
     marks = {}
 

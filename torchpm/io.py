@@ -48,6 +48,7 @@ __all__ = [
     "check_restart",
     "restart_state",
     "simulation_config",
+    "scale_factor_index",
     "snapshot_files",
     "to_toml",
     "CRITICAL_DENSITY",
@@ -136,6 +137,20 @@ def simulation_config(sim) -> dict:
         cosmology=cosmology,
         dtype=str(sim.dtype).replace("torch.", ""),
         **({"power_spectrum": power} if power else {}),
+    )
+
+
+def scale_factor_index(sim, a: float) -> int:
+    """The index of ``a`` in ``sim.scale_factors`` (0: ``a_start``), or a ValueError:
+    a run stops, writes and resumes only at the end of a step."""
+    a = float(a)
+    for index, value in enumerate(sim.scale_factors):
+        if abs(a - value) <= 1e-9 * value:
+            return index
+    raise ValueError(
+        f"scale factor {a} is not one of this simulation's scale factors "
+        f"({sim.scale_factors[0]:.6g} to {sim.scale_factors[-1]:.6g}, {len(sim.scale_factors) - 1} steps): "
+        "a run can stop and resume only at the end of a step"
     )
 
 
@@ -241,7 +256,7 @@ def write_snapshot(
             raise ValueError("`num_part_total` is needed for a multi-file snapshot written without torch.distributed")
     a = float(state.a)
     if step is None:
-        step = sim.step_index(a)
+        step = scale_factor_index(sim, a)
     final = snapshot_files(path, num_files)[file_index]
     directory = os.path.dirname(os.path.abspath(final))
     temporary = os.path.join(directory, f".{os.path.basename(final)}.{os.getpid()}.tmp")
@@ -397,6 +412,7 @@ class Snapshot:
         ids: ``(N,)`` int64; mesh_positions, mesh_momenta: ``(N, 3)`` in force-mesh
         units with the bits of the run; momenta: ``(N, 3)`` ``p`` in Mpc/h.
         files: the files read.
+        total: particles in the whole snapshot (all files), of which these are a share or all.
     """
 
     a: float
@@ -412,6 +428,7 @@ class Snapshot:
     mesh_positions: torch.Tensor | None
     mesh_momenta: torch.Tensor | None
     files: list
+    total: int = 0
 
     def state(self):
         """The particles as a :class:`torchpm.SimulationState` in Mpc/h, batch of 1."""
@@ -527,6 +544,7 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None) -> Snapshot:
         mesh_positions=arrays.get("mesh_positions"),
         mesh_momenta=arrays.get("mesh_momenta"),
         files=files,
+        total=total,
     )
 
 
@@ -570,24 +588,32 @@ def check_restart(snapshot: Snapshot, sim) -> None:
             f"snapshot {snapshot.files[0]!r} is incompatible with this configuration ("
             + "; ".join(differences) + "); resume with the configuration that wrote it"
         )
-    sim.step_index(snapshot.a)  # raises when a is not on the step grid
+    scale_factor_index(sim, snapshot.a)  # raises when a is not on the step grid
 
 
 def restart_state(snapshot: Snapshot, sim):
-    """The snapshot's particles in force-mesh units, in Lagrangian order, as a
-    batch-of-1 :class:`torchpm.SimulationState` for ``sim.resume(state, mesh_units=True)``.
-    Checks compatibility first (:func:`check_restart`) and that every particle is present once."""
+    """The snapshot's particles in force-mesh units, ordered by id, as a batch-of-1
+    :class:`torchpm.SimulationState` for ``sim.resume(state, mesh_units=True)``.
+
+    Checks compatibility first (:func:`check_restart`). A whole snapshot must hold every
+    particle exactly once; a share (``read_snapshot(..., share=(rank, world))``, for a
+    process grid whose ``resume`` sends the particles to their owners) must hold ids in
+    ``[0, N)`` without repeats.
+    """
     from .simulation import SimulationState
 
     check_restart(snapshot, sim)
     ids = snapshot.ids
-    if ids.numel() != sim.n_total:
-        raise ValueError(f"snapshot holds {ids.numel()} particles, the simulation has {sim.n_total}")
+    n = sim.n_total
+    if snapshot.total and snapshot.total != n:
+        raise ValueError(f"snapshot holds {snapshot.total} particles, the simulation has {n}")
     order = torch.argsort(ids)
-    if not torch.equal(ids[order], torch.arange(sim.n_total)):
-        raise ValueError("snapshot particle ids are not exactly 0 .. N-1 (missing or repeated particles)")
-    positions = snapshot.mesh_positions[order]
-    momenta = snapshot.mesh_momenta[order]
+    ids = ids[order]
+    if ids.numel() == n:
+        if not torch.equal(ids, torch.arange(n)):
+            raise ValueError("snapshot particle ids are not exactly 0 .. N-1 (missing or repeated particles)")
+    elif ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= n or bool((ids[1:] == ids[:-1]).any())):
+        raise ValueError(f"snapshot share holds ids outside [0, {n}) or repeated ids")
     # The snapshot's float64 a, snapped to the grid value the run uses.
-    a = sim.scale_factors[sim.step_index(snapshot.a)]
-    return SimulationState(positions[None], momenta[None], a, ids[order][None])
+    a = sim.scale_factors[scale_factor_index(sim, snapshot.a)]
+    return SimulationState(snapshot.mesh_positions[order][None], snapshot.mesh_momenta[order][None], a, ids[None])

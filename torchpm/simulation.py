@@ -170,8 +170,11 @@ class Simulation(nn.Module):
         k_max = math.sqrt(sum((math.pi * n / b) ** 2 for n, b in zip(self.particle_shape, self.box_size)))
         return k_min, k_max
 
-    def memory_estimate(self, batch: int = 1, ranks: int = 1):
-        """Estimated peak memory per rank, a :class:`torchpm.resources.MemoryEstimate` (bytes)."""
+    def memory_estimate(self, batch: int = 1, ranks: int | None = None):
+        """Estimated peak memory per rank, a :class:`torchpm.resources.MemoryEstimate` (bytes);
+        ``ranks`` defaults to the size of the force mesh's process grid (1 on one device)."""
+        if ranks is None:
+            ranks = getattr(getattr(getattr(self, "force_mesh", None), "grid", None), "size", 1)
         return estimate_memory(self.particle_shape, self.mesh_factor, self.dtype, batch=batch, ranks=ranks)
 
     def _check_memory(self, device: torch.device, batch: int) -> None:
