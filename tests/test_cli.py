@@ -86,6 +86,7 @@ BAD_VALUES = [
     ("snapshots = [0.56]", "not one of the scale factors"),
     ("snapshots = [1.0, 0.5]", "`snapshots`"),
     ("grid = [2]", "`grid`"),
+    ("grid = [2, 1]", "`grid`"),
     ("collective_timeout = -1", "`collective_timeout`"),
     ("paint_order = \"quadratic\"", "`paint_order`"),
     ("power_spectrum = \"missing_table.txt\"", "`power_spectrum`"),

@@ -45,7 +45,7 @@ def test_local_mesh_paint_readout(device):
     values = mesh.readout(torch.stack([painted, 2 * painted], dim=1), positions)
     assert values.shape == (1, 1, 2)
     assert float(values[0, 0, 1]) == pytest.approx(2 * float(values[0, 0, 0]))
-    with pytest.raises(ValueError, match="real field"):
+    with pytest.raises(ValueError, match="`field` of shape"):
         mesh.rfftn(torch.zeros(1, 4, 4, 5, device=device))
 
 

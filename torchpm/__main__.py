@@ -68,11 +68,16 @@ def build_simulation(config: dict):
         options["paint_order"] = config["paint_order"]
     elif config["paint_order"] != "cic":
         raise UserError(f"`paint_order` = {config['paint_order']!r} is not available in this build (only 'cic')")
-    for key in ("grid", "collective_timeout"):
-        if key in parameters:
-            options[key] = config[key]
-        elif key == "grid" and config[key] not in ([], [1, 1]):
-            raise UserError(f"`grid` = {config[key]} needs a distributed run, which this build does not have")
+    if "grid" in parameters:
+        # [] = a balanced grid over the initialised world (one device when there is none).
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if config["grid"]:
+            options["grid"] = tuple(config["grid"])
+        elif distributed and torch.distributed.get_world_size() > 1:
+            options["grid"] = "auto"
+    elif config["grid"] not in ([], [1, 1]):
+        raise UserError(f"`grid` = {config['grid']} needs a distributed run, which this build does not have")
+    # `collective_timeout` is for torch.distributed.init_process_group, by whoever launches the ranks.
     try:
         simulation = torchpm.Simulation(
             n_particles=config["n_particles"],

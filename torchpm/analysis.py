@@ -9,6 +9,12 @@ The rfft half-spectrum is used with each entry weighted by the number of full-DF
 modes it stands for (1 on the ``k_z = 0`` and Nyquist planes, 2 elsewhere), so
 ``modes`` counts modes of the full DFT and ``k`` is their mean ``|k|``.
 Units: k in h/Mpc, P in (Mpc/h)^3 when the box is in Mpc/h.
+
+Distributed fields: pass the field's ``mesh`` (a
+:class:`~torchpm.distributed.PencilDecomposition`, e.g. ``sim.force_mesh``) and this
+rank's block of the field; the shell sums are all-reduced over the process grid,
+so every rank gets the global result, equal to the serial one. The sums are
+differentiable (every rank then holds the same result and computes the same loss).
 """
 
 from __future__ import annotations
@@ -33,14 +39,25 @@ class PowerSpectrum(NamedTuple):
     modes: torch.Tensor
 
 
-def _fields(field, name):
-    if not isinstance(field, torch.Tensor) or field.dim() not in (3, 4) or not field.is_floating_point():
-        raise ValueError(
+def _field_error(field, name, mesh):
+    """What is wrong with ``field`` (None if nothing)."""
+    if not isinstance(field, torch.Tensor) or field.dim() not in (3, 4) or not field.is_floating_point() \
+            or field.is_complex():
+        return (
             f"`{name}` must be a real tensor of shape (nx, ny, nz) or (B, nx, ny, nz), got "
             f"{getattr(field, 'shape', type(field).__name__)}"
         )
+    if mesh is not None and tuple(field.shape[-3:]) != tuple(mesh.local_real_shape):
+        return (
+            f"`{name}` of shape {tuple(field.shape)} does not match this rank's block "
+            f"{tuple(mesh.local_real_shape)} of the mesh {tuple(mesh.global_shape)}"
+        )
     if not bool(torch.isfinite(field).all()):
-        raise ValueError(f"`{name}` contains NaN or infinite values")
+        return f"`{name}` contains NaN or infinite values"
+    return None
+
+
+def _fields(field, name):
     return field.unsqueeze(0) if field.dim() == 3 else field, field.dim() == 3
 
 
@@ -68,8 +85,11 @@ def _binned(
         k_nyquist = min(math.pi * n / b for n, b in zip(mesh.global_shape, box))
         count = max(1, int(math.floor(k_nyquist / k_fundamental - 0.5)))
         edges = k_fundamental * (torch.arange(count + 1, dtype=torch.float64, device=device) + 0.5)
-    elif isinstance(bins, int):
-        k_max = float(k.max())
+    elif isinstance(bins, int) and not isinstance(bins, bool):
+        if bins < 1:
+            raise ValueError(f"`bins` must be a positive number of bins or increasing bin edges, got {bins}")
+        local_max = k.max() if k.numel() else torch.zeros((), dtype=k.dtype, device=device)
+        k_max = float(mesh.all_reduce(local_max.reshape(1), "max")[0])
         edges = torch.linspace(0.5 * k_fundamental, k_max * (1 + 1e-12), bins + 1, dtype=torch.float64, device=device)
     else:
         edges = torch.as_tensor(bins, dtype=torch.float64, device=device)
@@ -85,9 +105,12 @@ def _binned(
     batch = values.shape[0]
     flat_values = values.reshape(batch, -1) * flat_weight
     sums = torch.zeros(batch, n_bins + 1, dtype=torch.float64, device=device).index_add_(1, index, flat_values)
-    keep = modes[:n_bins] > 0
-    modes = modes[:n_bins][keep]
-    return k_sum[:n_bins][keep] / modes, sums[:, :n_bins][:, keep] / modes, modes
+    # One all-reduce of every shell sum: the global spectrum on every rank.
+    totals = mesh.all_reduce(torch.cat([modes[:n_bins].unsqueeze(0), k_sum[:n_bins].unsqueeze(0), sums[:, :n_bins]]))
+    modes, k_sum, sums = totals[0], totals[1], totals[2:]
+    keep = modes > 0
+    modes = modes[keep]
+    return k_sum[keep] / modes, sums[:, keep] / modes, modes
 
 
 def cross_power(
@@ -108,15 +131,23 @@ def cross_power(
         bins: None (width ``2 pi / L`` shells centred on multiples of it, up to the
             Nyquist frequency), a number of equal-width bins, or bin edges in h/Mpc.
         compensate_cic: divide each field by the CIC window ``prod sinc^2(w/2pi)``.
-        mesh: the mesh object (default :class:`LocalMesh` of the field shape).
+        mesh: the mesh the fields live on (default: a :class:`LocalMesh` of the field
+            shape); on a process grid, the fields are this rank's blocks and every
+            rank gets the global result.
 
     Returns:
         :class:`PowerSpectrum`; ``power`` is ``(B, n_bins)`` for batched input.
     """
+    error = _field_error(field_a, "field_a", mesh) or _field_error(field_b, "field_b", mesh)
+    if error is None and field_a.shape != field_b.shape:
+        error = (f"`field_a` and `field_b` must have the same shape, got {tuple(field_a.shape)} and "
+                 f"{tuple(field_b.shape)}")
+    if mesh is not None:
+        mesh.raise_together(error)
+    elif error:
+        raise ValueError(error)
     a, single = _fields(field_a, "field_a")
     b, _ = _fields(field_b, "field_b")
-    if a.shape != b.shape:
-        raise ValueError(f"`field_a` and `field_b` must have the same shape, got {tuple(a.shape)} and {tuple(b.shape)}")
     box = as_box_size(box_size)
     mesh = mesh or LocalMesh(a.shape[-3:])
     a_k = mesh.rfftn(a.to(torch.float64))

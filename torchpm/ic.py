@@ -21,6 +21,7 @@ Laplacian kernels.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Sequence
 
 import torch
@@ -29,7 +30,7 @@ from .cosmology import Cosmology, GrowthValues
 from .mesh import as_shape
 from .fourier import FourierKernels, gradient_inverse_laplacian, multiply_real, stack_products
 
-__all__ = ["white_noise", "linear_field", "lpt_displacements", "lpt_initial_state", "check_finite"]
+__all__ = ["white_noise", "plane_seed", "linear_field", "lpt_displacements", "lpt_initial_state", "check_finite"]
 
 
 def check_finite(tensor: torch.Tensor, name: str) -> None:
@@ -37,6 +38,29 @@ def check_finite(tensor: torch.Tensor, name: str) -> None:
     if not bool(torch.isfinite(tensor).all()):
         bad = int((~torch.isfinite(tensor)).sum())
         raise ValueError(f"`{name}` contains {bad} NaN or infinite values; expected finite numbers")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """The splitmix64 finaliser: a bijective scramble of a 64-bit integer."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def plane_seed(seed: int, member: int, plane: int) -> int:
+    """Seed of the stream of x-plane ``plane`` of batch member ``member`` (63 bits).
+
+    Hash-chained, so distinct ``(seed, member, plane)`` give unrelated streams
+    (``seed + plane`` would make seed 1 plane 0 equal seed 0 plane 1).
+    """
+    value = _mix64(int(seed) & _MASK64)
+    value = _mix64(value ^ (int(member) & _MASK64))
+    value = _mix64(value ^ (int(plane) & _MASK64))
+    return value >> 1
 
 
 def white_noise(
@@ -48,24 +72,41 @@ def white_noise(
     device=None,
     mesh=None,
 ) -> torch.Tensor:
-    """Seeded standard normal white noise on the particle grid.
+    """Seeded standard normal white noise on the particle grid, the same on any process grid.
 
-    The global field is drawn on the CPU from ``torch.Generator().manual_seed(seed)``
-    in C order and this rank's block is cut from it, so the field is the same on
-    any device and any process grid.
+    Every x-plane ``i`` of batch member ``b`` is drawn (in float64, C order over
+    ``(y, z)``) from its own CPU stream seeded by :func:`plane_seed` ``(seed, b, i)``.
+    A rank draws only the planes of its block and keeps its y range, so the global
+    field does not depend on the process grid or the device, and member ``b`` does
+    not depend on how many members are drawn.
+
+    Args:
+        shape: the global particle grid ``(nx, ny, nz)``.
+        batch: number of independent fields (members ``0 .. batch - 1``).
+        seed: integer seed.
+        mesh: the particle-grid mesh whose local block to return (default: the whole grid).
 
     Returns:
         ``(batch, *local_real_shape)`` of ``mesh`` (the whole grid by default).
     """
     shape = as_shape(shape, "shape")
-    if int(batch) < 1:
+    if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or int(batch) < 1:
         raise ValueError(f"`batch` must be a positive integer, got {batch!r}")
-    generator = torch.Generator().manual_seed(int(seed))
-    noise = torch.randn((int(batch), *shape), generator=generator, dtype=torch.float64)
-    if mesh is not None:
-        (x0, y0, z0), (nx, ny, nz) = mesh.local_real_offset, mesh.local_real_shape
-        noise = noise[:, x0 : x0 + nx, y0 : y0 + ny, z0 : z0 + nz]
-    return noise.to(dtype=dtype, device=device).contiguous()
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"`seed` must be an integer, got {seed!r}")
+    nx, ny, nz = shape
+    (lx, ly, lz), (ox, oy, oz) = ((nx, ny, nz), (0, 0, 0)) if mesh is None else (
+        mesh.local_real_shape, mesh.local_real_offset)
+    if mesh is not None and tuple(mesh.global_shape) != shape:
+        raise ValueError(f"white_noise: `mesh` has global shape {mesh.global_shape}, expected {shape}")
+    noise = torch.empty((int(batch), lx, ly, lz), dtype=torch.float64)
+    generator = torch.Generator()
+    for member in range(int(batch)):
+        for i in range(lx):
+            generator.manual_seed(plane_seed(seed, member, ox + i))
+            plane = torch.randn((ny, nz), generator=generator, dtype=torch.float64)
+            noise[member, i] = plane[oy : oy + ly, oz : oz + lz]
+    return noise.to(dtype=dtype, device=device)
 
 
 def power_kernel(

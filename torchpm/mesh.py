@@ -1,43 +1,29 @@
-"""The mesh interface the physics is written against: FFTs, wavevectors, paint, readout.
+"""The mesh interface the physics is written against, and its single-device case.
 
-Every Fourier transform and every CIC operation of the simulation goes through
-an object with the interface of :class:`LocalMesh`. The distributed FFT (pencil
-or slab decomposition over ``torch.distributed``) implements the same interface,
-so the physics in :mod:`torchpm.ic`, :mod:`torchpm.pm` and
-:mod:`torchpm.analysis` never branches on "distributed or not" (DESIGN.md: one
-code path). :class:`LocalMesh` is the 1x1 process grid.
+Every Fourier transform, mass assignment, reduction and particle migration of the
+simulation goes through an object with the :class:`Mesh` interface. It has one
+implementation, :class:`torchpm.distributed.PencilDecomposition`, for every
+process grid; :class:`LocalMesh` is its 1 x 1 grid (no process group, plain local
+operations). So the physics in :mod:`torchpm.ic`, :mod:`torchpm.pm`,
+:mod:`torchpm.analysis` and :class:`torchpm.Simulation` never branches on
+"distributed or not" (DESIGN.md: one code path).
 
-Interface (what the physics may use, and nothing else):
-
-* ``global_shape``: ``(nx, ny, nz)`` of the whole mesh;
-* ``local_real_shape``, ``local_real_offset``: this rank's block of the real
-  mesh and the global index of its node ``(0, 0, 0)``;
-* ``local_fourier_shape``: shape of the local complex block (in the layout
-  ``rfftn`` returns it, which may be transposed in the distributed version);
-* ``rfftn(field)``: real ``(B, *local_real_shape)`` (or ``(B, C, ...)``) to
-  complex ``(B, *local_fourier_shape)``, unnormalised forward transform;
-* ``irfftn(field_k)``: the inverse, normalised by ``1/N``;
-* ``wavevectors(dtype, device)``: ``(w_x, w_y, w_z)`` in radians per cell,
-  ``2 pi fftfreq(n)`` (``rfftfreq`` along z) of the local Fourier block, each
-  shaped to broadcast against the local complex block in its actual layout;
-* ``paint(positions, weights)`` / ``readout(mesh, positions)``: CIC on the
-  local block (the distributed version adds halo and particle exchanges).
-
-Fourier kernels must be written in terms of :meth:`wavevectors` only, never by
-assuming the axis order of the complex tensor.
+Fourier kernels must be written in terms of :meth:`Mesh.wavevectors` only, never by
+assuming the axis order of the complex tensor (the distributed layout is
+transposed).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from .ops import cic_paint, cic_readout
+from .distributed.decomposition import PencilDecomposition
 
-__all__ = ["LocalMesh", "as_box_size", "as_shape"]
+__all__ = ["Mesh", "LocalMesh", "as_box_size", "as_shape"]
 
 
 def as_shape(value, name: str) -> tuple[int, int, int]:
@@ -78,98 +64,67 @@ def as_box_size(box_size) -> tuple[float, float, float]:
     return box
 
 
-class LocalMesh:
-    """The whole periodic mesh on one device (the 1x1 process grid).
+@runtime_checkable
+class Mesh(Protocol):
+    """What the physics needs from a mesh (implemented by :class:`PencilDecomposition`).
+
+    Attributes: ``global_shape`` ``(nx, ny, nz)``; ``size`` (``nx ny nz``);
+    ``grid_shape`` ``(P0, P1)``; ``local_real_shape`` / ``local_real_offset``: this
+    rank's real block and the global index of its node ``(0, 0, 0)``;
+    ``local_fourier_shape`` / ``local_fourier_offset``: its block of the rfft
+    spectrum, in the layout :meth:`rfftn` returns (transposed on a grid).
+    """
+
+    global_shape: tuple[int, int, int]
+    grid_shape: tuple[int, int]
+    local_real_shape: tuple[int, int, int]
+    local_real_offset: tuple[int, int, int]
+    local_fourier_shape: tuple[int, int, int]
+    local_fourier_offset: tuple[int, int, int]
+
+    @property
+    def size(self) -> int: ...
+
+    def rfftn(self, field: torch.Tensor) -> torch.Tensor:
+        """Unnormalised forward DFT: real ``(..., *local_real_shape)`` to complex
+        ``(..., *local_fourier_shape)``."""
+
+    def irfftn(self, field_k: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`rfftn`, normalised by ``1/N``."""
+
+    def wavevectors(self, dtype=torch.float32, device=None):
+        """``(w_x, w_y, w_z)`` in radians per cell of the local Fourier block, each shaped
+        to broadcast against it (``2 pi fftfreq``, ``rfftfreq`` along z)."""
+
+    def hermitian_weights(self, dtype=torch.float64, device=None) -> torch.Tensor:
+        """Full-DFT modes each local rfft entry stands for (1 or 2), broadcastable."""
+
+    def paint(self, positions: torch.Tensor, weights: torch.Tensor | None = None, *, order: str = "cic") -> torch.Tensor:
+        """Mass assignment of owned ``(B, N, 3)`` particles (mesh-cell units) onto the local block."""
+
+    def readout(self, field: torch.Tensor, positions: torch.Tensor, *, order: str = "cic") -> torch.Tensor:
+        """Interpolation of the local block at owned particles."""
+
+    def migrate(self, positions: torch.Tensor, ids: torch.Tensor, *attributes: torch.Tensor,
+                capacity: int | None = None):
+        """Move particles to the ranks owning their positions: ``(plan, positions, ids, *attributes)``."""
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce a tensor over every rank of the grid."""
+
+    def raise_together(self, error: str | None, exception=ValueError) -> None:
+        """Raise on every rank when any rank reports an error."""
+
+
+class LocalMesh(PencilDecomposition):
+    """The whole periodic mesh on one device: the 1 x 1 process grid.
 
     Args:
         shape: ``(nx, ny, nz)`` (or one int for a cube) of the global mesh.
     """
 
     def __init__(self, shape: int | Sequence[int]):
-        self.global_shape = as_shape(shape, "shape")
-        self.local_real_shape = self.global_shape
-        self.local_real_offset = (0, 0, 0)
-        nx, ny, nz = self.global_shape
-        self.local_fourier_shape = (nx, ny, nz // 2 + 1)
-        self._wavevector_cache: dict = {}
+        super().__init__(as_shape(shape, "shape"))
 
     def __repr__(self) -> str:
         return f"LocalMesh(shape={self.global_shape})"
-
-    @property
-    def size(self) -> int:
-        """Number of cells of the global mesh, ``nx * ny * nz``."""
-        return math.prod(self.global_shape)
-
-    def rfftn(self, field: torch.Tensor) -> torch.Tensor:
-        """Unnormalised forward DFT over the last 3 axes, ``(..., nx, ny, nz)`` real to
-        ``(..., nx, ny, nz//2+1)`` complex."""
-        self._check_real(field, "rfftn")
-        return torch.fft.rfftn(field, dim=(-3, -2, -1))
-
-    def irfftn(self, field_k: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`rfftn` (normalised by ``1/N``): complex
-        ``(..., nx, ny, nz//2+1)`` to real ``(..., nx, ny, nz)``."""
-        if tuple(field_k.shape[-3:]) != self.local_fourier_shape:
-            raise ValueError(
-                f"irfftn: expected a complex field ending in {self.local_fourier_shape}, "
-                f"got shape {tuple(field_k.shape)}"
-            )
-        return torch.fft.irfftn(field_k, s=self.global_shape, dim=(-3, -2, -1))
-
-    def wavevectors(self, dtype=torch.float32, device=None):
-        """``(w_x, w_y, w_z)``: radians per cell of the local Fourier block.
-
-        ``w_x = 2 pi fftfreq(nx)`` shaped ``(nx, 1, 1)``, ``w_y`` shaped ``(1, ny, 1)``,
-        ``w_z = 2 pi rfftfreq(nz)`` shaped ``(1, 1, nz//2+1)``: they broadcast against
-        the complex block. The Nyquist frequency of an even axis is ``-pi`` (numpy
-        convention) along x and y and ``+pi`` along z.
-        """
-        device = torch.device("cpu") if device is None else torch.device(device)
-        key = (dtype, device)
-        if key not in self._wavevector_cache:
-            nx, ny, nz = self.global_shape
-            wx = torch.fft.fftfreq(nx, dtype=torch.float64) * (2 * math.pi)
-            wy = torch.fft.fftfreq(ny, dtype=torch.float64) * (2 * math.pi)
-            wz = torch.fft.rfftfreq(nz, dtype=torch.float64) * (2 * math.pi)
-            self._wavevector_cache[key] = (
-                wx.view(nx, 1, 1).to(dtype=dtype, device=device),
-                wy.view(1, ny, 1).to(dtype=dtype, device=device),
-                wz.view(1, 1, nz // 2 + 1).to(dtype=dtype, device=device),
-            )
-        return self._wavevector_cache[key]
-
-    def hermitian_weights(self, dtype=torch.float64, device=None) -> torch.Tensor:
-        """How many modes of the full complex DFT each entry of the rfft block stands for.
-
-        2 for ``0 < k_z < nz/2`` (the entry and its conjugate), 1 on the ``k_z = 0``
-        plane and, for even ``nz``, on the Nyquist plane. Shaped to broadcast like
-        ``w_z``. Sums over the block weighted by this equal sums over all modes.
-        """
-        nz = self.global_shape[2]
-        weights = torch.full((nz // 2 + 1,), 2.0, dtype=dtype, device=device)
-        weights[0] = 1.0
-        if nz % 2 == 0:
-            weights[-1] = 1.0
-        return weights.view(1, 1, -1)
-
-    def paint(self, positions: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """CIC paint of ``(B, N, 3)`` positions in mesh-cell units onto the local block.
-
-        Returns ``(B, *local_real_shape)`` (or ``(B, C, ...)`` for ``(B, N, C)`` weights).
-        """
-        return cic_paint(
-            positions, weights, self.local_real_shape, offset=self.local_real_offset, periodic=True
-        )
-
-    def readout(self, mesh: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """CIC readout of ``(B, [C,] *local_real_shape)`` at ``(B, N, 3)`` positions:
-        ``(B, N)`` or ``(B, N, C)``."""
-        return cic_readout(mesh, positions, offset=self.local_real_offset, periodic=True)
-
-    def _check_real(self, field, op):
-        if field.is_complex() or tuple(field.shape[-3:]) != self.local_real_shape:
-            raise ValueError(
-                f"{op}: expected a real field ending in {self.local_real_shape}, got "
-                f"{'complex ' if field.is_complex() else ''}shape {tuple(field.shape)}"
-            )

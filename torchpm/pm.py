@@ -44,6 +44,7 @@ def compute_forces(
     particle_mass: float,
     force_scale,
     force_correction: Callable | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PM accelerations ``dp/da * a^2 E`` on the particles, in mesh units.
 
@@ -56,12 +57,14 @@ def compute_forces(
         force_correction: optional callable ``(k, a) -> filter`` with ``k`` the
             ``|k|`` mesh in h/Mpc and ``a`` a 0-d tensor; the filter multiplies
             the potential.
+        weights: optional ``(B, N)`` mass of each particle in units of one particle
+            (0 for the empty slots of a padded distributed batch); None: all 1.
 
     Returns:
         ``(B, N, 3)``: ``F_i = 1.5 Omega_m (-d_i grad^-2 delta)(x) / c_i``.
     """
     mesh = kernels.mesh
-    density_k = mesh.rfftn(mesh.paint(positions))
+    density_k = mesh.rfftn(mesh.paint(positions, weights))
     filter_ = None
     if force_correction is not None:
         a_tensor = torch.as_tensor(a, dtype=kernels.dtype, device=positions.device)

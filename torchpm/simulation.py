@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -11,7 +12,6 @@ from torch import nn
 from .config import as_int, simulation_arguments
 from .cosmology import Cosmology, Planck15, growth_table, resolve_power, PowerTable
 from .ic import (
-    check_finite,
     grid_positions,
     linear_field,
     lpt_displacements,
@@ -19,9 +19,11 @@ from .ic import (
     power_kernel,
     white_noise as make_white_noise,
 )
+from .distributed.decomposition import PencilDecomposition
+from .distributed.layout import balanced_grid
 from .mesh import LocalMesh
 from .fourier import FourierKernels
-from .pm import compute_forces, kick_drift_kick, step_factors
+from .pm import StepFactors, compute_forces, step_factors
 from .resources import check_memory, estimate_memory
 
 __all__ = ["Simulation", "SimulationState"]
@@ -43,6 +45,56 @@ class SimulationState(NamedTuple):
     momenta: torch.Tensor
     a: float
     ids: torch.Tensor | None = None
+
+
+def _resolve_groups(grid, mesh):
+    """The ``(group_axis0, group_axis1)`` of a ``grid`` or ``mesh`` argument."""
+    if grid is not None and mesh is not None:
+        raise ValueError("pass at most one of `grid` and `mesh`")
+    if mesh is not None:
+        if isinstance(mesh, PencilDecomposition):
+            return tuple(mesh.groups)
+        if isinstance(mesh, (tuple, list)):
+            if len(mesh) != 2:
+                raise ValueError(f"`mesh` as process groups must be a pair (group_axis0, group_axis1), got {mesh!r}")
+            return tuple(mesh)
+        if hasattr(mesh, "get_group") and hasattr(mesh, "ndim"):
+            if mesh.ndim not in (1, 2):
+                raise ValueError(f"`mesh` must be a 1-D or 2-D DeviceMesh, got {mesh.ndim}-D")
+            groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+            groups = [g if mesh.size(i) > 1 else None for i, g in enumerate(groups)]
+            return (groups[0], groups[1] if len(groups) > 1 else None)
+        raise ValueError(
+            "`mesh` must be a DeviceMesh, a PencilDecomposition or a pair of process groups, "
+            f"got {type(mesh).__name__}"
+        )
+    if grid is None:
+        return (None, None)
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if isinstance(grid, str):
+        if grid != "auto":
+            raise ValueError(f"`grid` must be (P0, P1) or 'auto', got {grid!r}")
+        grid = balanced_grid(world)
+    try:
+        items = list(grid)
+    except TypeError:
+        raise ValueError(f"`grid` must be 2 positive integers (P0, P1), got {grid!r}") from None
+    if len(items) != 2 or any(isinstance(p, bool) or not isinstance(p, numbers.Integral) or p < 1 for p in items):
+        raise ValueError(f"`grid` must be 2 positive integers (P0, P1), got {grid!r}")
+    p0, p1 = (int(p) for p in items)
+    if p0 * p1 != world:
+        raise ValueError(
+            f"`grid` {(p0, p1)} needs {p0 * p1} ranks but the world size is {world}"
+            + ("" if world > 1 else " (torch.distributed is not initialised: launch with torchrun and call "
+               "torch.distributed.init_process_group first)")
+        )
+    if p0 * p1 == 1:
+        return (None, None)
+    from .distributed.groups import process_grid_groups
+
+    return process_grid_groups((p0, p1))
 
 
 class Simulation(nn.Module):
@@ -74,18 +126,34 @@ class Simulation(nn.Module):
         dtype: of particles and fields (float32 default; the background is float64).
         checkpoint: recompute each step in the backward pass instead of keeping its
             intermediate meshes, so memory does not grow with the number of steps.
-        memory_check: ``"error"`` (default) refuses a run whose estimated peak memory
-            (:func:`torchpm.resources.estimate_memory`) exceeds what the device has
+        memory_check: ``"error"`` (default) refuses a run whose estimated peak memory per
+            rank (:func:`torchpm.resources.estimate_memory`) exceeds what the device has
             available — at construction (CPU, batch 1) and before each run on the
             module's device with the actual batch; ``"warn"`` warns; ``"off"`` skips.
+        grid: ``(P0, P1)`` process grid to run on, over the default
+            ``torch.distributed`` process group (``P0 * P1`` must equal its world
+            size); ``"auto"`` for :func:`torchpm.distributed.balanced_grid` of the
+            world size. Default: one device.
+        mesh: instead of ``grid``, a ``DeviceMesh`` (1-D or 2-D), a
+            :class:`~torchpm.distributed.PencilDecomposition` (its groups are used) or a
+            pair of process groups ``(group_axis0, group_axis1)``.
+        particle_capacity: most particle slots per batch member one rank may hold
+            (None, the default: buffers grow as needed). Exceeding it raises on
+            every rank.
 
-    Plain arguments are checked by :func:`torchpm.config.simulation_arguments` (the
-    declaration shared with the CLI): strings, bools and non-integral floats where
-    numbers or shapes are expected are errors.
+    ``forward(white_noise)`` returns a :class:`SimulationState` in Mpc/h. Shapes on
+    one device: white noise ``(B, nx, ny, nz)`` (or without the batch axis),
+    positions and momenta ``(B, N, 3)`` with ``N = nx ny nz`` in C order of the grid.
 
-    ``forward(white_noise)`` returns a :class:`SimulationState` in Mpc/h. Shapes:
-    white noise ``(B, nx, ny, nz)`` (or without the batch axis), positions and
-    momenta ``(B, N, 3)`` with ``N = nx ny nz`` in C order of the grid.
+    On a process grid (``torchrun``, one rank per device), every rank calls the same
+    methods in the same order. The white noise and linear field are this rank's
+    block of the particle grid (``particle_mesh.local_real_shape``; the global
+    field is accepted too and cut), and a state holds the particles this rank owns:
+    ``(B, n, 3)`` with ``n`` the largest count of any batch member on the rank,
+    the other members padded with empty slots whose ``ids`` are ``-1`` (zero mass,
+    zero momentum). :meth:`gather` returns the whole state on every rank and
+    :meth:`density` the local block of the density. Results equal the single-device
+    run from the same seed up to rounding.
     """
 
     def __init__(
@@ -107,9 +175,13 @@ class Simulation(nn.Module):
         force_correction: Callable | None = None,
         dtype: torch.dtype = torch.float32,
         checkpoint: bool = False,
+        grid=None,
+        mesh=None,
+        particle_capacity: int | None = None,
         memory_check: str = "error",
     ):
         super().__init__()
+        # Plain arguments: checked by the declaration shared with the CLI (torchpm.config).
         checked = simulation_arguments(
             n_particles=n_particles, box_size=box_size, mesh_factor=mesh_factor, a_start=a_start, steps=steps,
             a_end=a_end, lpt_order=lpt_order, integrator=integrator, gradient=gradient, laplacian=laplacian,
@@ -144,13 +216,26 @@ class Simulation(nn.Module):
         self.checkpoint = checked["checkpoint"]
         self.kernel_options = dict(gradient=checked["gradient"], laplacian=checked["laplacian"])
         self.cic_compensation = checked["cic_compensation"]
-        # Before any allocation: refuse a run that cannot fit (the module starts on the CPU).
-        self._memory_checked: set = set()
-        self._check_memory(torch.device("cpu"), 1)
+
+        if particle_capacity is not None and (
+            isinstance(particle_capacity, bool) or not isinstance(particle_capacity, numbers.Integral)
+            or particle_capacity < 0
+        ):
+            raise ValueError(f"`particle_capacity` must be None or a non-negative integer, got {particle_capacity!r}")
+        self.particle_capacity = particle_capacity
 
         self.mesh_shape = tuple(n * self.mesh_factor for n in self.particle_shape)
-        self.particle_mesh = LocalMesh(self.particle_shape)
-        self.force_mesh = LocalMesh(self.mesh_shape)
+        groups = _resolve_groups(grid, mesh)
+        if groups == (None, None):
+            self.particle_mesh = LocalMesh(self.particle_shape)
+            self.force_mesh = LocalMesh(self.mesh_shape)
+        else:
+            self.particle_mesh = PencilDecomposition(self.particle_shape, groups)
+            self.force_mesh = PencilDecomposition(self.mesh_shape, groups)
+        # Before any particle or mesh is allocated: refuse a run that cannot fit (the
+        # module starts on the CPU; forward checks again on its device with its batch).
+        self._memory_checked: set = set()
+        self._check_memory(torch.device("cpu"), 1)
         self.particle_cell = tuple(b / n for b, n in zip(self.box_size, self.particle_shape))
         self.cell_size = tuple(b / n for b, n in zip(self.box_size, self.mesh_shape))
         self.n_total = math.prod(self.particle_shape)
@@ -172,7 +257,7 @@ class Simulation(nn.Module):
 
     def memory_estimate(self, batch: int = 1, ranks: int | None = None):
         """Estimated peak memory per rank, a :class:`torchpm.resources.MemoryEstimate` (bytes);
-        ``ranks`` defaults to the size of the force mesh's process grid (1 on one device)."""
+        ``ranks`` defaults to the size of the process grid (1 on one device)."""
         if ranks is None:
             ranks = getattr(getattr(getattr(self, "force_mesh", None), "grid", None), "size", 1)
         return estimate_memory(self.particle_shape, self.mesh_factor, self.dtype, batch=batch, ranks=ranks)
@@ -183,18 +268,6 @@ class Simulation(nn.Module):
             return
         check_memory(self.memory_estimate(batch), device, self.memory_check, what=f"this Simulation (batch {batch})")
         self._memory_checked.add(key)
-
-    def step_index(self, a: float) -> int:
-        """The index of ``a`` in :attr:`scale_factors` (0: ``a_start``), or a ValueError."""
-        a = float(a)
-        for index, value in enumerate(self.scale_factors):
-            if abs(a - value) <= 1e-9 * value:
-                return index
-        raise ValueError(
-            f"scale factor {a} is not one of this simulation's scale factors "
-            f"({self.scale_factors[0]:.6g} to {self.scale_factors[-1]:.6g}, {self.steps} steps): "
-            "a run can stop and resume only at the end of a step"
-        )
 
     @property
     def device(self) -> torch.device:
@@ -218,7 +291,8 @@ class Simulation(nn.Module):
         return self._kernels[key]
 
     def white_noise(self, batch: int = 1, seed: int = 0) -> torch.Tensor:
-        """Seeded white noise ``(batch, *n_particles)`` on this module's device and dtype."""
+        """Seeded white noise ``(batch, *local block of the particle grid)`` on this module's
+        device and dtype; the global field is the same on every process grid."""
         batch = as_int("batch", batch, 1)
         seed = as_int("seed", seed, 0, 2**63 - 1)
         self._check_memory(self.device, batch)
@@ -227,18 +301,31 @@ class Simulation(nn.Module):
         )
 
     def _check_field(self, field, name) -> torch.Tensor:
+        """This rank's block ``(B, *local shape)`` of a particle-grid field given as the local
+        block or the whole field, with or without the batch axis. Every rank raises
+        together when one rank's field is bad."""
+        mesh = self.particle_mesh
+        local = mesh.local_real_shape
+        error = None
         if not isinstance(field, torch.Tensor):
-            raise ValueError(f"`{name}` must be a tensor of shape (B, *{self.particle_shape}), got {type(field).__name__}")
-        if tuple(field.shape[-3:]) != self.particle_shape or field.dim() not in (3, 4):
-            raise ValueError(
-                f"`{name}` must have shape (B, {', '.join(map(str, self.particle_shape))}) or "
-                f"{self.particle_shape}, got {tuple(field.shape)}"
-            )
-        if field.is_complex() or not field.is_floating_point():
-            raise ValueError(f"`{name}` must be a real floating-point tensor, got {field.dtype}")
-        check_finite(field, name)
+            error = f"`{name}` must be a tensor of shape (B, *{local}), got {type(field).__name__}"
+        elif field.dim() not in (3, 4) or tuple(field.shape[-3:]) not in (local, self.particle_shape):
+            expected = f"(B, {', '.join(map(str, local))}) or {local}"
+            if local != self.particle_shape:
+                expected += f" (this rank's block of the {self.particle_shape} particle grid), or the whole grid"
+            error = f"`{name}` must have shape {expected}, got {tuple(field.shape)}"
+        elif field.is_complex() or not field.is_floating_point():
+            error = f"`{name}` must be a real floating-point tensor, got {field.dtype}"
+        elif field.shape[0] == 0 and field.dim() == 4:
+            error = f"`{name}` has an empty batch axis; expected at least one field"
+        elif not bool(torch.isfinite(field).all()):
+            bad = int((~torch.isfinite(field)).sum())
+            error = f"`{name}` contains {bad} NaN or infinite values; expected finite numbers"
+        mesh.raise_together(error)
         if field.dim() == 3:
             field = field.unsqueeze(0)
+        if tuple(field.shape[-3:]) != local:
+            field = mesh.local_real_part(field)
         return field.to(dtype=self.dtype, device=self.device)
 
     def _cached(self, name, cosmology, build):
@@ -286,52 +373,54 @@ class Simulation(nn.Module):
         white_noise: torch.Tensor | None = None,
         *,
         linear_field: torch.Tensor | None = None,
+        until: float | None = None,
         callback: Callable | None = None,
         return_mesh_units: bool = False,
-        until: float | None = None,
     ) -> SimulationState:
         """Run the simulation from white noise (or from a given linear field).
 
         Args:
-            white_noise: ``(B, *n_particles)`` or ``n_particles``-shaped standard normal noise.
+            white_noise: ``(B, *n_particles)`` or ``n_particles``-shaped standard normal
+                noise (on a process grid: this rank's block, or the whole grid).
             linear_field: instead of ``white_noise``, the linear overdensity at ``a = 1``
                 on the particle grid (same shapes).
+            until: stop at this scale factor (one of :attr:`scale_factors`); default the last.
             callback: called as ``callback(step, a)`` after the LPT (step 0) and after
                 each step, e.g. to advance a progress bar.
-            return_mesh_units: return positions (unwrapped) and momenta in force-mesh cells
-                (what :meth:`resume` with ``mesh_units=True`` continues bit for bit).
-            until: stop at this scale factor (one of :attr:`scale_factors`) instead of the last.
+            return_mesh_units: return positions and momenta in force-mesh cells, as the
+                integrator holds them (positions wrapped only along split axes), e.g. to
+                :meth:`resume` bit for bit.
 
         Returns:
             :class:`SimulationState` at ``until`` (default: the last scale factor).
         """
         if (white_noise is None) == (linear_field is None):
             raise ValueError("pass exactly one of `white_noise` and `linear_field`")
-        stop = self.steps if until is None else self.step_index(until)
+        stop = self._step_index(until, "until")
         field = white_noise if linear_field is None else linear_field
         if isinstance(field, torch.Tensor):
             self._check_memory(self.device, field.shape[0] if field.dim() == 4 else 1)
-        cosmology = self.cosmology
+        cosmology = self._replicated(self.cosmology)
         table = self.growth_table(cosmology)
         if linear_field is None:
             delta = self.linear_field(white_noise, cosmology)
         else:
             delta = self._check_field(linear_field, "linear_field")
-        positions, momenta = self.lpt(delta, table)
-        if not bool(torch.isfinite(positions).all() & torch.isfinite(momenta).all()):
-            raise ValueError(
-                "the LPT initial conditions are not finite: the linear power (`power_spectrum`, "
-                f"`box_size` = {self.box_size}) is too large for {self.dtype}; check the power table's units "
-                "((Mpc/h)^3) and the box size (Mpc/h)"
-            )
+        positions, momenta, ids = self.lpt(delta, table)
+        finite = bool(torch.isfinite(positions).all() & torch.isfinite(momenta).all())
+        self.force_mesh.raise_together(
+            None if finite else
+            "the LPT initial conditions are not finite: the linear power (`power_spectrum`, "
+            f"`box_size` = {self.box_size}) is too large for {self.dtype}; check the power table's units "
+            "((Mpc/h)^3) and the box size (Mpc/h)"
+        )
         if callback is not None:
             callback(0, self.a_start)
         if stop:
-            positions, momenta = self.evolve(positions, momenta, table, callback=callback, stop=stop)
-        a = self.scale_factors[stop]
-        if return_mesh_units:
-            return SimulationState(positions, momenta, a)
-        return self.to_physical(positions, momenta, a)
+            positions, momenta, ids = self.evolve(
+                positions, momenta, table, callback=callback, ids=ids, stop=stop, cosmology=cosmology
+            )
+        return self._state(positions, momenta, ids, self.scale_factors[stop], return_mesh_units)
 
     def resume(
         self,
@@ -342,111 +431,240 @@ class Simulation(nn.Module):
         callback: Callable | None = None,
         return_mesh_units: bool = False,
     ) -> SimulationState:
-        """Continue a run from ``state`` at one of :attr:`scale_factors`.
+        """Continue a run from ``state`` (at one of :attr:`scale_factors`) to ``until``.
 
-        The force at ``state.a`` is recomputed from the positions (on the CPU it is
-        bit-identical to the one the uninterrupted run kept), so resuming from a
-        mesh-unit state returned by ``forward(..., until=a, return_mesh_units=True)``
-        (or stored in a snapshot) reproduces the uninterrupted run bit for bit.
+        The force at ``state.a`` is recomputed from the positions, which on the CPU
+        gives the same bits as the uninterrupted run when ``state`` holds the
+        integrator's own values (``mesh_units=True``, from ``return_mesh_units``).
 
         Args:
-            state: particles in Mpc/h (positions, momenta ``(B, N, 3)``, in the Lagrangian
-                C order of the particle grid), or in force-mesh cells with ``mesh_units=True``.
-            until: stop at this scale factor (default: the last).
-            callback: ``callback(step, a)`` after each step (steps numbered as in the full run).
-            return_mesh_units: as in :meth:`forward`.
+            state: particles at ``state.a``; in Mpc/h, or in force-mesh cells with
+                ``mesh_units=True``. ``ids`` may be None on one device.
+            until: final scale factor (one of :attr:`scale_factors`); default the last.
+            callback: as in :meth:`forward`, called after each step with the global step number.
         """
         if not isinstance(state, SimulationState):
-            raise TypeError(f"`state` must be a torchpm.SimulationState, got {type(state).__name__}")
-        start = self.step_index(state.a)
-        stop = self.steps if until is None else self.step_index(until)
+            raise ValueError(f"`state` must be a SimulationState, got {type(state).__name__}")
+        start = self._step_index(state.a, "state.a")
+        stop = self._step_index(until, "until")
         if stop < start:
-            raise ValueError(f"`until` = {until} is before the state's scale factor {state.a}")
+            raise ValueError(f"`until` ({self.scale_factors[stop]}) is before the state's scale factor ({state.a})")
         positions, momenta = state.positions, state.momenta
-        expected = (self.n_total, 3)
-        for name, tensor in (("positions", positions), ("momenta", momenta)):
-            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3 or tuple(tensor.shape[1:]) != expected:
-                shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-                raise ValueError(f"`state.{name}` must have shape (B, {self.n_total}, 3), got {shape}")
-            if tensor.dtype != self.dtype:
-                raise ValueError(f"`state.{name}` has dtype {tensor.dtype}, this simulation runs in {self.dtype}")
-            check_finite(tensor, f"state.{name}")
-        self._check_memory(self.device, positions.shape[0])
-        positions, momenta = positions.to(self.device), momenta.to(self.device)
         if not mesh_units:
-            cell = torch.tensor(self.cell_size, dtype=self.dtype, device=self.device)
+            cell = torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
             positions, momenta = positions / cell, momenta / cell
+        positions = positions.to(dtype=self.dtype, device=self.device)
+        momenta = momenta.to(dtype=self.dtype, device=self.device)
+        ids = state.ids
+        if ids is None:
+            if not self.force_mesh.is_local:
+                raise ValueError("`state.ids` is required on a process grid")
+            ids = torch.arange(positions.shape[1], device=self.device).expand(positions.shape[0], -1)
+        ids = ids.to(device=self.device, dtype=torch.int64)
+        _, positions, ids, momenta = self.force_mesh.migrate(
+            positions, ids, momenta, capacity=self.particle_capacity
+        )
         if stop > start:
-            table = self.growth_table(self.cosmology)
-            positions, momenta = self.evolve(positions, momenta, table, callback=callback, start=start, stop=stop)
-        a = self.scale_factors[stop]
-        if return_mesh_units:
-            return SimulationState(positions, momenta, a)
-        return self.to_physical(positions, momenta, a)
+            cosmology = self._replicated(self.cosmology)
+            positions, momenta, ids = self.evolve(
+                positions, momenta, self.growth_table(cosmology), callback=callback, ids=ids, start=start,
+                stop=stop, cosmology=cosmology,
+            )
+        return self._state(positions, momenta, ids, self.scale_factors[stop], return_mesh_units)
+
+    def _step_index(self, a, name) -> int:
+        """Index of scale factor ``a`` in :attr:`scale_factors` (None: the last)."""
+        if a is None:
+            return len(self.scale_factors) - 1
+        a = float(a)
+        for index, value in enumerate(self.scale_factors):
+            if abs(value - a) <= 1e-12 * max(1.0, abs(value)):
+                return index
+        raise ValueError(f"`{name}` = {a} is not one of the simulation's scale factors {self.scale_factors}")
+
+    def _state(self, positions, momenta, ids, a, mesh_units) -> SimulationState:
+        if mesh_units:
+            return SimulationState(positions, momenta, a, ids)
+        return self.to_physical(positions, momenta, a, ids)
 
     def lpt(self, delta: torch.Tensor, table=None):
-        """LPT positions and momenta at ``a_start`` in force-mesh cells, each ``(B, N, 3)``."""
+        """LPT particles at ``a_start``, on the ranks owning their positions.
+
+        Returns ``(positions, momenta, ids)``: ``(B, n, 3)`` in force-mesh cells and
+        ``(B, n)`` int64 Lagrangian ids (``-1`` for empty slots on a process grid).
+        """
         table = table or self.growth_table()
         psi1, psi2 = lpt_displacements(delta, self.kernels("particle"), self.lpt_order)
         growth = table.at(torch.tensor(self.a_start, dtype=torch.float64))
-        q = grid_positions(
-            self.particle_shape, self.mesh_factor, dtype=self.dtype, device=self.device,
-            offset=self.particle_mesh.local_real_offset,
+        block, offset = self.particle_mesh.local_real_shape, self.particle_mesh.local_real_offset
+        q = grid_positions(block, self.mesh_factor, dtype=self.dtype, device=self.device, offset=offset)
+        positions, momenta = lpt_initial_state(psi1, psi2, growth, q, self.cell_size)
+        ids = self._lagrangian_ids(block, offset).expand(positions.shape[0], -1)
+        _, positions, ids, momenta = self.force_mesh.migrate(
+            positions, ids, momenta, capacity=self.particle_capacity
         )
-        return lpt_initial_state(psi1, psi2, growth, q, self.cell_size)
+        return positions, momenta, ids
 
-    def forces(self, positions: torch.Tensor, a) -> torch.Tensor:
-        """PM forces ``(B, N, 3)`` in mesh units at positions in force-mesh cells."""
+    def _lagrangian_ids(self, block, offset) -> torch.Tensor:
+        """``(1, n)`` global C-order indices of the particle-grid block."""
+        ny, nz = self.particle_shape[1], self.particle_shape[2]
+        axes = [torch.arange(o, o + n, device=self.device, dtype=torch.int64) for n, o in zip(block, offset)]
+        return ((axes[0].view(-1, 1, 1) * ny + axes[1].view(1, -1, 1)) * nz + axes[2].view(1, 1, -1)).reshape(1, -1)
+
+    def _replicated(self, cosmology: Cosmology) -> Cosmology:
+        """``cosmology`` whose differentiable parameters sum their gradients over the process
+        grid in the backward pass, so every rank gets the gradient of the whole run."""
+        grid = self.force_mesh.grid
+        parameters = cosmology.parameters()
+        if grid.size == 1 or not any(p.requires_grad for p in parameters.values()):
+            return cosmology
+        return Cosmology(**{k: grid.replicate(v) for k, v in parameters.items()}, name=cosmology.name)
+
+    def _correction(self):
+        """The force correction, with its parameters' gradients summed over the process grid."""
+        correction = self.force_correction
+        grid = self.force_mesh.grid
+        if grid.size == 1 or not isinstance(correction, nn.Module):
+            return correction
+        named = dict(correction.named_parameters())
+        if not any(p.requires_grad for p in named.values()):
+            return correction
+        replicated = {name: grid.replicate(p) for name, p in named.items()}
+        return lambda k, a: torch.func.functional_call(correction, replicated, (k, a))
+
+    def forces(self, positions: torch.Tensor, a, ids: torch.Tensor | None = None,
+               cosmology: Cosmology | None = None) -> torch.Tensor:
+        """PM forces ``(B, n, 3)`` in mesh units at owned positions in force-mesh cells
+        (``ids`` marks empty slots, which get no mass)."""
+        cosmology = cosmology or self.cosmology
+        weights = None
+        if ids is not None and bool((ids < 0).any()):
+            weights = (ids >= 0).to(positions.dtype)
         return compute_forces(
             positions,
             self.kernels("force"),
             a=a,
             particle_mass=self.particle_mass,
-            force_scale=1.5 * self.cosmology.Omega_m,
-            force_correction=self.force_correction,
+            force_scale=1.5 * cosmology.Omega_m,
+            force_correction=self._correction(),
+            weights=weights,
         )
 
-    def evolve(self, positions, momenta, table, callback=None, start: int = 0, stop: int | None = None):
-        """Integrate from ``scale_factors[start]`` to ``scale_factors[stop]`` (default: the
-        whole run; mesh units in and out)."""
-        # The factors of the whole run, then the slice: a resumed run uses the very same numbers.
+    def _step(self, positions, momenta, forces, ids, factor: StepFactors, cosmology=None):
+        """One kick-drift-kick step with the migration after the drift."""
+        dtype = positions.dtype
+        momenta = momenta + forces * factor.first_kick.to(dtype)
+        positions = positions + momenta * factor.drift.to(dtype)
+        _, positions, ids, momenta = self.force_mesh.migrate(
+            positions, ids, momenta, capacity=self.particle_capacity
+        )
+        forces = self.forces(positions, factor.a_end, ids, cosmology)
+        momenta = momenta + forces * factor.second_kick.to(dtype)
+        return positions, momenta, forces, ids
+
+    def evolve(self, positions, momenta, table, callback=None, *, ids=None, start: int = 0, stop: int | None = None,
+               cosmology: Cosmology | None = None):
+        """Integrate from ``scale_factors[start]`` to ``scale_factors[stop]`` (mesh units in
+        and out). Returns ``(positions, momenta, ids)``."""
+        stop = self.steps if stop is None else stop
+        if ids is None:
+            ids = torch.arange(positions.shape[1], device=positions.device).expand(positions.shape[0], -1)
         factors = step_factors(
             table, torch.tensor(self.scale_factors, dtype=torch.float64), self.integrator
         )[start:stop]
-        forces = self.forces(positions, factors[0].a_start)
+        if not factors:
+            return positions, momenta, ids
+        forces = self.forces(positions, factors[0].a_start, ids, cosmology)
         for number, factor in enumerate(factors, start=start + 1):
             if self.checkpoint and torch.is_grad_enabled():
-                positions, momenta, forces = torch.utils.checkpoint.checkpoint(
-                    kick_drift_kick, positions, momenta, forces, factor, self.forces, use_reentrant=False
+                positions, momenta, forces, ids = torch.utils.checkpoint.checkpoint(
+                    self._step, positions, momenta, forces, ids, factor, cosmology, use_reentrant=False
                 )
             else:
-                positions, momenta, forces = kick_drift_kick(positions, momenta, forces, factor, self.forces)
+                positions, momenta, forces, ids = self._step(positions, momenta, forces, ids, factor, cosmology)
             if callback is not None:
                 callback(number, float(factor.a_end))
-        return positions, momenta
+        return positions, momenta, ids
 
     # ------------------------------------------------------------------------------
-    def to_physical(self, positions, momenta, a) -> SimulationState:
-        """Mesh-unit particles to a :class:`SimulationState` in Mpc/h (positions wrapped)."""
+    def to_physical(self, positions, momenta, a, ids=None) -> SimulationState:
+        """Mesh-unit particles to a :class:`SimulationState` in Mpc/h (positions wrapped
+        into the box; empty slots get zero momentum)."""
         cell = torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
         box = torch.tensor(self.box_size, dtype=positions.dtype, device=positions.device)
         physical = torch.remainder(positions * cell, box)
         # remainder can round up to exactly the box size in float32; fold it back.
         physical = torch.where(physical >= box, physical - box, physical)
-        return SimulationState(physical, momenta * cell, a)
+        momenta = momenta * cell
+        if ids is not None and bool((ids < 0).any()):
+            momenta = torch.where((ids >= 0).unsqueeze(-1), momenta, torch.zeros_like(momenta))
+        return SimulationState(physical, momenta, a, ids)
 
     def density(self, state: SimulationState | torch.Tensor) -> torch.Tensor:
-        """The CIC-painted density ``1 + delta`` (mean 1) on the force mesh, ``(B, *mesh_shape)``.
+        """The CIC-painted density ``1 + delta`` (mean 1) on this rank's block of the force
+        mesh, ``(B, *force_mesh.local_real_shape)`` (the whole mesh on one device).
 
-        Accepts a :class:`SimulationState` or positions ``(B, N, 3)`` in Mpc/h.
+        Accepts a :class:`SimulationState` or positions ``(B, N, 3)`` in Mpc/h. On a
+        process grid the particles are first moved to the ranks owning them, so any
+        distribution of particles over the ranks is accepted.
         """
         positions = state.positions if isinstance(state, SimulationState) else state
+        ids = state.ids if isinstance(state, SimulationState) else None
+        if ids is None:
+            ids = torch.zeros(positions.shape[:2], dtype=torch.int64, device=positions.device)
         cell = torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
-        return self.force_mesh.paint(positions / cell) * self.particle_mass
+        _, cells, ids = self.force_mesh.migrate(positions / cell, ids, capacity=self.particle_capacity)
+        weights = (ids >= 0).to(cells.dtype) if bool((ids < 0).any()) else None
+        return self.force_mesh.paint(cells, weights) * self.particle_mass
+
+    def gather(self, state: SimulationState) -> SimulationState:
+        """The whole state on every rank: ``(B, N, 3)`` positions and momenta sorted by id,
+        ids ``arange(N)``. For small runs and tests (every rank holds every particle); not
+        differentiable. Collective on a process grid; the identity order on one device."""
+        if state.ids is None:
+            raise ValueError("gather: `state.ids` is required")
+        mesh = self.force_mesh
+        ids = state.ids.to(torch.int64)
+        values = torch.cat([state.positions, state.momenta], dim=-1).detach()
+        if not mesh.is_local:
+            counts = mesh.grid.all_gather_counts([ids.shape[1]], device=ids.device).reshape(-1)
+            width = int(counts.max())
+            padded_ids = torch.full((ids.shape[0], width), -1, dtype=torch.int64, device=ids.device)
+            padded_ids[:, : ids.shape[1]] = ids
+            padded = values.new_zeros(values.shape[0], width, values.shape[2])
+            padded[:, : ids.shape[1]] = values
+            ids = _all_gather_rows(padded_ids, mesh)
+            values = _all_gather_rows(padded, mesh)
+        batch = ids.shape[0]
+        order = torch.argsort(torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max), dim=1)
+        ids = torch.gather(ids, 1, order)[:, : self.n_total]
+        values = torch.gather(values, 1, order.unsqueeze(-1).expand(-1, -1, values.shape[2]))[:, : self.n_total]
+        expected = torch.arange(self.n_total, device=ids.device).expand(batch, -1)
+        if ids.shape[1] != self.n_total or not torch.equal(ids, expected):
+            raise RuntimeError(
+                f"gather: the ranks do not hold every particle exactly once (expected ids 0..{self.n_total - 1})"
+            )
+        return SimulationState(values[..., :3], values[..., 3:], state.a, ids)
 
     def extra_repr(self) -> str:
+        grid = self.force_mesh.grid_shape
         return (
             f"n_particles={self.particle_shape}, box_size={self.box_size}, mesh_factor={self.mesh_factor}, "
             f"steps={self.steps}, a={self.scale_factors[0]:.4g}->{self.scale_factors[-1]:.4g}, "
             f"integrator={self.integrator!r}, lpt_order={self.lpt_order}, dtype={self.dtype}"
+            + (f", grid={grid}" if grid != (1, 1) else "")
         )
+
+
+def _all_gather_rows(tensor: torch.Tensor, mesh) -> torch.Tensor:
+    """Concatenate every rank's ``(B, n, ...)`` along dim 1 (same ``n`` everywhere), on every rank."""
+    import torch.distributed as dist
+
+    for axis in (1, 0):
+        group = mesh.groups[axis]
+        if group is None:
+            continue
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        tensor = torch.cat(parts, dim=1)
+    return tensor

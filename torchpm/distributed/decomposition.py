@@ -1,124 +1,58 @@
-"""Pencil (and slab) decomposition of a 3-D mesh, the distributed real-to-complex
-FFT on it, and the periodic halo exchange.
+"""`PencilDecomposition`: a 3-D mesh on a ``(P0, P1)`` process grid, with everything the
+physics needs from a mesh (the protocol of :mod:`torchpm.mesh`).
 
-Layouts. The global mesh ``(nx, ny, nz)`` is split over a process grid
-``(P0, P1)``: grid axis 0 splits x, grid axis 1 splits y, z is never split. A
-rank with grid coordinates ``(r0, r1)`` holds the real-space block
+It composes the concerns that live in their own files: block layout arithmetic
+(:mod:`.layout`), process groups and grid-wide reductions (:mod:`.groups`), the
+distributed FFT (:mod:`.fft`), halo exchange (:mod:`.halo`) and particle migration
+(:mod:`.particles`). A 1 x 1 grid needs no process group and runs the plain local
+operations (``torch.fft``, periodic paint and readout) with no copies or
+communication; :class:`torchpm.mesh.LocalMesh` is that case.
 
-    x in [ox, ox + lx), y in [oy, oy + ly), z in [0, nz)
-
-where the sizes follow :func:`split_sizes` (the first ``n % P`` ranks hold one
-extra plane). Its Fourier-space block (the *transposed* layout the forward
-transform leaves behind, and the inverse takes) is
-
-    kx in [0, nx) (whole), ky block r0 of ny over P0, kz block r1 of nz//2+1 over P1.
-
-Tensors keep the dimension order ``(..., x, y, z)`` in both spaces; only which
-axes are split changes. A 1 x 1 grid is the plain local transform.
-
-Algorithm (forward): rfft along z; all-to-all over grid axis 1 (gather y, split
-kz); fft along y; all-to-all over grid axis 0 (gather x, split ky); fft along x.
-The inverse runs the same steps backwards with ``1/N`` normalisation. Each
-all-to-all moves one contiguous block per peer (``pack_blocks`` ->
-``_all_to_all`` -> ``unpack_blocks``, all C++/CUDA ops), and bytes moved per
-rank per transpose are ``local block bytes * (P - 1) / P``.
-
-Failures. Every collective is bounded by its process group's timeout: a rank
-that raised or died makes the others raise a ``torch.distributed.DistBackendError``
+Failures. Every collective is bounded by its process group's timeout: a rank that
+raised or died makes the others raise a ``torch.distributed.DistBackendError``
 naming the group once the timeout expires (or as soon as gloo sees the peer's
 socket close). Set it where the groups are made:
 ``torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=60))``
-or ``process_grid_groups(grid, timeout=...)``.
+or ``process_grid_groups(grid, timeout=...)``. Problems the ranks can detect
+(bad particles, capacity) raise on every rank together instead.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ._ops import all_to_all, pack_blocks, unpack_blocks
+from . import fft as _fft
+from . import halo as _halo
+from . import particles as _particles
+from .groups import GridGroups, process_grid_groups
+from .layout import BlockLayout, split_sizes
 
 __all__ = ["PencilDecomposition", "split_sizes", "process_grid_groups"]
 
-
-def split_sizes(n: int, parts: int) -> list[int]:
-    """Sizes of ``parts`` consecutive blocks of ``n`` planes: the first ``n % parts`` get one more."""
-    return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
-
-
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out, total = [], 0
-    for s in sizes:
-        out.append(total)
-        total += s
-    return out
+# Stencil reach of each mass-assignment order: a particle whose coordinate lies in
+# the owned interval [o, o + n) touches nodes in [o - below, o + n - 1 + above].
+_CIC_REACH = (0, 1)
 
 
-def process_grid_groups(
-    grid: Sequence[int],
-    *,
-    backend: str | None = None,
-    timeout: datetime.timedelta | None = None,
-):
-    """Create the two process groups of a ``(P0, P1)`` grid over the default world.
+def _reach(order: str) -> tuple[int, int]:
+    from .. import ops
 
-    World rank ``r0 * P1 + r1`` gets grid coordinates ``(r0, r1)``. Every rank of
-    the world must call this with the same arguments (``new_group`` is
-    collective). Returns ``(group_axis0, group_axis1)`` for the calling rank; an
-    axis of size 1 gets ``None`` (no communication along it).
-
-    Args:
-        grid: ``(P0, P1)`` with ``P0 * P1 == world size``.
-        backend: passed to ``new_group`` (default: the world's backend).
-        timeout: bound on every collective of these groups (default: the world's).
-    """
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "process_grid_groups: torch.distributed is not initialised; call "
-            "torch.distributed.init_process_group first (or build a PencilDecomposition "
-            "without groups for a single process)"
-        )
-    p0, p1 = (int(p) for p in grid)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if p0 < 1 or p1 < 1 or p0 * p1 != world:
-        raise ValueError(f"process_grid_groups: `grid` {tuple(grid)} must multiply to the world size {world}")
-    r0, r1 = divmod(rank, p1)
-    group0 = group1 = None
-    kwargs = {"backend": backend, "timeout": timeout}
-    if p0 > 1:
-        for column in range(p1):
-            g = dist.new_group([row * p1 + column for row in range(p0)], **kwargs)
-            if column == r1:
-                group0 = g
-    if p1 > 1:
-        for row in range(p0):
-            g = dist.new_group([row * p1 + column for column in range(p1)], **kwargs)
-            if row == r0:
-                group1 = g
-    return group0, group1
+    widths = getattr(ops, "halo_widths", None)
+    if widths is not None:
+        return tuple(widths(order))
+    if order != "cic":
+        raise ValueError(f"`order` must be 'cic', got {order!r}")
+    return _CIC_REACH
 
 
-class _GridAxis:
-    """One axis of the process grid: its group (None for size 1), size and our rank in it."""
+def _assign(name: str):
+    from .. import ops
 
-    def __init__(self, group, axis):
-        self.group = group
-        if group is None:
-            self.size, self.rank, self.name = 1, 0, None
-        else:
-            import torch.distributed as dist
-
-            self.size = dist.get_world_size(group)
-            self.rank = dist.get_rank(group)
-            self.name = group.group_name
-            if self.rank < 0:
-                raise ValueError(f"PencilDecomposition: this process is not a member of the group of grid axis {axis}")
+    return getattr(ops, name)
 
 
 class PencilDecomposition:
@@ -132,16 +66,16 @@ class PencilDecomposition:
             for a grid axis of size 1. See :func:`process_grid_groups`.
         mesh: alternatively a 1-D or 2-D ``torch.distributed.DeviceMesh``; its
             dimension ``i`` is grid axis ``i``.
-        always_transpose: run the staged pipeline (1-D FFTs, pack, all-to-all,
+        always_transpose: run the staged FFT pipeline (1-D FFTs, pack, all-to-all,
             unpack) even on grid axes of size 1 that have a group. Only for
-            measuring or testing the transposer on one process; the default
-            skips every step that moves nothing.
+            measuring or testing the transposer on one process.
 
     Attributes (all plain tuples of ints):
         global_shape, grid_shape ``(P0, P1)``, grid_coords ``(r0, r1)``,
         local_real_shape / local_real_offset: this rank's real block,
         fourier_shape ``(nx, ny, nz // 2 + 1)``,
-        local_fourier_shape / local_fourier_offset: this rank's Fourier block.
+        local_fourier_shape / local_fourier_offset: this rank's Fourier block,
+        groups: ``(group_axis0, group_axis1)`` (None for an axis of size 1).
 
     Every method that communicates is collective over the grid's groups: all
     ranks must call it in the same order with tensors of the same leading shape.
@@ -168,65 +102,65 @@ class PencilDecomposition:
             groups = (groups[0], None)
         if len(groups) != 2:
             raise ValueError(f"PencilDecomposition: `groups` must hold one group per grid axis (2), got {len(groups)}")
-        self._axes = (_GridAxis(groups[0], 0), _GridAxis(groups[1], 1))
+        self.groups = tuple(groups)
+        self.grid = GridGroups(groups)
+        self._axes = self.grid.axes
         self._staged = bool(always_transpose) and all(axis.group is not None for axis in self._axes)
         if always_transpose and not self._staged:
             raise ValueError("PencilDecomposition: `always_transpose` needs a process group on both grid axes")
-        p0, p1 = self.grid_shape
-        nx, ny, nz = shape
-        nzc = nz // 2 + 1
-        for what, n, p in (("nx", nx, p0), ("ny", ny, p1), ("ny", ny, p0), ("nz // 2 + 1", nzc, p1)):
-            if n < p:
-                raise ValueError(
-                    f"PencilDecomposition: mesh {shape} is too small for the {p0} x {p1} process grid: "
-                    f"{what} = {n} must be at least {p} so that every rank owns at least one plane; "
-                    "use a larger mesh or fewer ranks along that grid axis"
-                )
+        self.layout = BlockLayout(shape, self.grid.shape)
         self.global_shape = shape
-        self.fourier_shape = (nx, ny, nzc)
-        # Block sizes along each split axis, per grid coordinate.
-        self._real_x = split_sizes(nx, p0)
-        self._real_y = split_sizes(ny, p1)
-        self._fourier_y = split_sizes(ny, p0)
-        self._fourier_z = split_sizes(nzc, p1)
+        self.fourier_shape = self.layout.fourier_shape
         self.local_real_shape, self.local_real_offset = self.real_block(self.grid_coords)
         self.local_fourier_shape, self.local_fourier_offset = self.fourier_block(self.grid_coords)
+        self._check_agreement()
+
+    def _check_agreement(self):
+        """Every rank of the grid must describe the same mesh: a rank with another global
+        shape would exchange messages of other sizes, which gloo answers by aborting a
+        process or returning wrong numbers. One small all-reduce at construction; every
+        rank raises the same error."""
+        if self.is_local:
+            return
+        mine = [*self.global_shape, *self.grid_shape]
+        table = self.grid.all_gather_counts(mine)
+        if bool((table != table[0]).any()):
+            rows = "; ".join(
+                f"rank {rank}: global shape {tuple(row[:3])}, grid {tuple(row[3:])}"
+                for rank, row in enumerate(table.tolist())
+            )
+            raise ValueError(
+                f"PencilDecomposition: the ranks disagree on the mesh ({rows}); every rank must build the "
+                "decomposition with the same `global_shape` on the same process grid"
+            )
 
     # ------------------------------------------------------------------ layout
 
     @property
     def grid_shape(self) -> tuple[int, int]:
-        return (self._axes[0].size, self._axes[1].size)
+        return self.grid.shape
 
     @property
     def grid_coords(self) -> tuple[int, int]:
-        return (self._axes[0].rank, self._axes[1].rank)
+        return self.grid.coords
 
     @property
     def is_local(self) -> bool:
         """True for a 1 x 1 grid: no communication at all."""
         return self.grid_shape == (1, 1)
 
+    @property
+    def size(self) -> int:
+        """Number of cells of the global mesh, ``nx * ny * nz``."""
+        return math.prod(self.global_shape)
+
     def real_block(self, coords: Sequence[int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """``(shape, offset)`` of the real-space block of the rank at grid ``coords``."""
-        r0, r1 = self._check_coords(coords)
-        shape = (self._real_x[r0], self._real_y[r1], self.global_shape[2])
-        offset = (_offsets(self._real_x)[r0], _offsets(self._real_y)[r1], 0)
-        return shape, offset
+        return self.layout.real_block(coords)
 
     def fourier_block(self, coords: Sequence[int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """``(shape, offset)`` of the Fourier-space block (transposed layout) at grid ``coords``."""
-        r0, r1 = self._check_coords(coords)
-        shape = (self.global_shape[0], self._fourier_y[r0], self._fourier_z[r1])
-        offset = (0, _offsets(self._fourier_y)[r0], _offsets(self._fourier_z)[r1])
-        return shape, offset
-
-    def _check_coords(self, coords):
-        r0, r1 = (int(c) for c in coords)
-        p0, p1 = self.grid_shape
-        if not (0 <= r0 < p0 and 0 <= r1 < p1):
-            raise ValueError(f"PencilDecomposition: grid coordinates {tuple(coords)} outside the {p0} x {p1} grid")
-        return r0, r1
+        return self.layout.fourier_block(coords)
 
     def local_real_part(self, field: torch.Tensor) -> torch.Tensor:
         """This rank's block (a view) of a whole real field ``(..., nx, ny, nz)``."""
@@ -244,10 +178,10 @@ class PencilDecomposition:
         """Angular wavenumbers ``(w_x, w_y, w_z)`` of this rank's Fourier block.
 
         ``w_d = 2 pi fftfreq(n_d)`` in radians per cell (``rfftfreq`` along z, the
-        real-to-complex axis; the Nyquist entry of an even axis is ``-pi``),
-        restricted to the local block and shaped ``(lx, 1, 1)``, ``(1, ly, 1)``,
-        ``(1, 1, lz)`` so that they broadcast against the local complex tensor
-        ``(..., lx, ly, lz)``. Computed in float64, then cast to ``dtype``.
+        real-to-complex axis; the Nyquist entry of an even axis is ``-pi`` along x
+        and y, ``+pi`` along z), restricted to the local block and shaped
+        ``(lx, 1, 1)``, ``(1, ly, 1)``, ``(1, 1, lz)`` so that they broadcast against
+        the local complex tensor ``(..., lx, ly, lz)``. Computed in float64, then cast.
         """
         nx, ny, nz = self.global_shape
         (lx, ly, lz), (ox, oy, oz) = self.local_fourier_shape, self.local_fourier_offset
@@ -260,6 +194,22 @@ class PencilDecomposition:
             wy.reshape(1, ly, 1).to(dtype=dtype, device=device),
             wz.reshape(1, 1, lz).to(dtype=dtype, device=device),
         )
+
+    def hermitian_weights(self, dtype=torch.float64, device=None) -> torch.Tensor:
+        """How many modes of the full complex DFT each entry of the local rfft block stands for.
+
+        2 for ``0 < k_z < nz/2`` (the entry and its conjugate), 1 on the ``k_z = 0``
+        plane and, for even ``nz``, on the Nyquist plane; the local slice of the
+        (possibly split) kz axis, shaped ``(1, 1, lz)``. Sums over every rank's block
+        weighted by this equal sums over all modes.
+        """
+        nz = self.global_shape[2]
+        weights = torch.full((nz // 2 + 1,), 2.0, dtype=dtype, device=device)
+        weights[0] = 1.0
+        if nz % 2 == 0:
+            weights[-1] = 1.0
+        lz, oz = self.local_fourier_shape[2], self.local_fourier_offset[2]
+        return weights[oz : oz + lz].reshape(1, 1, -1)
 
     # --------------------------------------------------------------- transforms
 
@@ -274,22 +224,7 @@ class PencilDecomposition:
         self._check_trailing(field, self.local_real_shape, "field", "rfftn")
         if field.is_complex() or not field.is_floating_point():
             raise ValueError(f"PencilDecomposition.rfftn: expected a real floating `field`, got {field.dtype}")
-        # Staged mode takes the general path, as if both grid axes were split.
-        p0, p1 = (2, 2) if self._staged else self.grid_shape
-        if p0 == 1 and p1 == 1:
-            return torch.fft.rfftn(field, dim=(-3, -2, -1))
-        if p1 == 1:
-            t = torch.fft.rfftn(field, dim=(-2, -1))
-        else:
-            t = torch.fft.rfft(field, dim=-1)
-            t = self._transpose(t, 1, gather_dim=-2, gather_sizes=self._real_y,
-                                split_dim=-1, split_sizes=self._fourier_z)
-            if p0 == 1:
-                return torch.fft.fftn(t, dim=(-3, -2))
-            t = torch.fft.fft(t, dim=-2)
-        t = self._transpose(t, 0, gather_dim=-3, gather_sizes=self._real_x,
-                            split_dim=-2, split_sizes=self._fourier_y)
-        return torch.fft.fft(t, dim=-3)
+        return _fft.rfftn(field, self.layout, self._axes, self._staged)
 
     def irfftn(self, field_k: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`rfftn` (``1/N`` normalised, ``N = nx ny nz``).
@@ -301,45 +236,7 @@ class PencilDecomposition:
         self._check_trailing(field_k, self.local_fourier_shape, "field_k", "irfftn")
         if not field_k.is_complex():
             raise ValueError(f"PencilDecomposition.irfftn: expected a complex `field_k`, got {field_k.dtype}")
-        nx, ny, nz = self.global_shape
-        # Staged mode takes the general path, as if both grid axes were split.
-        p0, p1 = (2, 2) if self._staged else self.grid_shape
-        if p0 == 1 and p1 == 1:
-            return torch.fft.irfftn(field_k, s=(nx, ny, nz), dim=(-3, -2, -1))
-        if p0 > 1:
-            t = torch.fft.ifft(field_k, dim=-3)
-            t = self._transpose(t, 0, gather_dim=-2, gather_sizes=self._fourier_y,
-                                split_dim=-3, split_sizes=self._real_x)
-            if p1 == 1:
-                return torch.fft.irfftn(t, s=(ny, nz), dim=(-2, -1))
-            t = torch.fft.ifft(t, dim=-2)
-        else:
-            t = torch.fft.ifftn(field_k, dim=(-3, -2))
-        t = self._transpose(t, 1, gather_dim=-1, gather_sizes=self._fourier_z,
-                            split_dim=-2, split_sizes=self._real_y)
-        return torch.fft.irfft(t, n=nz, dim=-1)
-
-    def _transpose(self, t, axis, *, gather_dim, gather_sizes, split_dim, split_sizes):
-        """All-to-all over grid ``axis``: ``gather_dim`` becomes whole, ``split_dim`` split.
-
-        Input: ``gather_dim`` holds block ``me`` of ``gather_sizes``, ``split_dim``
-        is whole. Output: ``gather_dim`` whole, ``split_dim`` holds block ``me``
-        of ``split_sizes``. A permutation of the global data, so its adjoint is
-        the reverse transpose (autograd gets it from the three ops).
-        """
-        grid_axis = self._axes[axis]
-        if grid_axis.size == 1 and not self._staged:
-            return t
-        me = grid_axis.rank
-        rest = t.numel() // (t.shape[gather_dim] * t.shape[split_dim])
-        send = pack_blocks(t, split_dim, split_sizes)
-        send_counts = [rest * gather_sizes[me] * s for s in split_sizes]
-        receive_counts = [rest * g * split_sizes[me] for g in gather_sizes]
-        received = all_to_all(send, send_counts, receive_counts, grid_axis.name)
-        shape = list(t.shape)
-        shape[gather_dim] = sum(gather_sizes)
-        shape[split_dim] = split_sizes[me]
-        return unpack_blocks(received, shape, gather_dim, gather_sizes)
+        return _fft.irfftn(field_k, self.layout, self._axes, self._staged)
 
     def transpose(self, t: torch.Tensor, axis: int, inverse: bool = False) -> torch.Tensor:
         """One transpose step of the FFT, exposed for tests and custom pipelines.
@@ -349,10 +246,11 @@ class PencilDecomposition:
         (x split over grid axis 0) -> ``(..., nx, lky, lzc)``. ``inverse`` undoes it.
         Works on any dtype.
         """
+        layout = self.layout
         if axis == 1:
-            pair = ((-2, self._real_y), (-1, self._fourier_z))
+            pair = ((-2, layout.real_y), (-1, layout.fourier_z))
         elif axis == 0:
-            pair = ((-3, self._real_x), (-2, self._fourier_y))
+            pair = ((-3, layout.real_x), (-2, layout.fourier_y))
         else:
             raise ValueError(f"PencilDecomposition.transpose: `axis` must be 0 or 1, got {axis!r}")
         (gd, gs), (sd, ss) = reversed(pair) if inverse else pair
@@ -364,46 +262,46 @@ class PencilDecomposition:
                 f"expected before {'inverse ' if inverse else ''}transpose {axis} (dim {gd} = "
                 f"{gs[self._axes[axis].rank]}, dim {sd} = {sum(ss)})"
             )
-        return self._transpose(t, axis, gather_dim=gd, gather_sizes=gs, split_dim=sd, split_sizes=ss)
+        return _fft.transpose(t, self._axes[axis], gather_dim=gd, gather_sizes=gs, split_dim=sd, split_sizes=ss,
+                              staged=self._staged)
 
     # ------------------------------------------------------------------- halos
 
     def halo_shape(self, width) -> tuple[int, int, int]:
         """Local real block shape with a halo of ``width`` on x and y (see :meth:`fill_halo`)."""
-        lo, hi = self._check_width(width)
+        (lo_x, hi_x), (lo_y, hi_y) = self._check_width(width)
         lx, ly, nz = self.local_real_shape
-        return (lx + lo + hi, ly + lo + hi, nz)
+        return (lx + lo_x + hi_x, ly + lo_y + hi_y, nz)
 
     def pad_halo(self, field: torch.Tensor, width) -> torch.Tensor:
         """Zero-pad a local block ``(..., lx, ly, nz)`` with the halo of ``width`` on x and y."""
-        lo, hi = self._check_width(width)
+        (lo_x, hi_x), (lo_y, hi_y) = self._check_width(width)
         self._check_trailing(field, self.local_real_shape, "field", "pad_halo")
-        return F.pad(field, (0, 0, lo, hi, lo, hi))
+        return F.pad(field, (0, 0, lo_y, hi_y, lo_x, hi_x))
 
     def strip_halo(self, field: torch.Tensor, width) -> torch.Tensor:
         """The interior ``(..., lx, ly, nz)`` (a view) of a haloed block."""
-        lo, hi = self._check_width(width)
+        (lo_x, _), (lo_y, _) = self._check_width(width)
         self._check_trailing(field, self.halo_shape(width), "field", "strip_halo")
         lx, ly, _ = self.local_real_shape
-        return field[..., lo : lo + lx, lo : lo + ly, :]
+        return field[..., lo_x : lo_x + lx, lo_y : lo_y + ly, :]
 
     def fill_halo(self, field: torch.Tensor, width) -> torch.Tensor:
         """Periodic halo fill along x and y: copy the neighbours' edge planes into my halo.
 
         ``field``: ``(..., lx + lo + hi, ly + lo + hi, nz)``, the local block with
-        ``lo`` halo planes below and ``hi`` above on x and y (``width`` is an int
-        for ``lo = hi`` or a pair ``(lo, hi)``); global index ``i`` of the block
-        sits at padded index ``i - offset + lo``. Returns a new tensor whose
-        halo holds the periodic neighbours' values, corners included (x then y,
-        the y step carrying the x halo along); the interior is unchanged and the
-        input halo is ignored. Axes of grid size 1 wrap onto themselves. z is
-        never split and gets no halo. Needs ``lo, hi <= `` every block's size.
-        Differentiable; its adjoint is :meth:`add_halo`.
+        ``lo`` halo planes below and ``hi`` above on x and y. ``width`` is an int
+        (``lo = hi``), a pair ``(lo, hi)`` for both axes, or one pair per axis
+        ``((lo_x, hi_x), (lo_y, hi_y))``. Global index ``i`` of the block sits at
+        padded index ``i - offset + lo``. Returns a new tensor whose halo holds the
+        periodic neighbours' values, corners included; the interior is unchanged
+        and the input halo is ignored. Axes of grid size 1 wrap onto themselves.
+        Needs every width ``<=`` every block's size. Differentiable; its adjoint is
+        :meth:`add_halo`.
         """
-        lo, hi = self._check_width(width)
+        widths = self._check_width(width)
         self._check_trailing(field, self.halo_shape(width), "field", "fill_halo")
-        field = self._fill_axis(field, 0, -3, lo, hi)
-        return self._fill_axis(field, 1, -2, lo, hi)
+        return _halo.fill_halo(field, widths, self._axes)
 
     def add_halo(self, field: torch.Tensor, width) -> torch.Tensor:
         """Periodic halo add along x and y: add my halo into the neighbours' edge planes.
@@ -414,81 +312,160 @@ class PencilDecomposition:
         Painting into a haloed block then calling this gives the painted local
         block. Differentiable; its adjoint is :meth:`fill_halo`.
         """
-        lo, hi = self._check_width(width)
+        widths = self._check_width(width)
         self._check_trailing(field, self.halo_shape(width), "field", "add_halo")
-        field = self._add_axis(field, 1, -2, lo, hi)
-        return self._add_axis(field, 0, -3, lo, hi)
+        return _halo.add_halo(field, widths, self._axes)
 
     def _check_width(self, width):
-        if isinstance(width, int):
-            lo = hi = width
-        else:
-            try:
-                lo, hi = (int(w) for w in width)
-            except (TypeError, ValueError):
-                raise ValueError(f"halo `width` must be an int or a pair (lo, hi), got {width!r}") from None
-        smallest = min(min(self._real_x), min(self._real_y))
-        if lo < 0 or hi < 0 or max(lo, hi) > smallest:
+        def pair(value):
+            if isinstance(value, bool):
+                raise TypeError
+            if isinstance(value, int):
+                return value, value
+            lo, hi = value
+            if isinstance(lo, bool) or isinstance(hi, bool):
+                raise TypeError
+            return int(lo), int(hi)
+
+        try:
+            if isinstance(width, (tuple, list)) and len(width) == 2 and all(isinstance(w, (tuple, list)) for w in width):
+                widths = (pair(width[0]), pair(width[1]))
+            else:
+                widths = (pair(width),) * 2
+        except (TypeError, ValueError):
             raise ValueError(
-                f"halo `width` ({lo}, {hi}) must be non-negative and at most the smallest block size "
-                f"{smallest} along x and y (a halo must come from one neighbour)"
-            )
-        return lo, hi
+                f"halo `width` must be an int, a pair (lo, hi) or one pair per axis ((lo_x, hi_x), (lo_y, hi_y)), "
+                f"got {width!r}"
+            ) from None
+        for (lo, hi), sizes, name in zip(widths, (self.layout.real_x, self.layout.real_y), "xy"):
+            if lo < 0 or hi < 0 or max(lo, hi) > min(sizes):
+                raise ValueError(
+                    f"halo `width` ({lo}, {hi}) along {name} must be non-negative and at most the smallest block "
+                    f"size {min(sizes)} along {name} (a halo must come from one neighbour)"
+                )
+        return widths
 
-    def _exchange_neighbours(self, axis, to_left, to_right):
-        """Send ``to_left`` to the previous rank and ``to_right`` to the next (periodic).
+    # ------------------------------------------------------ paint and readout
 
-        Returns ``(from_right, from_left)``: what the next rank sent left and
-        what the previous rank sent right. One all-to-all carries both, with
-        empty blocks for every other peer.
+    def stencil_halo(self, order: str = "cic"):
+        """Halo widths ``((lo_x, hi_x), (lo_y, hi_y))`` that painting with ``order`` needs
+        for particles owned by this rank: the stencil's reach on split axes, 0 elsewhere."""
+        below, above = _reach(order)
+        return tuple((below, above) if self.grid_shape[axis] > 1 else (0, 0) for axis in (0, 1))
+
+    def _block_geometry(self, order):
+        widths = self.stencil_halo(order)
+        shape = list(self.local_real_shape)
+        offset = list(self.local_real_offset)
+        periodic = [True, True, True]
+        for axis, (lo, hi) in enumerate(widths):
+            if self.grid_shape[axis] > 1:
+                shape[axis] += lo + hi
+                offset[axis] -= lo
+                periodic[axis] = False
+        return widths, shape, offset, periodic
+
+    def paint(self, positions: torch.Tensor, weights: torch.Tensor | None = None, *, order: str = "cic") -> torch.Tensor:
+        """Paint ``(B, N, 3)`` particles (global mesh-cell units) onto the local block.
+
+        The particles must be owned by this rank (their wrapped position lies in
+        the local block along split axes; see :meth:`migrate`). They are painted
+        into the block plus the stencil's halo, which :meth:`add_halo` then adds
+        into the neighbours. Returns ``(B, *local_real_shape)`` (or
+        ``(B, C, ...)`` for ``(B, N, C)`` weights). Collective on a grid.
         """
-        grid_axis = self._axes[axis]
-        size, me = grid_axis.size, grid_axis.rank
-        if size == 1:
-            return to_left, to_right
-        left, right = (me - 1) % size, (me + 1) % size
-        send_counts, receive_counts = [0] * size, [0] * size
-        send_counts[left] += to_left.numel()
-        send_counts[right] += to_right.numel()
-        # Neighbours share every dimension but the exchanged one; peer blocks hold
-        # [piece for its left, piece for its right], so with two ranks (left ==
-        # right) the block from the peer is [my "from right", my "from left"].
-        receive_counts[right] += to_left.numel()
-        receive_counts[left] += to_right.numel()
-        pieces = [None] * size
-        pieces[left] = [to_left.reshape(-1)]
-        if right == left:
-            pieces[left].append(to_right.reshape(-1))
+        if self.is_local:
+            return _assign("paint")(positions, weights, self.local_real_shape, order=order,
+                                    offset=self.local_real_offset, periodic=True) if order != "cic" else \
+                _assign("cic_paint")(positions, weights, self.local_real_shape, offset=self.local_real_offset,
+                                     periodic=True)
+        widths, shape, offset, periodic = self._block_geometry(order)
+        if order == "cic":
+            block = _assign("cic_paint")(positions, weights, shape, offset=offset, periodic=periodic)
         else:
-            pieces[right] = [to_right.reshape(-1)]
-        send = torch.cat([piece for peer in pieces if peer for piece in peer])
-        received = all_to_all(send, send_counts, receive_counts, grid_axis.name)
-        start_right = sum(receive_counts[:right])
-        from_right = received.narrow(0, start_right, to_left.numel()).view(to_left.shape)
-        start_left = sum(receive_counts[:left]) + (to_left.numel() if left == right else 0)
-        from_left = received.narrow(0, start_left, to_right.numel()).view(to_right.shape)
-        return from_right, from_left
+            block = _assign("paint")(positions, weights, shape, order=order, offset=offset, periodic=periodic)
+        return self.strip_halo(self.add_halo(block, widths), widths)
 
-    def _fill_axis(self, field, axis, dim, lo, hi):
-        n = field.shape[dim] - lo - hi
-        interior = field.narrow(dim, lo, n)
-        from_right, from_left = self._exchange_neighbours(
-            axis, interior.narrow(dim, 0, hi).contiguous(), interior.narrow(dim, n - lo, lo).contiguous()
-        )
-        return torch.cat([from_left, interior, from_right], dim)
+    def readout(self, field: torch.Tensor, positions: torch.Tensor, *, order: str = "cic") -> torch.Tensor:
+        """Read the local block ``(B, [C,] *local_real_shape)`` at ``(B, N, 3)`` owned
+        particles: ``(B, N)`` or ``(B, N, C)``. Fills the stencil's halo from the
+        neighbours first. Collective on a grid."""
+        if self.is_local:
+            if order == "cic":
+                return _assign("cic_readout")(field, positions, offset=self.local_real_offset, periodic=True)
+            return _assign("readout")(field, positions, order=order, offset=self.local_real_offset, periodic=True)
+        widths, _, offset, periodic = self._block_geometry(order)
+        haloed = self.fill_halo(self.pad_halo(field, widths), widths)
+        if order == "cic":
+            return _assign("cic_readout")(haloed, positions, offset=offset, periodic=periodic)
+        return _assign("readout")(haloed, positions, order=order, offset=offset, periodic=periodic)
 
-    def _add_axis(self, field, axis, dim, lo, hi):
-        n = field.shape[dim] - lo - hi
-        interior = field.narrow(dim, lo, n)
-        from_right, from_left = self._exchange_neighbours(
-            axis, field.narrow(dim, 0, lo).contiguous(), field.narrow(dim, lo + n, hi).contiguous()
+    # -------------------------------------------------------------- particles
+
+    def migrate(self, positions: torch.Tensor, ids: torch.Tensor, *attributes: torch.Tensor,
+                capacity: int | None = None, destination: torch.Tensor | None = None):
+        """Move particles to the rank that owns their position (wrapped along split axes).
+
+        Args:
+            positions: ``(B, n, 3)`` global mesh-cell units.
+            ids: ``(B, n)`` int64 particle ids, ``-1`` for empty slots.
+            attributes: more per-particle tensors ``(B, n, ...)`` to move along.
+            capacity: most slots per batch member on a rank afterwards (None: grow as needed).
+            destination: optional ``(B, n)`` int64 grid rank (``r0 * P1 + r1``) to send each
+                particle to instead of the owner of its position.
+
+        Returns:
+            ``(plan, positions, ids, *attributes)``; ``plan.exchange`` moves any
+            other per-particle tensor the same way, ``plan.gather`` moves values
+            back. On a 1 x 1 grid nothing moves and nothing is copied.
+            Collective; differentiable in positions and attributes.
+        """
+        if positions.dim() != 3 or positions.shape[-1] != 3:
+            raise ValueError(f"migrate: expected `positions` of shape (B, n, 3), got {tuple(positions.shape)}")
+        if ids.shape != positions.shape[:2] or ids.dtype != torch.int64:
+            raise ValueError(
+                f"migrate: expected int64 `ids` of shape {tuple(positions.shape[:2])}, got {ids.dtype} {tuple(ids.shape)}"
+            )
+        corner = [float(o) if self.grid_shape[axis] > 1 else 0.0
+                  for axis, o in enumerate(self.local_real_offset[:2])] + [0.0]
+        debug = _particles.debug_checks()
+        before = (ids >= 0).sum(1) if debug else None
+        plan, positions, ids = _particles.migrate(
+            self.layout, self.grid, positions, ids, capacity=capacity, corner=corner, destination=destination
         )
-        # The next rank's low halo lands on my last `lo` planes, the previous
-        # rank's high halo on my first `hi` planes.
-        interior = interior + _pad_along(from_right, dim, n - lo, 0) + _pad_along(from_left, dim, 0, n - hi)
-        zeros_lo = field.new_zeros(_replace(field.shape, dim, lo))
-        zeros_hi = field.new_zeros(_replace(field.shape, dim, hi))
-        return torch.cat([zeros_lo, interior, zeros_hi], dim)
+        moved = [plan.exchange(a) for a in attributes]
+        if debug:
+            self.check_conservation(before, ids)
+        return (plan, positions, ids, *moved)
+
+    def check_conservation(self, counts_before: torch.Tensor, ids: torch.Tensor) -> None:
+        """Check a migration (debug mode and tests): the global number of particles of every
+        batch member is unchanged and no id appears twice on this rank. Collective."""
+        counts = torch.stack([counts_before.to(torch.int64), (ids >= 0).sum(1).to(torch.int64)])
+        counts = self.all_reduce(counts.to(ids.device))
+        error = None
+        if not torch.equal(counts[0], counts[1]):
+            error = (f"particle migration lost or duplicated particles: global counts per batch member "
+                     f"{counts[0].tolist()} before, {counts[1].tolist()} after")
+        else:
+            for member, row in enumerate(ids):
+                valid = row[row >= 0]
+                if torch.unique(valid).numel() != valid.numel():
+                    error = f"particle migration duplicated ids of batch member {member} on this rank"
+                    break
+        self.raise_together(error, RuntimeError)
+
+    # ------------------------------------------------------------ reductions
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce over every rank of the grid (``"sum"`` differentiable; ``"max"``, ``"min"``)."""
+        return self.grid.all_reduce(tensor, op)
+
+    def raise_together(self, error: str | None, exception=ValueError) -> None:
+        """Raise ``exception`` on every rank when any rank has an ``error`` (collective)."""
+        self.grid.raise_together(error, exception)
+
+    # ------------------------------------------------------------------ misc
 
     def _check_trailing(self, tensor, expected, name, method):
         if not isinstance(tensor, torch.Tensor):
@@ -506,15 +483,3 @@ class PencilDecomposition:
             f"coords={self.grid_coords}, real={self.local_real_shape}@{self.local_real_offset}, "
             f"fourier={self.local_fourier_shape}@{self.local_fourier_offset})"
         )
-
-
-def _replace(shape, dim, value):
-    shape = list(shape)
-    shape[dim] = value
-    return shape
-
-
-def _pad_along(t, dim, before, after):
-    """Zero-pad ``t`` along a negative ``dim`` (F.pad counts from the last dimension)."""
-    pad = [0, 0] * (-dim - 1) + [before, after]
-    return F.pad(t, pad)

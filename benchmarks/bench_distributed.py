@@ -1,0 +1,179 @@
+"""Benchmark of the distributed simulation: time per FastPM step on 1, 2, 4 ranks with
+where it goes (paint, halo exchange, FFT, FFT transposes, readout, migration), and the
+peak memory per rank.
+
+Usage::
+
+    python benchmarks/bench_distributed.py                     # gloo on the CPU: 64^3, 128^3 on 1, 2, 4 ranks
+    python benchmarks/bench_distributed.py --ranks 1 2 --sizes 128 --repeats 7
+
+Each configuration runs in ``R`` freshly spawned processes joined in one gloo process
+group (a FileStore), one thread each unless ``--threads-per-rank`` says otherwise, on
+a ``balanced_grid(R)`` process grid (2 ranks: 2 x 1 slabs; 4 ranks: 2 x 2 pencils).
+Particles = mesh cells (mesh factor 1), float32, Planck15, 2LPT at a = 0.1 then steps
+to a = 1. A step is one kick-drift-kick: drift, migration, one force evaluation
+(paint + halo add, rfftn, kernels, 3-channel irfftn, halo fill + 3-channel readout).
+Times are medians over ``--repeats`` steps after a warm-up step; each repeat takes the
+slowest rank. The breakdown times the pieces inside the steps (summed per step, slowest
+rank, median over steps): "FFT local" is the FFT time without its transposes.
+
+Peak memory per rank: the largest resident-set growth of any rank over the 2LPT and
+one step, above its baseline after start-up (torch imported, process group made),
+sampled every 0.5 ms, with glibc's mmap threshold fixed so that freed blocks leave
+the resident set. On a machine with fewer cores than ranks the ranks share cores, so
+the times then measure overheads, not scaling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, HERE)
+
+PHASES = ["paint", "halo", "FFT local", "transposes", "readout", "migration"]
+
+
+class PhaseTimer:
+    """Wall time spent in wrapped functions, per phase, outermost call only per phase."""
+
+    def __init__(self):
+        self.totals = collections.defaultdict(float)
+        self.depth = collections.defaultdict(int)
+
+    def wrap(self, owner, name, phase):
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            self.depth[phase] += 1
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.depth[phase] -= 1
+                if self.depth[phase] == 0:
+                    self.totals[phase] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def take(self):
+        totals = dict(self.totals)
+        self.totals.clear()
+        return totals
+
+
+def _worker(rank, world, size, repeats, threads, store, result_path):
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    import torchpm
+    from bench_pm import PeakMemory
+    from torchpm import ops
+    from torchpm.distributed import balanced_grid, decomposition, fft, halo
+    from torchpm.pm import step_factors
+
+    grid = balanced_grid(world)
+    sim = torchpm.Simulation(n_particles=size, box_size=size * 4.0, mesh_factor=1, a_start=0.1,
+                             steps=repeats + 1, grid=grid if world > 1 else None)
+    noise = sim.white_noise(seed=0)
+    table = sim.growth_table()
+    factors = step_factors(table, torch.tensor(sim.scale_factors, dtype=torch.float64))
+    with torch.no_grad():
+        with PeakMemory("cpu") as memory:
+            positions, momenta, ids = sim.lpt(sim.linear_field(noise), table)
+            forces = sim.forces(positions, factors[0].a_start, ids)
+            positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factors[0])
+        timer = PhaseTimer()
+        timer.wrap(ops, "cic_paint", "paint")
+        timer.wrap(ops, "cic_readout", "readout")
+        timer.wrap(halo, "add_halo", "halo")
+        timer.wrap(halo, "fill_halo", "halo")
+        timer.wrap(fft, "transpose", "transposes")
+        timer.wrap(fft, "rfftn", "FFT")
+        timer.wrap(fft, "irfftn", "FFT")
+        timer.wrap(decomposition.PencilDecomposition, "migrate", "migration")
+        steps, breakdowns = [], []
+        for factor in factors[1:]:
+            dist.barrier()
+            timer.take()
+            start = time.perf_counter()
+            positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factor)
+            steps.append(time.perf_counter() - start)
+            breakdowns.append(timer.take())
+    count = int((ids >= 0).sum())
+    report = {"rank": rank, "steps": steps, "breakdowns": breakdowns, "peak": memory.peak, "particles": count,
+              "grid": list(grid)}
+    with open(result_path.format(rank=rank), "w") as handle:
+        json.dump(report, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(size, world, repeats, threads):
+    import torch.multiprocessing as mp
+
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "rank{rank}.json")
+        mp.start_processes(_worker, args=(world, size, repeats, threads, os.path.join(tmp, "store"), result_path),
+                           nprocs=world, join=True, start_method="spawn")
+        reports = []
+        for rank in range(world):
+            with open(result_path.format(rank=rank)) as handle:
+                reports.append(json.load(handle))
+    step = statistics.median(max(r["steps"][i] for r in reports) for i in range(repeats))
+    breakdown = {}
+    for phase in ("paint", "halo", "FFT", "transposes", "readout", "migration"):
+        breakdown[phase] = statistics.median(
+            max(r["breakdowns"][i].get(phase, 0.0) for r in reports) for i in range(repeats))
+    breakdown["FFT local"] = max(breakdown.pop("FFT") - breakdown["transposes"], 0.0)
+    return {
+        "size": size, "ranks": world, "grid": reports[0]["grid"], "step_s": step, "breakdown": breakdown,
+        "peak_bytes": max(r["peak"] for r in reports),
+        "particles_per_rank": [r["particles"] for r in reports],
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads-per-rank", type=int, default=1)
+    arguments = parser.parse_args()
+    print(f"# torchpm distributed PM step, gloo on the CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), "
+          f"torch {torch.__version__}, {datetime.date.today()}")
+    print(f"# {arguments.threads_per_rank} thread(s) per rank, median of {arguments.repeats} steps (slowest rank)")
+    header = ["size", "ranks", "grid", "step ms"] + [f"{p} ms" for p in PHASES] + ["peak MiB/rank", "vs 1 rank"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    single = {}
+    for size in arguments.sizes:
+        for world in arguments.ranks:
+            result = run(size, world, arguments.repeats, arguments.threads_per_rank)
+            peak = result["peak_bytes"] / 2**20
+            if world == 1:
+                single[size] = peak
+            ratio = f"{peak / single[size]:.2f}x" if size in single and single[size] > 0 else "-"
+            cells = [f"{size}^3", str(world), "x".join(map(str, result["grid"])), f"{result['step_s'] * 1e3:.1f}"]
+            cells += [f"{result['breakdown'][p] * 1e3:.1f}" for p in PHASES]
+            cells += [f"{peak:.0f}", ratio]
+            print("| " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

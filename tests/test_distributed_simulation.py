@@ -1,0 +1,415 @@
+"""The distributed simulation on gloo process groups: equal to the single-device run, and
+particle migration that never loses, duplicates or misroutes a particle.
+
+One pool of processes per world size runs every case of that size (see _spawn.py).
+Every rank also runs the single-device simulation of the same configuration itself
+(no process group) as the oracle; migration cases check ownership against block
+bounds computed here with numpy.array_split, independently of torchpm's layout code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from _spawn import run_world
+
+pytestmark = pytest.mark.distributed
+
+GRIDS = {1: [(1, 1)], 2: [(2, 1), (1, 2)], 3: [(3, 1)], 4: [(2, 2)]}
+# Uneven over 2 and 3 ranks; the force mesh (B = 2) blocks do not line up with the
+# particle-grid blocks.
+CONFIG = dict(n_particles=(7, 6, 5), box_size=(35.0, 30.0, 25.0), mesh_factor=2, a_start=0.1, steps=5,
+              dtype=torch.float64)
+TOLERANCE = 1e-10
+MIGRATION_ROUNDS = 1000
+FAILFAST_TIMEOUT = datetime.timedelta(seconds=3)
+
+
+def case_ids(world_size):
+    ids = []
+    for p0, p1 in GRIDS[world_size]:
+        grid = f"{p0}x{p1}"
+        ids += [f"simulation_b1-{grid}", f"simulation_b2-{grid}", f"gradient_b1-{grid}", f"gradient_b2-{grid}"]
+        if world_size > 1:
+            ids += [f"migration-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
+                    f"bad_input-{grid}", f"disagreement-{grid}"]
+    if world_size > 1:
+        ids.append(f"failfast-{GRIDS[world_size][0][0]}x{GRIDS[world_size][0][1]}")  # last: breaks its groups
+    return ids
+
+
+# ----------------------------------------------------------------------------
+# Helpers (inside the spawned processes).
+
+
+def make_context(world_size):
+    import torch.distributed as dist
+
+    from torchpm.distributed import process_grid_groups
+
+    ctx = {"rank": dist.get_rank(), "world": world_size, "groups": {}}
+    for grid in GRIDS[world_size]:
+        ctx["groups"][grid] = process_grid_groups(grid)
+    if world_size > 1:
+        ctx["failfast_groups"] = process_grid_groups(GRIDS[world_size][0], timeout=FAILFAST_TIMEOUT)
+    return ctx
+
+
+def run_case(case_id, ctx):
+    kind, grid_text = case_id.rsplit("-", 1)
+    grid = tuple(int(p) for p in grid_text.split("x"))
+    globals()[f"case_{kind}"](grid, ctx)
+
+
+def simulations(grid, ctx, **overrides):
+    import torchpm
+
+    config = dict(CONFIG, **overrides)
+    serial = torchpm.Simulation(**config)
+    distributed = torchpm.Simulation(**config, mesh=ctx["groups"][grid])
+    return serial, distributed
+
+
+def periodic_difference(a, b, box):
+    box = torch.tensor(box, dtype=a.dtype)
+    d = a - b
+    return d - box * torch.round(d / box)
+
+
+def block_bounds(n, parts):
+    sizes = [len(s) for s in np.array_split(np.arange(n), parts)]
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return starts, sizes
+
+
+def assert_small(error, scale, what):
+    assert error <= TOLERANCE * scale, f"{what}: max abs difference {error:.3e} > {TOLERANCE:g} x {scale:.3e}"
+
+
+def global_random(shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------
+# Distributed run == single-device run.
+
+
+def _compare_runs(grid, ctx, batch):
+    from torchpm.analysis import power_spectrum
+
+    serial, distributed = simulations(grid, ctx)
+    noise = serial.white_noise(batch=batch, seed=11)
+    local_noise = distributed.white_noise(batch=batch, seed=11)
+    # Per-plane streams: the local block is the same whatever the grid.
+    assert torch.equal(local_noise, distributed.particle_mesh.local_real_part(noise)), "white noise block"
+    expected = serial(noise)
+    state = distributed(local_noise)
+    assert state.positions.shape[0] == batch and state.ids.shape == state.positions.shape[:2]
+    valid = state.ids >= 0
+    if grid != (1, 1):
+        # every particle sits on the rank owning its position
+        mesh = distributed.force_mesh
+        cells = state.positions / torch.tensor(distributed.cell_size, dtype=torch.float64)
+        for axis in (0, 1):
+            starts, sizes = block_bounds(mesh.global_shape[axis], grid[axis])
+            r = mesh.grid_coords[axis]
+            plane = torch.floor(cells[..., axis])[valid]
+            assert bool(((plane >= starts[r]) & (plane < starts[r] + sizes[r])).all()), f"ownership along {axis}"
+    whole = distributed.gather(state)
+    box = distributed.box_size
+    assert_small(float(periodic_difference(whole.positions, expected.positions, box).abs().max()), max(box),
+                 "positions")
+    assert_small(float((whole.momenta - expected.momenta).abs().max()), float(expected.momenta.abs().max()),
+                 "momenta")
+    density = distributed.density(state)
+    expected_density = distributed.force_mesh.local_real_part(serial.density(expected))
+    assert_small(float((density - expected_density).abs().max()), float(expected_density.abs().max()), "density")
+    spectrum = power_spectrum(density - 1.0, box, mesh=distributed.force_mesh)
+    expected_spectrum = power_spectrum(serial.density(expected) - 1.0, box)
+    assert torch.equal(spectrum.modes, expected_spectrum.modes), "P(k) modes"
+    assert_small(float((spectrum.power - expected_spectrum.power).abs().max()),
+                 float(expected_spectrum.power.abs().max()), "P(k)")
+    assert_small(float((spectrum.k - expected_spectrum.k).abs().max()), float(expected_spectrum.k.max()), "k")
+
+
+def case_simulation_b1(grid, ctx):
+    _compare_runs(grid, ctx, 1)
+
+
+def case_simulation_b2(grid, ctx):
+    _compare_runs(grid, ctx, 2)
+
+
+def _compare_gradients(grid, ctx, batch, checkpoint=False):
+    import torchpm
+
+    serial, _ = simulations(grid, ctx)
+    _, distributed = simulations(grid, ctx, checkpoint=checkpoint)
+    field = global_random((batch, *serial.mesh_shape), 5)  # fixed random field of the loss
+    results = []
+    for sim in (serial, distributed):
+        omega_c = torch.tensor(0.2589, dtype=torch.float64, requires_grad=True)
+        sim.cosmology = torchpm.Planck15(Omega_c=omega_c)
+        noise = sim.white_noise(batch=batch, seed=3).requires_grad_()
+        density = sim.density(sim(noise))
+        loss = (density * sim.force_mesh.local_real_part(field)).sum()
+        loss.backward()
+        results.append((noise.grad, omega_c.grad, loss.detach()))
+    (noise_grad, omega_grad, _), (local_grad, local_omega_grad, _) = results
+    expected = distributed.particle_mesh.local_real_part(noise_grad)
+    assert_small(float((local_grad - expected).abs().max()), float(expected.abs().max()), "d loss / d white noise")
+    assert_small(abs(float(local_omega_grad - omega_grad)), abs(float(omega_grad)), "d loss / d Omega_c")
+
+
+def case_gradient_b1(grid, ctx):
+    _compare_gradients(grid, ctx, 1)
+
+
+def case_gradient_b2(grid, ctx):
+    # with checkpointing: the recomputed steps migrate again in the backward pass
+    _compare_gradients(grid, ctx, 2, checkpoint=True)
+
+
+# ----------------------------------------------------------------------------
+# Migration.
+
+
+def _attribute(ids):
+    """A per-particle attribute that is a known function of the id (checks that values
+    travel with their particle)."""
+    base = ids.to(torch.float64).unsqueeze(-1)
+    return torch.cat([base * 1.5, base * -0.25 + 3.0], dim=-1)
+
+
+def _owned(mesh, positions, ids, grid):
+    valid = ids >= 0
+    for axis in (0, 1):
+        if grid[axis] == 1:
+            continue
+        starts, sizes = block_bounds(mesh.global_shape[axis], grid[axis])
+        r = mesh.grid_coords[axis]
+        plane = torch.floor(positions[..., axis])[valid]
+        if not bool(((plane >= starts[r]) & (plane < starts[r] + sizes[r])).all()):
+            return False
+    return True
+
+
+def case_migration(grid, ctx):
+    import torch.distributed as dist
+
+    from torchpm.distributed import PencilDecomposition
+
+    mesh = PencilDecomposition((9, 7, 4), ctx["groups"][grid])
+    rank, world = ctx["rank"], ctx["world"]
+    generator = torch.Generator().manual_seed(100 + rank)
+    shape = torch.tensor(mesh.global_shape, dtype=torch.float64)
+    batch = 2
+    per_rank = 12
+    ids = (torch.arange(per_rank) + rank * per_rank).repeat(batch, 1)
+    ids[1] += 10_000  # members hold different id ranges
+    positions = torch.rand(batch, per_rank, 3, generator=generator, dtype=torch.float64) * shape
+    _, positions, ids = mesh.migrate(positions, ids)
+    total = torch.tensor([per_rank * world * batch], dtype=torch.float64)
+    for round_ in range(MIGRATION_ROUNDS):
+        scenario = round_ % 5
+        count = positions.shape[1]
+        if scenario == 0:  # small moves
+            step = (torch.rand(batch, count, 3, generator=generator, dtype=torch.float64) - 0.5) * 2.0
+        elif scenario == 1:  # across several blocks, wrapping the box several times
+            step = (torch.rand(batch, count, 3, generator=generator, dtype=torch.float64) - 0.5) * 4.0 * shape
+        elif scenario == 2:  # everything to one rank's block
+            target = torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64) + (round_ // 5 % 3)
+            step = target - positions
+        elif scenario == 3:  # nothing moves
+            step = torch.zeros_like(positions)
+        else:  # one member moves far, the other stays
+            step = (torch.rand(batch, count, 3, generator=generator, dtype=torch.float64) - 0.5) * 3.0 * shape
+            step[0] = 0
+        moved = positions + step
+        moved = torch.where((ids >= 0).unsqueeze(-1), moved, positions)
+        plan, positions, new_ids, attribute = mesh.migrate(moved, ids, _attribute(ids))
+        ids = new_ids
+        valid = ids >= 0
+        assert _owned(mesh, positions, ids, grid), f"round {round_}: a particle is not on its owner"
+        assert torch.equal(attribute[valid], _attribute(ids)[valid]), f"round {round_}: attributes lost their particle"
+        for axis in (0, 1):
+            if grid[axis] > 1:  # split axes are wrapped into [0, n)
+                column = positions[..., axis][valid]
+                assert bool(((column >= 0) & (column < mesh.global_shape[axis])).all()), f"round {round_}: wrap"
+        summary = torch.stack([valid.sum().to(torch.float64), ids[valid].to(torch.float64).sum(),
+                               (ids[valid].to(torch.float64) ** 2).sum()])
+        dist.all_reduce(summary)
+        assert summary[0] == total[0], f"round {round_}: {int(summary[0])} particles instead of {int(total[0])}"
+        if round_ % 100 == 0:
+            gathered = [None] * world
+            dist.all_gather_object(gathered, ids[valid].tolist())
+            every = sorted(i for part in gathered for i in part)
+            expected = sorted(list(range(per_rank * world)) + list(range(10_000, 10_000 + per_rank * world)))
+            assert every == expected, f"round {round_}: ids lost or duplicated"
+        # The reverse path brings values back to their slots.
+        back = plan.gather(attribute)
+        assert back.shape[1] == moved.shape[1]
+        if round_ % 50 == 49:
+            # Routing by explicit destination: every particle back to the rank that made it.
+            home = torch.where(ids >= 10_000, ids - 10_000, ids) // per_rank
+            home = torch.where(ids >= 0, home, torch.zeros_like(home))
+            _, positions, ids = mesh.migrate(positions, ids, destination=home)
+            mine = ids[ids >= 0]
+            mine = torch.where(mine >= 10_000, mine - 10_000, mine) // per_rank
+            assert bool((mine == rank).all()) and int((ids >= 0).sum()) == batch * per_rank, "routing home"
+
+
+def case_migration_gradcheck(grid, ctx):
+    from test_distributed_fft import as_global_function
+
+    from torchpm.distributed import PencilDecomposition
+
+    import torch.distributed as dist
+
+    mesh = PencilDecomposition((8, 6, 4), ctx["groups"][grid])
+    world, rank = ctx["world"], ctx["rank"]
+    count = 5
+    # Positions away from block edges, so small perturbations never change owners.
+    generator = torch.Generator().manual_seed(7)
+    all_positions = (torch.randint(0, 8, (world, 1, count, 3), generator=generator).to(torch.float64) + 0.5)
+    all_positions[..., 1] = all_positions[..., 1] % 6
+    all_positions[..., 2] = all_positions[..., 2] % 4
+    ids = torch.arange(count).unsqueeze(0) + rank * count
+    sizes_after = [None] * world
+    _, moved, moved_ids = mesh.migrate(all_positions[rank], ids)
+    dist.all_gather_object(sizes_after, moved.shape[1])
+    in_shapes = [(1, count, 5) for _ in range(world)]
+    out_shapes = [(1, n, 5) for n in sizes_after]
+
+    def function(local):
+        positions, attributes = local[..., :3], local[..., 3:]
+        _, positions, _, attributes = mesh.migrate(positions, ids, attributes)
+        return torch.cat([positions, attributes], dim=-1)
+
+    wrapped, n = as_global_function(function, in_shapes, out_shapes)
+    attributes = global_random((world, 1, count, 2), 9)
+    x = torch.cat([all_positions, attributes], dim=-1).reshape(-1).clone().requires_grad_()
+    assert torch.autograd.gradcheck(wrapped, (x,), atol=1e-8, rtol=1e-6), "gradcheck through a migration"
+
+
+def case_capacity(grid, ctx):
+    from torchpm.distributed import PencilDecomposition
+
+    mesh = PencilDecomposition((8, 6, 4), ctx["groups"][grid])
+    ids = torch.arange(6).unsqueeze(0) + 6 * ctx["rank"]
+    positions = torch.full((1, 6, 3), 0.5, dtype=torch.float64)  # everything to rank (0, 0)
+    try:
+        mesh.migrate(positions, ids, capacity=4)
+    except RuntimeError as error:
+        message = str(error)
+        assert "capacity 4" in message and "rank 0" in message and "particle_capacity" in message, message
+    else:
+        raise AssertionError("overflowing the capacity did not raise")
+    # Within capacity it works.
+    _, moved, moved_ids = mesh.migrate(positions, ids, capacity=6 * ctx["world"])
+    assert moved.shape[1] == (6 * ctx["world"] if ctx["rank"] == 0 else 0)
+
+
+def case_nonfinite(grid, ctx):
+    from torchpm.distributed import PencilDecomposition
+
+    mesh = PencilDecomposition((8, 6, 4), ctx["groups"][grid])
+    positions = torch.full((1, 3, 3), 1.5, dtype=torch.float64)
+    if ctx["rank"] == ctx["world"] - 1:
+        positions[0, 1, 0] = float("nan")
+    try:
+        mesh.migrate(positions, torch.arange(3).unsqueeze(0))
+    except RuntimeError as error:
+        assert "NaN or infinite" in str(error) and f"rank {ctx['world'] - 1}" in str(error), str(error)
+    else:
+        raise AssertionError("a NaN position did not raise on every rank")
+
+
+def case_bad_input(grid, ctx):
+    """White noise with a NaN on one rank: every rank raises the same clear error."""
+    _, distributed = simulations(grid, ctx)
+    noise = distributed.white_noise(seed=1)
+    if ctx["rank"] == 0:
+        noise[0, 0, 0, 0] = float("inf")
+    try:
+        distributed(noise)
+    except ValueError as error:
+        assert "white_noise" in str(error) and "rank 0" in str(error), str(error)
+    else:
+        raise AssertionError("non-finite white noise on rank 0 did not raise everywhere")
+
+
+def case_disagreement(grid, ctx):
+    """Ranks building decompositions of different meshes: every rank raises, none aborts."""
+    from torchpm.distributed import PencilDecomposition
+
+    shape = (8, 8, 8) if ctx["rank"] == 0 else (8, 8, 9)
+    try:
+        PencilDecomposition(shape, ctx["groups"][grid])
+    except ValueError as error:
+        assert "disagree" in str(error) and "(8, 8, 9)" in str(error), str(error)
+    else:
+        raise AssertionError("decompositions of different meshes were accepted")
+
+
+def case_failfast(grid, ctx):
+    """A rank raising in the middle of a step makes the others raise within the timeout."""
+    import torchpm
+
+    sim = torchpm.Simulation(**CONFIG, mesh=ctx["failfast_groups"])
+    if ctx["rank"] == 1:
+        calls = {"n": 0}
+        original = sim.forces
+
+        def failing(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                time.sleep(FAILFAST_TIMEOUT.total_seconds() + 5)  # alive but gone from the collectives
+                raise RuntimeError("simulated failure on rank 1 in step 2")
+            return original(*args, **kwargs)
+
+        sim.forces = failing
+        try:
+            sim(sim.white_noise())
+        except RuntimeError:
+            return
+        raise AssertionError("the simulated failure did not raise")
+    start = time.monotonic()
+    try:
+        sim(sim.white_noise())
+    except torch.distributed.DistBackendError as error:
+        elapsed = time.monotonic() - start
+        assert "timeout" in str(error), str(error)
+        assert elapsed < FAILFAST_TIMEOUT.total_seconds() + 30, f"took {elapsed:.1f} s"
+        return
+    raise AssertionError("the run completed although rank 1 failed")
+
+
+# ----------------------------------------------------------------------------
+# The pytest side: one spawn per world size, one test per case.
+
+_RESULTS: dict[int, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def world_results(tmp_path_factory):
+    def get(world_size):
+        if world_size not in _RESULTS:
+            tmp = tmp_path_factory.mktemp(f"sim_world{world_size}")
+            _RESULTS[world_size] = run_world(world_size, __name__, case_ids(world_size), tmp, timeout_s=900)
+        return _RESULTS[world_size]
+
+    return get
+
+
+@pytest.mark.parametrize("world_size,case_id", [(w, c) for w in sorted(GRIDS) for c in case_ids(w)])
+def test_distributed_simulation(world_results, world_size, case_id):
+    outcome = world_results(world_size)[case_id]
+    errors = {rank: err for rank, err in outcome.items() if not str(rank).endswith("#seconds") and err}
+    if errors:
+        pytest.fail("\n".join(f"--- rank {rank} ---\n{err}" for rank, err in sorted(errors.items())))

@@ -1,0 +1,223 @@
+"""Process groups of a ``(P0, P1)`` grid, reductions over the whole grid, and failing together.
+
+World rank ``r0 * P1 + r1`` has grid coordinates ``(r0, r1)``. Grid axis 0 is the
+group of ranks that share ``r1`` (they split x), grid axis 1 the group that shares
+``r0`` (they split y). An axis of size 1 has no group and never communicates, so
+a 1 x 1 grid needs no ``torch.distributed`` at all.
+
+Every function here that communicates is collective over the grid: all ranks
+call it in the same order.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Sequence
+
+import torch
+
+__all__ = ["process_grid_groups", "GridAxis", "GridGroups"]
+
+
+def process_grid_groups(
+    grid: Sequence[int],
+    *,
+    backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+):
+    """Create the two process groups of a ``(P0, P1)`` grid over the default world.
+
+    Every rank of the world must call this with the same arguments (``new_group`` is
+    collective). Returns ``(group_axis0, group_axis1)`` for the calling rank; an axis
+    of size 1 gets ``None`` (no communication along it).
+
+    Args:
+        grid: ``(P0, P1)`` with ``P0 * P1 == world size``.
+        backend: passed to ``new_group`` (default: the world's backend).
+        timeout: bound on every collective of these groups (default: the world's).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "process_grid_groups: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first (or build a PencilDecomposition "
+            "without groups for a single process)"
+        )
+    try:
+        p0, p1 = (int(p) for p in grid)
+    except (TypeError, ValueError):
+        raise ValueError(f"process_grid_groups: `grid` must be 2 positive integers (P0, P1), got {grid!r}") from None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if p0 < 1 or p1 < 1 or p0 * p1 != world:
+        raise ValueError(
+            f"`grid` {tuple(grid)} must be 2 positive integers whose product is the world size {world}"
+        )
+    r0, r1 = divmod(rank, p1)
+    group0 = group1 = None
+    kwargs = {"backend": backend, "timeout": timeout}
+    if p0 > 1:
+        for column in range(p1):
+            g = dist.new_group([row * p1 + column for row in range(p0)], **kwargs)
+            if column == r1:
+                group0 = g
+    if p1 > 1:
+        for row in range(p0):
+            g = dist.new_group([row * p1 + column for column in range(p1)], **kwargs)
+            if row == r0:
+                group1 = g
+    return group0, group1
+
+
+class GridAxis:
+    """One axis of the process grid: its group (None for size 1), size, our rank in it, and its name."""
+
+    def __init__(self, group, axis):
+        self.group = group
+        if group is None:
+            self.size, self.rank, self.name = 1, 0, None
+        else:
+            import torch.distributed as dist
+
+            self.size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+            self.name = group.group_name
+            if self.rank < 0:
+                raise ValueError(f"PencilDecomposition: this process is not a member of the group of grid axis {axis}")
+
+
+class _SumOverGrid(torch.autograd.Function):
+    """Sum of every rank's tensor, on every rank. Backward: identity.
+
+    The convention for a *replicated* result: every rank goes on to compute the
+    same scalar from it and calls backward, and the gradient wanted is that of
+    this one scalar, so each rank's input receives the upstream gradient as is.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, groups):
+        import torch.distributed as dist
+
+        result = tensor.detach().clone().contiguous()
+        for group in groups:
+            dist.all_reduce(result, group=group)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReplicatedInput(torch.autograd.Function):
+    """Identity whose backward sums the gradient over the grid.
+
+    For a tensor that every rank holds the same copy of (a cosmological parameter, a
+    network weight) and uses in its own part of a distributed computation: each rank's
+    backward yields only its part's contribution, and the sum is the gradient of the
+    whole computation, which every rank then holds.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor, groups):
+        ctx.groups = groups
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        for group in ctx.groups:
+            dist.all_reduce(grad, group=group)
+        return grad, None
+
+
+class GridGroups:
+    """The two axes of a process grid and the grid-wide operations built on them."""
+
+    def __init__(self, groups):
+        self.axes = (GridAxis(groups[0], 0), GridAxis(groups[1], 1))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.axes[0].size, self.axes[1].size)
+
+    @property
+    def coords(self) -> tuple[int, int]:
+        return (self.axes[0].rank, self.axes[1].rank)
+
+    @property
+    def size(self) -> int:
+        return self.axes[0].size * self.axes[1].size
+
+    @property
+    def rank(self) -> int:
+        """This rank's index on the grid, ``r0 * P1 + r1``."""
+        return self.axes[0].rank * self.axes[1].size + self.axes[1].rank
+
+    def _groups(self):
+        return [axis.group for axis in self.axes if axis.group is not None]
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce ``tensor`` over every rank of the grid; every rank gets the result.
+
+        ``op``: ``"sum"`` (differentiable, with the replicated-result convention of
+        :class:`_SumOverGrid`), ``"max"`` or ``"min"`` (not differentiable). A 1 x 1 grid
+        returns the tensor unchanged.
+        """
+        groups = self._groups()
+        if not groups:
+            return tensor
+        if op == "sum":
+            return _SumOverGrid.apply(tensor, groups)
+        import torch.distributed as dist
+
+        reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op)
+        if reduce_op is None:
+            raise ValueError(f"all_reduce: `op` must be 'sum', 'max' or 'min', got {op!r}")
+        result = tensor.detach().clone().contiguous()
+        for group in groups:
+            dist.all_reduce(result, op=reduce_op, group=group)
+        return result
+
+    def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` for use in a distributed computation when every rank holds the same
+        copy: the identity, whose backward sums the gradient over the grid, so every rank
+        receives the full gradient (see :class:`_ReplicatedInput`). Identity on a 1 x 1 grid."""
+        groups = self._groups()
+        if not groups or not tensor.requires_grad:
+            return tensor
+        return _ReplicatedInput.apply(tensor, groups)
+
+    def all_gather_counts(self, values: Sequence[int], device=None) -> torch.Tensor:
+        """``(grid size, len(values))`` int64: every rank's ``values``, row ``r0 * P1 + r1``."""
+        table = torch.zeros(self.size, len(values), dtype=torch.int64, device=device)
+        table[self.rank] = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+        return self.all_reduce(table, "sum")
+
+    def raise_together(self, error: str | None, exception=ValueError, *, device=None) -> None:
+        """Raise ``exception`` on every rank when any rank passes a non-empty ``error``.
+
+        Collective: each rank reports whether it failed (one small all-reduce), so a
+        rank whose input is bad cannot leave the others waiting in a collective. On
+        failure the ranks exchange their messages, and every rank raises with all of
+        them, each naming its rank.
+        """
+        groups = self._groups()
+        if not groups:
+            if error:
+                raise exception(error)
+            return
+        failed = self.all_gather_counts([1 if error else 0], device=device).reshape(-1)
+        if not bool(failed.any()):
+            return
+        import torch.distributed as dist
+
+        messages = [(self.rank, error)] if error else []
+        for group in groups:
+            parts = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, messages, group=group)
+            messages = [item for part in parts for item in part]
+        p0, p1 = self.shape
+        text = "; ".join(f"rank {rank} (grid {divmod(rank, p1)}): {message}" for rank, message in sorted(messages))
+        raise exception(f"{text} [every rank of the {p0} x {p1} grid raises this error together]")

@@ -1,0 +1,111 @@
+"""Periodic halo exchange along the split axes x and y.
+
+A haloed block is the local real block with ``lo`` extra planes below and ``hi``
+above along x (and its own pair along y); global index ``i`` of the block sits at
+padded index ``i - offset + lo``. z is never split and has no halo.
+
+``fill_halo`` copies the neighbours' edge planes into my halo (x first, then y
+carrying the x halo along, so corners come from the diagonal neighbour);
+``add_halo`` adds my halo into the neighbours' edge planes and zeroes it (y first,
+then x). Each is the other's adjoint, and both are differentiable with
+collective backwards. Axes of grid size 1 wrap onto themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._ops import all_to_all
+from .groups import GridAxis
+
+__all__ = ["fill_halo", "add_halo", "exchange_neighbours"]
+
+
+def exchange_neighbours(grid_axis: GridAxis, to_left: torch.Tensor, to_right: torch.Tensor):
+    """Send ``to_left`` to the previous rank and ``to_right`` to the next (periodic).
+
+    Returns ``(from_right, from_left)``: what the next rank sent left and what the
+    previous rank sent right. One all-to-all carries both, with empty blocks for
+    every other peer.
+    """
+    size, me = grid_axis.size, grid_axis.rank
+    if size == 1:
+        return to_left, to_right
+    left, right = (me - 1) % size, (me + 1) % size
+    send_counts, receive_counts = [0] * size, [0] * size
+    send_counts[left] += to_left.numel()
+    send_counts[right] += to_right.numel()
+    # Neighbours share every dimension but the exchanged one; peer blocks hold
+    # [piece for its left, piece for its right], so with two ranks (left ==
+    # right) the block from the peer is [my "from right", my "from left"].
+    receive_counts[right] += to_left.numel()
+    receive_counts[left] += to_right.numel()
+    pieces = [None] * size
+    pieces[left] = [to_left.reshape(-1)]
+    if right == left:
+        pieces[left].append(to_right.reshape(-1))
+    else:
+        pieces[right] = [to_right.reshape(-1)]
+    send = torch.cat([piece for peer in pieces if peer for piece in peer])
+    received = all_to_all(send, send_counts, receive_counts, grid_axis.name)
+    start_right = sum(receive_counts[:right])
+    from_right = received.narrow(0, start_right, to_left.numel()).view(to_left.shape)
+    start_left = sum(receive_counts[:left]) + (to_left.numel() if left == right else 0)
+    from_left = received.narrow(0, start_left, to_right.numel()).view(to_right.shape)
+    return from_right, from_left
+
+
+def _fill_axis(field, grid_axis, dim, lo, hi):
+    if lo == 0 and hi == 0:
+        return field
+    n = field.shape[dim] - lo - hi
+    interior = field.narrow(dim, lo, n)
+    from_right, from_left = exchange_neighbours(
+        grid_axis, interior.narrow(dim, 0, hi).contiguous(), interior.narrow(dim, n - lo, lo).contiguous()
+    )
+    return torch.cat([from_left, interior, from_right], dim)
+
+
+def _add_axis(field, grid_axis, dim, lo, hi):
+    if lo == 0 and hi == 0:
+        return field
+    n = field.shape[dim] - lo - hi
+    interior = field.narrow(dim, lo, n)
+    from_right, from_left = exchange_neighbours(
+        grid_axis, field.narrow(dim, 0, lo).contiguous(), field.narrow(dim, lo + n, hi).contiguous()
+    )
+    # The next rank's low halo lands on my last `lo` planes, the previous
+    # rank's high halo on my first `hi` planes.
+    interior = interior + _pad_along(from_right, dim, n - lo, 0) + _pad_along(from_left, dim, 0, n - hi)
+    zeros_lo = field.new_zeros(_replace(field.shape, dim, lo))
+    zeros_hi = field.new_zeros(_replace(field.shape, dim, hi))
+    return torch.cat([zeros_lo, interior, zeros_hi], dim)
+
+
+def fill_halo(field: torch.Tensor, widths, axes) -> torch.Tensor:
+    """Fill the halo of ``field`` (``(..., lx + lo_x + hi_x, ly + lo_y + hi_y, nz)``) from the
+    periodic neighbours; ``widths = ((lo_x, hi_x), (lo_y, hi_y))``. The input halo is ignored."""
+    (lo_x, hi_x), (lo_y, hi_y) = widths
+    field = _fill_axis(field, axes[0], -3, lo_x, hi_x)
+    return _fill_axis(field, axes[1], -2, lo_y, hi_y)
+
+
+def add_halo(field: torch.Tensor, widths, axes) -> torch.Tensor:
+    """Add the halo of ``field`` into the neighbours' blocks; the returned halo is zero.
+    The adjoint of :func:`fill_halo` with the same ``widths``."""
+    (lo_x, hi_x), (lo_y, hi_y) = widths
+    field = _add_axis(field, axes[1], -2, lo_y, hi_y)
+    return _add_axis(field, axes[0], -3, lo_x, hi_x)
+
+
+def _replace(shape, dim, value):
+    shape = list(shape)
+    shape[dim] = value
+    return shape
+
+
+def _pad_along(t, dim, before, after):
+    """Zero-pad ``t`` along a negative ``dim`` (F.pad counts from the last dimension)."""
+    pad = [0, 0] * (-dim - 1) + [before, after]
+    return F.pad(t, pad)
