@@ -470,7 +470,7 @@ def _resolve_files(path) -> list[str]:
     raise FileNotFoundError(f"no snapshot at {path!r} (looked for {base}.hdf5 and {base}.0.hdf5)")
 
 
-def read_snapshot(path, *, share: tuple[int, int] | None = None) -> Snapshot:
+def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int | None = None) -> Snapshot:
     """Read a snapshot written by :func:`write_snapshot` (or any Gadget-4 HDF5 file
     with ``PartType1`` and, for the restart fields, the ``torchpm`` group).
 
@@ -479,6 +479,9 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None) -> Snapshot:
         share: ``(index, count)``: read only the ``index``-th of ``count`` contiguous,
             near-equal shares of the particles (in file order), e.g. ``(rank, world_size)``.
             Default: all.
+        file_index: read only this file of a multi-file set (e.g. a rank its own file,
+            which keeps the particles in the order the run held them: what a bit-exact
+            restart on the same process grid needs).
     """
     h5py = _h5py()
     try:
@@ -486,11 +489,17 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None) -> Snapshot:
     except ImportError:  # Python 3.10
         import tomli as tomllib
     files = _resolve_files(path)
+    if file_index is not None:
+        if isinstance(file_index, bool) or not isinstance(file_index, int) or not 0 <= file_index < len(files):
+            raise ValueError(f"`file_index` must be an int in [0, {len(files)}) for {path!r}, got {file_index!r}")
+        files = [files[file_index]]
     counts = []
     for name in files:
         with h5py.File(name, "r") as handle:
             counts.append(int(_python(handle["Header"].attrs["NumPart_ThisFile"])[1]))
     total = sum(counts)
+    if share is not None and file_index is not None:
+        raise ValueError("pass at most one of `share` and `file_index`")
     if share is None:
         begin, end = 0, total
     else:
@@ -544,7 +553,7 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None) -> Snapshot:
         mesh_positions=arrays.get("mesh_positions"),
         mesh_momenta=arrays.get("mesh_momenta"),
         files=files,
-        total=total,
+        total=int(header["NumPart_Total"][1]) + (int(header.get("NumPart_Total_HighWord", [0, 0])[1]) << 32),
     )
 
 
@@ -592,13 +601,14 @@ def check_restart(snapshot: Snapshot, sim) -> None:
 
 
 def restart_state(snapshot: Snapshot, sim):
-    """The snapshot's particles in force-mesh units, ordered by id, as a batch-of-1
+    """The snapshot's particles in force-mesh units, in the order the file holds them (the
+    run's own order, which a bit-exact restart needs), as a batch-of-1
     :class:`torchpm.SimulationState` for ``sim.resume(state, mesh_units=True)``.
 
     Checks compatibility first (:func:`check_restart`). A whole snapshot must hold every
-    particle exactly once; a share (``read_snapshot(..., share=(rank, world))``, for a
-    process grid whose ``resume`` sends the particles to their owners) must hold ids in
-    ``[0, N)`` without repeats.
+    particle exactly once; a part of one (``read_snapshot(..., file_index=rank)`` or
+    ``share=(rank, world)``, for a process grid whose ``resume`` sends the particles to
+    their owners) must hold ids in ``[0, N)`` without repeats.
     """
     from .simulation import SimulationState
 
@@ -607,13 +617,12 @@ def restart_state(snapshot: Snapshot, sim):
     n = sim.n_total
     if snapshot.total and snapshot.total != n:
         raise ValueError(f"snapshot holds {snapshot.total} particles, the simulation has {n}")
-    order = torch.argsort(ids)
-    ids = ids[order]
+    ordered = torch.sort(ids).values
     if ids.numel() == n:
-        if not torch.equal(ids, torch.arange(n)):
+        if not torch.equal(ordered, torch.arange(n)):
             raise ValueError("snapshot particle ids are not exactly 0 .. N-1 (missing or repeated particles)")
-    elif ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= n or bool((ids[1:] == ids[:-1]).any())):
-        raise ValueError(f"snapshot share holds ids outside [0, {n}) or repeated ids")
+    elif ids.numel() and (int(ordered[0]) < 0 or int(ordered[-1]) >= n or bool((ordered[1:] == ordered[:-1]).any())):
+        raise ValueError(f"snapshot part holds ids outside [0, {n}) or repeated ids")
     # The snapshot's float64 a, snapped to the grid value the run uses.
     a = sim.scale_factors[scale_factor_index(sim, snapshot.a)]
-    return SimulationState(snapshot.mesh_positions[order][None], snapshot.mesh_momenta[order][None], a, ids[None])
+    return SimulationState(snapshot.mesh_positions[None], snapshot.mesh_momenta[None], a, ids[None])
