@@ -15,8 +15,8 @@ CU_OBJECTS := $(patsubst csrc/%.cu,.cuda-check/%.o,$(CU_SOURCES))
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
-	@$(PYTHON) -c "import numpy, pytest, tqdm, matplotlib, h5py" 2>/dev/null || \
-		$(PYTHON) -m pip install numpy pytest tqdm matplotlib h5py
+	@$(PYTHON) -c "import numpy, pytest, tqdm, matplotlib, safetensors, h5py" 2>/dev/null || \
+		$(PYTHON) -m pip install numpy pytest tqdm matplotlib safetensors h5py
 
 # Independent codes the physics is validated against, and pynbody, an
 # independent reader of the Gadget HDF5 snapshots (tests only).

@@ -87,6 +87,7 @@ BAD_VALUES = [
     ("snapshots = [1.0, 0.5]", "`snapshots`"),
     ("grid = [2]", "`grid`"),
     ("grid = [2, 1]", "`grid`"),
+    ("lpt_normalisation = \"pmwd\"", "`lpt_normalisation`"),
     ("collective_timeout = -1", "`collective_timeout`"),
     ("paint_order = \"quadratic\"", "`paint_order`"),
     ("power_spectrum = \"missing_table.txt\"", "`power_spectrum`"),

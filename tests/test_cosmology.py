@@ -107,7 +107,9 @@ def test_growth_matches_scipy_integration(name):
         for key, value in dict(D1=D1, D2=D2, f1=f1, f2=f2).items()
     }
     print(f"growth vs scipy ({name}): max relative errors {errors}")
-    assert max(errors.values()) < 1e-4, errors
+    # ~1e-10 for the table; up to ~3e-8 here is this reference's own start at a = 1e-4
+    # (curvature excites a decaying mode). tests/test_precision.py holds the 1e-8 bound.
+    assert max(errors.values()) < 1e-7, errors
 
 
 def test_fastpm_time_functions_are_consistent():
@@ -119,8 +121,8 @@ def test_fastpm_time_functions_are_consistent():
     fine = growth_table(cosmology, steps=2048)
     plus, minus = fine.at(a * (1 + step)), fine.at(a * (1 - step))
     # gp = dD1/da and gf = dGf/da by central differences of D1 and Gf.
-    torch.testing.assert_close(g.gp, (plus.D1 - minus.D1) / (2 * step * a), rtol=1e-5, atol=0)
-    torch.testing.assert_close(g.gf, (plus.Gf - minus.Gf) / (2 * step * a), rtol=1e-5, atol=0)
+    torch.testing.assert_close(g.gp, (plus.D1 - minus.D1) / (2 * step * a), rtol=1e-8, atol=0)
+    torch.testing.assert_close(g.gf, (plus.Gf - minus.Gf) / (2 * step * a), rtol=1e-8, atol=0)
     torch.testing.assert_close(g.Gf, a**3 * g.E * g.gp)
     # Matter domination: D2 -> D1^2 (both normalised at a=1 though), f1 -> 1, f2 -> 2.
     early = cosmology.growth(torch.tensor([2e-3], dtype=torch.float64))

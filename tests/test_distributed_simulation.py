@@ -34,7 +34,8 @@ def case_ids(world_size):
     ids = []
     for p0, p1 in GRIDS[world_size]:
         grid = f"{p0}x{p1}"
-        ids += [f"simulation_b1-{grid}", f"simulation_b2-{grid}", f"gradient_b1-{grid}", f"gradient_b2-{grid}"]
+        ids += [f"simulation_b1-{grid}", f"simulation_b2-{grid}", f"gradient_b1-{grid}", f"gradient_b2-{grid}",
+                f"adjoint_b2-{grid}"]
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
                     f"bad_input-{grid}", f"disagreement-{grid}"]
@@ -145,11 +146,11 @@ def case_simulation_b2(grid, ctx):
     _compare_runs(grid, ctx, 2)
 
 
-def _compare_gradients(grid, ctx, batch, checkpoint=False):
+def _compare_gradients(grid, ctx, batch, checkpoint=False, adjoint=False, tolerance=TOLERANCE):
     import torchpm
 
     serial, _ = simulations(grid, ctx)
-    _, distributed = simulations(grid, ctx, checkpoint=checkpoint)
+    _, distributed = simulations(grid, ctx, checkpoint=checkpoint, adjoint=adjoint)
     field = global_random((batch, *serial.mesh_shape), 5)  # fixed random field of the loss
     results = []
     for sim in (serial, distributed):
@@ -162,12 +163,19 @@ def _compare_gradients(grid, ctx, batch, checkpoint=False):
         results.append((noise.grad, omega_c.grad, loss.detach()))
     (noise_grad, omega_grad, _), (local_grad, local_omega_grad, _) = results
     expected = distributed.particle_mesh.local_real_part(noise_grad)
-    assert_small(float((local_grad - expected).abs().max()), float(expected.abs().max()), "d loss / d white noise")
-    assert_small(abs(float(local_omega_grad - omega_grad)), abs(float(omega_grad)), "d loss / d Omega_c")
+    error = float((local_grad - expected).abs().max())
+    assert error <= tolerance * float(expected.abs().max()), f"d loss / d white noise: {error:.3e}"
+    error = abs(float(local_omega_grad - omega_grad))
+    assert error <= tolerance * abs(float(omega_grad)), f"d loss / d Omega_c: {error:.3e} of {float(omega_grad):.3e}"
 
 
 def case_gradient_b1(grid, ctx):
     _compare_gradients(grid, ctx, 1)
+
+
+def case_adjoint_b2(grid, ctx):
+    # the adjoint method on the grid (migrations in the backward pass) against serial autograd
+    _compare_gradients(grid, ctx, 2, adjoint=True, tolerance=1e-8)
 
 
 def case_gradient_b2(grid, ctx):

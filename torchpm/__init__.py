@@ -15,7 +15,7 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
 from . import ops  # noqa: E402
 from .ops import cic_paint, cic_readout  # noqa: E402
 
-from . import analysis, cosmology, distributed, fourier, ic, mesh, pm  # noqa: E402
+from . import adjoint, analysis, cosmology, distributed, fourier, ic, mesh, nn, pm  # noqa: E402
 from . import config, io, resources  # noqa: E402  (io imports h5py only when used)
 from .cosmology import Cosmology, Planck15, Planck18, PowerTable, linear_power  # noqa: E402
 from .mesh import LocalMesh  # noqa: E402
@@ -34,6 +34,8 @@ __all__ = [
     "cic_readout",
     "has_cuda_kernels",
     "ops",
+    "adjoint",
+    "nn",
     "analysis",
     "cosmology",
     "distributed",

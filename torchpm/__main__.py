@@ -64,6 +64,10 @@ def build_simulation(config: dict):
     options = {}
     parameters = inspect.signature(torchpm.Simulation).parameters
     # Settings another part of torchpm wires: passed once Simulation takes them.
+    if "lpt_normalisation" in parameters:
+        options["lpt_normalisation"] = config["lpt_normalisation"]
+    elif config["lpt_normalisation"] != "fastpm":
+        raise UserError(f"`lpt_normalisation` = {config['lpt_normalisation']!r} is not available in this build")
     if "paint_order" in parameters:
         options["paint_order"] = config["paint_order"]
     elif config["paint_order"] != "cic":

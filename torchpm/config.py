@@ -393,6 +393,11 @@ SETTINGS: tuple[Setting, ...] = (
         check=_choice(1, 2),
     ),
     Setting(
+        "lpt_normalisation", "string", default="fastpm", unit="", allowed="fastpm, exact",
+        help="2LPT growth normalisation: FastPM's D2(a)/D2(1) or the consistent D2(a)/D1(1)^2",
+        check=_choice("fastpm", "exact"),
+    ),
+    Setting(
         "integrator", "string", default="fastpm", unit="", allowed="fastpm, leapfrog",
         help="kick-drift-kick factors (FastPM growth-corrected or plain)",
         check=_choice("fastpm", "leapfrog"),

@@ -86,6 +86,15 @@ class FourierKernels:
             k_squared = k_squared + (wi / ci) ** 2
             k_squared_fd = k_squared_fd + (2.0 * torch.sin(wi / 2.0) / ci) ** 2
         self.gradient = tuple(gradients)
+        # d_i^2 with "exact" is -k_i^2 on the whole axis, Nyquist plane included: unlike
+        # the first derivative (odd in k, so sin(pi x) vanishes on the grid), it is even,
+        # and cos(pi x) has the well-defined second derivative -k_N^2 cos(pi x). The
+        # product of two Nyquist-zeroed gradients would lose that plane. "fd4" keeps
+        # FastPM's (and JaxPM's) gradient applied twice.
+        if gradient == "exact":
+            self._second_diagonal = tuple((-((wi / ci) ** 2)).to(complex_dtype) for wi, ci in zip(w, self.cell_size))
+        else:
+            self._second_diagonal = tuple(g * g for g in self.gradient)
         self.k_magnitude = torch.sqrt(k_squared).to(dtype)
         k_eff = k_squared if laplacian == "exact" else k_squared_fd
         inverse = torch.where(k_eff > 0, 1.0 / torch.where(k_eff > 0, k_eff, 1.0), 0.0)
@@ -108,6 +117,20 @@ class FourierKernels:
     @property
     def device(self):
         return self.inverse_laplacian.device
+
+    def second_derivative(self, i: int, j: int) -> torch.Tensor:
+        """Fourier multiplier of ``d_i d_j`` in (h/Mpc)^2, complex (zero imaginary part),
+        broadcasting like :attr:`gradient`.
+
+        ``"exact"``: ``-k_i k_j``; for ``i = j`` the Nyquist plane is kept (``-k_N^2``);
+        for ``i != j`` a Nyquist factor gives 0 (``k_N k_j`` would be odd in ``k_j`` on
+        the Nyquist plane, which maps onto itself, so it has no real-field meaning;
+        and ``d_i cos(pi x) = 0`` on the grid). ``"fd4"``: ``G_i G_j``, the 4-point
+        gradient applied twice (FastPM, JaxPM).
+        """
+        if i == j:
+            return self._second_diagonal[i]
+        return self.gradient[i] * self.gradient[j]
 
 
 def multiply_real(field_k: torch.Tensor, kernel, paired: bool = False) -> torch.Tensor:

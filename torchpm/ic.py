@@ -12,10 +12,17 @@ returns ``P``).
 LPT (positions in force-mesh cells ``c``; ``phi_ij = d_i d_j grad^-2 delta``)::
 
     Psi1 = -grad grad^-2 delta,   S = sum_{i<j} (phi_ii phi_jj - phi_ij^2),   Psi2 = -grad grad^-2 S
-    x0 = q + D1 Psi1 + 3/7 D2 Psi2,   p0 = a0^2 E(a0) [f1 D1 Psi1 + f2 3/7 D2 Psi2]
+    x0 = q + D1 Psi1 + C2 D2 Psi2,   p0 = a0^2 E(a0) [f1 D1 Psi1 + f2 C2 D2 Psi2]
 
 computed on the particle grid (as FastPM does) with the simulation's gradient and
-Laplacian kernels.
+Laplacian kernels; D1, D2 are 1 at a = 1. The 2LPT normalisation ``C2``:
+
+* ``"fastpm"`` (default; FastPM and JaxPM): ``C2 = 3/7``, i.e. the second-order
+  growth ``3/7 D2(a) / D2(1)``. Exact only for Omega_m = 1.
+* ``"exact"`` (pmwd, PM++): ``C2 = -D2(1) / D1(1)^2`` of the solutions that start as
+  ``D1 = a``, ``D2 = -3/7 a^2``, so the term is ``-D2(a) / D1(1)^2`` and tends to
+  ``3/7 D1(a)^2`` at early times, as second-order perturbation theory requires
+  (``GrowthValues.D2_norm``; 0.85% larger than 3/7 for Planck15).
 """
 
 from __future__ import annotations
@@ -31,6 +38,15 @@ from .mesh import as_shape
 from .fourier import FourierKernels, gradient_inverse_laplacian, multiply_real, stack_products
 
 __all__ = ["white_noise", "plane_seed", "linear_field", "lpt_displacements", "lpt_initial_state", "check_finite"]
+
+LPT_NORMALISATIONS = ("fastpm", "exact")
+
+
+def check_lpt_normalisation(value) -> str:
+    """ValueError unless ``value`` is one of :data:`LPT_NORMALISATIONS`."""
+    if not isinstance(value, str) or value not in LPT_NORMALISATIONS:
+        raise ValueError(f"`lpt_normalisation` must be one of {LPT_NORMALISATIONS}, got {value!r}")
+    return value
 
 
 def check_finite(tensor: torch.Tensor, name: str) -> None:
@@ -168,13 +184,13 @@ def lpt_displacements(delta: torch.Tensor, kernels: FourierKernels, order: int =
     psi1 = gradient_inverse_laplacian(delta_k, kernels)
     if order == 1:
         return psi1, None
-    # phi_ij = (i g_i)(i g_j)(-1/k^2) delta = G_i G_j * (-L) delta; G_i G_j is real.
+    # phi_ij = d_i d_j grad^-2 delta = H_ij (-1/k^2) delta with H_ij the second-derivative
+    # multiplier (-k_i k_j, the Nyquist plane kept for i = j, with "exact"; G_i G_j with "fd4").
     potential = multiply_real(delta_k, kernels.inverse_laplacian_pair, paired=True)
-    G = kernels.gradient
     pairs = [(0, 0), (1, 1), (2, 2), (0, 1), (0, 2), (1, 2)]
     # All six second derivatives in one batched inverse transform; the sign goes on
-    # the small (at most 2-d) kernel products, not on the mesh.
-    hessian = mesh.irfftn(stack_products(potential, [-(G[i] * G[j]) for i, j in pairs]))
+    # the small (at most 2-d) kernels, not on the mesh.
+    hessian = mesh.irfftn(stack_products(potential, [-kernels.second_derivative(i, j) for i, j in pairs]))
     xx, yy, zz, xy, xz, yz = hessian.unbind(1)
     source = xx * yy + xx * zz + yy * zz - xy * xy - xz * xz - yz * yz
     psi2 = gradient_inverse_laplacian(mesh.rfftn(source), kernels)
@@ -196,6 +212,7 @@ def lpt_initial_state(
     growth: GrowthValues,
     q: torch.Tensor,
     cell_size: Sequence[float],
+    lpt_normalisation: str = "fastpm",
 ):
     """Positions and momenta at ``a0`` in force-mesh cells from LPT displacements.
 
@@ -204,10 +221,14 @@ def lpt_initial_state(
         growth: :class:`GrowthValues` at ``a0`` (0-d entries).
         q: ``(N, 3)`` grid positions in force-mesh cells.
         cell_size: force-mesh cell sizes (Mpc/h).
+        lpt_normalisation: ``"fastpm"`` (second-order term ``3/7 D2(a0) Psi2``) or
+            ``"exact"`` (``D2_norm D2(a0) Psi2 = -D2(a0)/D1(1)^2 Psi2``); see the module
+            docstring.
 
     Returns:
         ``(x0, p0)``, each ``(B, N, 3)``.
     """
+    check_lpt_normalisation(lpt_normalisation)
     batch = psi1.shape[0]
     dtype = psi1.dtype
     inverse_cell = torch.tensor([1.0 / c for c in cell_size], dtype=dtype, device=psi1.device)
@@ -221,7 +242,15 @@ def lpt_initial_state(
     displacement = D1 * first
     velocity = f1 * D1 * first
     if psi2 is not None:
-        D2 = (3.0 / 7.0 * growth.D2).to(dtype)
+        if lpt_normalisation == "fastpm":
+            D2 = (3.0 / 7.0 * growth.D2).to(dtype)
+        else:
+            if growth.D2_norm is None:
+                raise ValueError(
+                    "lpt_normalisation='exact' needs GrowthValues.D2_norm; take the growth "
+                    "values from a GrowthTable (growth_table(cosmology).at(a))"
+                )
+            D2 = (growth.D2_norm * growth.D2).to(dtype)
         second = per_particle(psi2)
         displacement = displacement + D2 * second
         velocity = velocity + growth.f2.to(dtype) * D2 * second

@@ -130,6 +130,7 @@ def simulation_config(sim) -> dict:
         a_start=sim.scale_factors[0],
         steps=list(sim.scale_factors[1:]) if sim.steps else 0,
         lpt_order=sim.lpt_order,
+        **({"lpt_normalisation": sim.lpt_normalisation} if hasattr(sim, "lpt_normalisation") else {}),
         integrator=sim.integrator,
         gradient=sim.kernel_options["gradient"],
         laplacian=sim.kernel_options["laplacian"],

@@ -9,9 +9,10 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from .config import as_int, simulation_arguments
+from .config import as_bool, as_int, simulation_arguments
 from .cosmology import Cosmology, Planck15, growth_table, resolve_power, PowerTable
 from .ic import (
+    check_lpt_normalisation,
     grid_positions,
     linear_field,
     lpt_displacements,
@@ -25,6 +26,7 @@ from .mesh import LocalMesh
 from .fourier import FourierKernels
 from .pm import StepFactors, compute_forces, step_factors
 from .resources import check_memory, estimate_memory
+from .adjoint import adjoint_integrate
 
 __all__ = ["Simulation", "SimulationState"]
 
@@ -118,6 +120,11 @@ class Simulation(nn.Module):
             its result is reused while the cosmology does not change, unless it
             requires grad).
         lpt_order: 1 or 2.
+        lpt_normalisation: 2LPT growth normalisation: ``"fastpm"`` (default, FastPM and
+            JaxPM: ``x = q + D1 Psi1 + 3/7 D2(a)/D2(1) Psi2``, exact only for
+            Omega_m = 1) or ``"exact"`` (pmwd, PM++: ``-D2(a)/D1(1)^2`` with
+            ``D2 -> -3/7 D1^2`` early; 0.85% larger 2LPT term for Planck15). See
+            :mod:`torchpm.ic`.
         integrator: ``"fastpm"`` (growth-corrected kick-drift-kick) or ``"leapfrog"``.
         gradient: ``"fd4"`` (default) or ``"exact"``; laplacian: ``"exact"`` or ``"fd"``.
         cic_compensation: deconvolve the CIC window in the force kernel.
@@ -125,7 +132,13 @@ class Simulation(nn.Module):
             (``k``: ``|k|`` mesh in h/Mpc, ``a``: 0-d tensor) multiplying the potential.
         dtype: of particles and fields (float32 default; the background is float64).
         checkpoint: recompute each step in the backward pass instead of keeping its
-            intermediate meshes, so memory does not grow with the number of steps.
+            intermediate meshes (the state at every step boundary is still kept).
+        adjoint: compute gradients by the adjoint method (:mod:`torchpm.adjoint`): the
+            backward pass integrates backwards in time, so memory does not grow with
+            the number of steps. Gradients reach the white noise, the cosmology's
+            tensors and an ``nn.Module`` force correction's parameters. Works on a
+            process grid too: particles migrate in the backward pass as well, and the
+            gradients return to the ranks and slots the particles started from.
         memory_check: ``"error"`` (default) refuses a run whose estimated peak memory per
             rank (:func:`torchpm.resources.estimate_memory`) exceeds what the device has
             available — at construction (CPU, batch 1) and before each run on the
@@ -168,6 +181,7 @@ class Simulation(nn.Module):
         cosmology: Cosmology | None = None,
         power_spectrum="eisenstein_hu",
         lpt_order: int = 2,
+        lpt_normalisation: str = "fastpm",
         integrator: str = "fastpm",
         gradient: str = "fd4",
         laplacian: str = "exact",
@@ -175,6 +189,7 @@ class Simulation(nn.Module):
         force_correction: Callable | None = None,
         dtype: torch.dtype = torch.float32,
         checkpoint: bool = False,
+        adjoint: bool = False,
         grid=None,
         mesh=None,
         particle_capacity: int | None = None,
@@ -193,6 +208,7 @@ class Simulation(nn.Module):
         self.scale_factors = checked["scale_factors"]
         self.a_start = self.scale_factors[0]
         self.lpt_order = checked["lpt_order"]
+        self.lpt_normalisation = check_lpt_normalisation(lpt_normalisation)
         self.integrator = checked["integrator"]
         if memory_check not in ("error", "warn", "off"):
             raise ValueError(f"`memory_check` must be 'error', 'warn' or 'off', got {memory_check!r}")
@@ -214,6 +230,7 @@ class Simulation(nn.Module):
         # An nn.Module correction becomes a submodule: .to() moves it, .parameters() lists it.
         self.force_correction = force_correction
         self.checkpoint = checked["checkpoint"]
+        self.adjoint = as_bool("adjoint", adjoint)
         self.kernel_options = dict(gradient=checked["gradient"], laplacian=checked["laplacian"])
         self.cic_compensation = checked["cic_compensation"]
 
@@ -498,7 +515,7 @@ class Simulation(nn.Module):
         growth = table.at(torch.tensor(self.a_start, dtype=torch.float64))
         block, offset = self.particle_mesh.local_real_shape, self.particle_mesh.local_real_offset
         q = grid_positions(block, self.mesh_factor, dtype=self.dtype, device=self.device, offset=offset)
-        positions, momenta = lpt_initial_state(psi1, psi2, growth, q, self.cell_size)
+        positions, momenta = lpt_initial_state(psi1, psi2, growth, q, self.cell_size, self.lpt_normalisation)
         ids = self._lagrangian_ids(block, offset).expand(positions.shape[0], -1)
         _, positions, ids, momenta = self.force_mesh.migrate(
             positions, ids, momenta, capacity=self.particle_capacity
@@ -574,6 +591,8 @@ class Simulation(nn.Module):
         )[start:stop]
         if not factors:
             return positions, momenta, ids
+        if self.adjoint and torch.is_grad_enabled():
+            return self._evolve_adjoint(positions, momenta, ids, factors, cosmology, callback, start)
         forces = self.forces(positions, factors[0].a_start, ids, cosmology)
         for number, factor in enumerate(factors, start=start + 1):
             if self.checkpoint and torch.is_grad_enabled():
@@ -585,6 +604,79 @@ class Simulation(nn.Module):
             if callback is not None:
                 callback(number, float(factor.a_end))
         return positions, momenta, ids
+
+    def _evolve_adjoint(self, positions, momenta, ids, factors, cosmology, callback, start):
+        """:meth:`evolve` with gradients by the adjoint method (:mod:`torchpm.adjoint`)."""
+        mesh = self.force_mesh
+        step_callback = None if callback is None else (lambda number, a: callback(number + start, a))
+        parameters = self._adjoint_parameters()
+        if mesh.is_local:
+            def local_forces(x, a):
+                return self.forces(x, a, ids, cosmology)
+
+            positions, momenta, _ = adjoint_integrate(
+                positions, momenta, factors, local_forces, parameters, callback=step_callback
+            )
+            return positions, momenta, ids
+        # On a grid the particles migrate after every drift, in the forward pass and
+        # again in the backward pass (by the reconstructed positions). Their layout
+        # (ids, and the rank and slot each started from) travels with them, and the
+        # gradients of the initial state are sent home by destination at the end:
+        # exact whatever the rounding of the reconstruction.
+        start_shape = positions.shape
+        layout = {
+            "ids": ids,
+            "home": torch.full_like(ids, mesh.grid.rank).unsqueeze(-1),
+            "slot": torch.arange(ids.shape[1], device=ids.device).expand_as(ids).unsqueeze(-1),
+        }
+
+        def migrate(x, *payload):
+            _, x, moved_ids, home, slot, *payload = mesh.migrate(
+                x, layout["ids"], layout["home"], layout["slot"], *payload, capacity=self.particle_capacity
+            )
+            layout.update(ids=moved_ids, home=home, slot=slot)
+            return (x, *payload)
+
+        def grid_forces(x, a):
+            return self.forces(x, a, layout["ids"], cosmology)
+
+        def restore(x0, adjoint_x, adjoint_p):
+            _, _, home_ids, slot, adjoint_x, adjoint_p = mesh.migrate(
+                x0, layout["ids"], layout["slot"], adjoint_x, adjoint_p, destination=layout["home"].squeeze(-1)
+            )
+            valid = home_ids >= 0
+            member = torch.arange(valid.shape[0], device=valid.device).unsqueeze(1).expand_as(valid)[valid]
+            index = slot.squeeze(-1)[valid]
+            out_x = adjoint_x.new_zeros(start_shape)
+            out_p = adjoint_p.new_zeros(start_shape)
+            out_x[member, index] = adjoint_x[valid]
+            out_p[member, index] = adjoint_p[valid]
+            return out_x, out_p
+
+        positions, momenta, _ = adjoint_integrate(
+            positions, momenta, factors, grid_forces, parameters,
+            migrate=migrate, restore=restore, callback=step_callback,
+        )
+        return positions, momenta, layout["ids"]
+
+    def _adjoint_parameters(self) -> list:
+        """The tensors the forces depend on that need gradients (for :mod:`torchpm.adjoint`)."""
+        parameters = [t for t in self.cosmology.parameters().values() if t.requires_grad]
+        correction = self.force_correction
+        if isinstance(correction, nn.Module):
+            parameters += [p for p in correction.parameters() if p.requires_grad]
+        elif correction is not None:
+            # A plain callable may close over tensors the adjoint cannot see: refuse
+            # rather than silently drop their gradients.
+            kernels = self.kernels("force")
+            probe = correction(kernels.k_magnitude, torch.tensor(self.a_start, dtype=self.dtype, device=self.device))
+            if isinstance(probe, torch.Tensor) and probe.requires_grad:
+                raise ValueError(
+                    "Simulation(adjoint=True): the `force_correction` callable returns a filter that requires "
+                    "grad, but only an nn.Module's parameters are visible to the adjoint; wrap the callable "
+                    "in an nn.Module holding its tensors as parameters"
+                )
+        return parameters
 
     # ------------------------------------------------------------------------------
     def to_physical(self, positions, momenta, a, ids=None) -> SimulationState:

@@ -1,0 +1,264 @@
+"""torchpm.nn: layers against independent references, identity corrections, gradients,
+a short training run, safe weight files and torch.compile."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import sys
+
+import pytest
+import torch
+
+import torchpm
+from torchpm.analysis import cross_power, power_spectrum
+from torchpm.nn import (
+    CICPaint,
+    CICReadout,
+    NeuralSplineCorrection,
+    PGDCorrection,
+    PowerSpectrum,
+    load_weights,
+    save_weights,
+)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+import train_force_correction as training  # noqa: E402
+
+DTYPES = [torch.float32, torch.float64]
+
+
+def _tiny(dtype=torch.float64, **options):
+    settings = dict(n_particles=4, box_size=40.0, mesh_factor=1, a_start=0.2, steps=2, dtype=dtype)
+    settings.update(options)
+    return torchpm.Simulation(**settings)
+
+
+def _corrections(dtype, device):
+    return {
+        "spline": NeuralSplineCorrection(k_max=1.0, knots=5, hidden=(6,), dtype=dtype, device=device),
+        "pgd": PGDCorrection(k_long=0.1, k_short=0.5, dtype=dtype, device=device),
+    }
+
+
+# ----------------------------------------------------------------------------- identity
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["spline", "pgd"])
+def test_untrained_correction_reproduces_the_plain_run_bit_for_bit(kind, dtype, device):
+    correction = _corrections(dtype, device)[kind]
+    plain = _tiny(dtype, n_particles=8, box_size=64.0, mesh_factor=2, steps=4).to(device)
+    corrected = _tiny(dtype, n_particles=8, box_size=64.0, mesh_factor=2, steps=4, force_correction=correction).to(device)
+    noise = plain.white_noise(batch=2, seed=4)
+    with torch.no_grad():
+        a, b = plain(noise), corrected(noise)
+    assert torch.equal(a.positions, b.positions) and torch.equal(a.momenta, b.momenta)
+    # and the filter itself is exactly one everywhere
+    k = corrected.kernels("force").k_magnitude
+    assert bool((correction(k, torch.tensor(0.5, dtype=dtype, device=device)) == 1).all())
+
+
+# ----------------------------------------------------------------------------- filters
+
+
+def test_spline_reproduces_constants_and_lines():
+    """Cubic B-splines sum to one and reproduce straight lines between the end knots."""
+    module = NeuralSplineCorrection(k_max=2.0, knots=8, dtype=torch.float64)
+    from torchpm.nn import _cubic_bspline
+
+    k = torch.linspace(0, 3.0, 301, dtype=torch.float64)
+    constant = torch.full((8,), 0.3, dtype=torch.float64)
+    torch.testing.assert_close(_cubic_bspline(k, constant, 2.0), torch.full_like(k, 0.3), rtol=0, atol=1e-15)
+    line = torch.linspace(0, 7, 8, dtype=torch.float64)  # control point j at k = 2 j / 7
+    inside = (k >= 2.0 / 7) & (k <= 2.0 * 6 / 7)
+    torch.testing.assert_close(_cubic_bspline(k, line, 2.0)[inside], (k * 3.5)[inside], rtol=0, atol=1e-12)
+    assert module.control_points(0.5).shape == (8,)
+
+
+def test_pgd_filter_by_hand():
+    module = PGDCorrection(k_long=0.2, k_short=1.5, alpha=0.3, mu=0.7, dtype=torch.float64)
+    k = torch.tensor([0.0, 0.1, 0.5, 2.0], dtype=torch.float64)
+    a = 0.5
+    expected = [1.0] + [1 + 0.3 * a**0.7 * math.exp(-((0.2 / q) ** 2) - (q / 1.5) ** 4) for q in (0.1, 0.5, 2.0)]
+    torch.testing.assert_close(module(k, a), torch.tensor(expected, dtype=torch.float64), rtol=1e-14, atol=0)
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def _projection(state):
+    generator = torch.Generator().manual_seed(7)
+    u = torch.randn(state.positions.shape, generator=generator, dtype=torch.float64)
+    return (u * state.positions).sum() + (u.flip(0) * state.momenta).sum()
+
+
+@pytest.mark.parametrize("kind", ["spline", "pgd"])
+def test_gradcheck_correction_parameters_through_the_simulation(kind):
+    torch.manual_seed(1)
+    if kind == "spline":  # small, so that gradcheck's finite differences stay cheap
+        correction = NeuralSplineCorrection(k_max=1.0, knots=4, hidden=(3,), dtype=torch.float64)
+    else:
+        correction = _corrections(torch.float64, "cpu")[kind]
+    with torch.no_grad():  # away from the identity, where some gradients vanish
+        for parameter in correction.parameters():
+            parameter.add_(0.2 * torch.randn(parameter.shape, dtype=torch.float64))
+    sim = _tiny(force_correction=correction)
+    noise = sim.white_noise(seed=2)
+    names = [name for name, _ in correction.named_parameters()]
+
+    def run(*values):
+        parameters = {f"force_correction.{name}": value for name, value in zip(names, values)}
+        return _projection(torch.func.functional_call(sim, parameters, (noise,)))
+
+    values = tuple(p.detach().clone().requires_grad_(True) for p in correction.parameters())
+    assert torch.autograd.gradcheck(run, values, eps=1e-6, atol=1e-6, rtol=1e-4)
+    # every parameter receives a non-zero gradient through backward()
+    _projection(sim(noise)).backward()
+    for name, parameter in correction.named_parameters():
+        assert parameter.grad is not None and float(parameter.grad.abs().max()) > 0, name
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_power_spectrum_layer_matches_the_analysis_estimator(dtype, device):
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 8, 10, 6, generator=generator, dtype=torch.float64)
+    b = torch.randn(2, 8, 10, 6, generator=generator, dtype=torch.float64)
+    box = (80.0, 100.0, 60.0)
+    for options in (dict(), dict(bins=5), dict(compensate_cic=True)):
+        layer = PowerSpectrum((8, 10, 6), box, dtype=dtype, **options).to(device)
+        expected = power_spectrum(a, box, **options)
+        cross = cross_power(a, b, box, **options)
+        tolerance = dict(rtol=1e-12, atol=0) if dtype == torch.float64 else dict(rtol=2e-5, atol=1e-6)
+        torch.testing.assert_close(layer(a.to(device, dtype)).double().cpu(), expected.power, **tolerance)
+        torch.testing.assert_close(layer(a.to(device, dtype), b.to(device, dtype)).double().cpu(), cross.power, **tolerance)
+        torch.testing.assert_close(layer.k.double().cpu(), expected.k, rtol=1e-6, atol=0)
+        torch.testing.assert_close(layer.modes.double().cpu(), expected.modes, rtol=0, atol=0)
+    assert layer.state_dict() == {} and "n_bins" in repr(layer)
+    with pytest.raises(ValueError, match="field"):
+        layer(a[0])
+
+
+def test_power_spectrum_layer_gradcheck():
+    layer = PowerSpectrum(4, 40.0, dtype=torch.float64)
+    field = torch.randn(1, 4, 4, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (field,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cic_layers(dtype, device):
+    generator = torch.Generator().manual_seed(3)
+    positions = (torch.rand(2, 50, 3, generator=generator, dtype=torch.float64) * 6).to(device, dtype)
+    mesh = torch.randn(2, 3, 6, 6, 6, generator=generator, dtype=torch.float64).to(device, dtype)
+    paint, readout = CICPaint(6), CICReadout()
+    torch.testing.assert_close(paint(positions), torchpm.cic_paint(positions, None, (6, 6, 6)))
+    torch.testing.assert_close(readout(mesh, positions), torchpm.cic_readout(mesh, positions))
+    # adjoint identity <paint(x, w), f> = <w, readout(f, x)>
+    weights = torch.rand(2, 50, generator=generator, dtype=torch.float64).to(device, dtype)
+    lhs = (paint(positions, weights) * mesh[:, 0]).sum()
+    rhs = (weights * readout(mesh[:, 0], positions)).sum()
+    torch.testing.assert_close(lhs, rhs, rtol=1e-4 if dtype == torch.float32 else 1e-12, atol=0)
+    assert "shape=(6, 6, 6)" in repr(paint)
+
+
+def test_module_conventions():
+    spline = NeuralSplineCorrection(k_max=1.0, knots=5, hidden=(6,), conditions=2)
+    assert all(p.dtype == torch.float32 for p in spline.parameters())
+    spline64 = spline.to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in spline64.parameters())
+    assert spline64.condition_values.dtype == torch.float64
+    spline64.set_conditions([0.3, 0.8])
+    k = torch.linspace(0, 1, 5, dtype=torch.float64)
+    assert spline64(k, 0.5).dtype == torch.float64
+    assert "knots=5" in repr(spline64) and "conditions=2" in repr(spline64)
+    assert set(spline64.state_dict()) == {"network.0.weight", "network.0.bias", "network.2.weight", "network.2.bias"}
+    with pytest.raises(ValueError, match="expected 2 values"):
+        spline64.set_conditions([0.3])
+    with pytest.raises(ValueError, match="k_max"):
+        NeuralSplineCorrection(k_max=-1.0)
+    with pytest.raises(ValueError, match="knots"):
+        NeuralSplineCorrection(k_max=1.0, knots=1)
+    with pytest.raises(ValueError, match="k_short"):
+        PGDCorrection(k_long=0.1, k_short=0.0)
+    pgd = PGDCorrection(0.1, 0.5).double()
+    assert pgd.alpha.dtype == torch.float64 and "alpha=0" in repr(pgd)
+
+
+def test_compile_spline_correction():
+    """The spline correction traces into one graph (no breaks), forward and backward."""
+    module = NeuralSplineCorrection(k_max=1.0, knots=6, hidden=(8,), dtype=torch.float64)
+    torch.nn.init.normal_(module.network[-1].weight)
+    k = torch.rand(4, 4, 3, dtype=torch.float64)
+    a = torch.tensor(0.5, dtype=torch.float64)
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    eager = module(k, a)
+    traced = compiled(k, a)
+    torch.testing.assert_close(traced, eager, rtol=1e-14, atol=0)
+    (grad_eager,) = torch.autograd.grad(eager.sum(), module.network[-1].weight)
+    (grad_traced,) = torch.autograd.grad(compiled(k, a).sum(), module.network[-1].weight)
+    torch.testing.assert_close(grad_traced, grad_eager, rtol=1e-13, atol=0)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def test_short_training_run_lowers_the_loss():
+    """A few seeded Adam steps of the example's training loop lower its loss."""
+    torch.manual_seed(0)
+    config = training.Config(**{**training.asdict(training.SIZES["tiny"]), "iterations": 6, "learning_rate": 0.05})
+    data = training.reference_data(config, [0, 1])
+    correction = training.make_correction(config)
+    model = training.HybridLoss(config, training.make_simulation(config, reference=False, correction=correction))
+    optimizer = torch.optim.Adam(correction.parameters(), lr=config.learning_rate)
+    with torch.no_grad():
+        initial = float(model(*data))
+    for _ in range(config.iterations):
+        training.train_step(model, optimizer, data)
+    with torch.no_grad():
+        final = float(model(*data))
+    print(f"training loss {initial:.6f} -> {final:.6f}")
+    assert final < 0.9 * initial
+
+
+# ----------------------------------------------------------------------------- weight files
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_weights_round_trip(tmp_path, suffix):
+    if suffix == ".safetensors":
+        pytest.importorskip("safetensors", reason="safetensors is in the Makefile's deps")
+    torch.manual_seed(0)
+    trained = NeuralSplineCorrection(k_max=1.0, knots=5, hidden=(6,))
+    torch.nn.init.normal_(trained.network[-1].weight)
+    path = tmp_path / f"weights{suffix}"
+    save_weights(trained, path)
+    fresh = NeuralSplineCorrection(k_max=1.0, knots=5, hidden=(6,))
+    load_weights(fresh, path)
+    for (name, a), (_, b) in zip(trained.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a, b), name
+    k = torch.linspace(0, 1, 7)
+    assert torch.equal(trained(k, 0.5), fresh(k, 0.5))
+
+
+class _Payload:
+    """An arbitrary object: unpickling it would run code of the file's choosing."""
+
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_loading_refuses_pickled_objects(tmp_path):
+    path = tmp_path / "weights.pt"
+    with open(path, "wb") as f:
+        pickle.dump({"network.0.weight": _Payload()}, f)
+    with pytest.raises(ValueError, match="refused to unpickle"):
+        load_weights(NeuralSplineCorrection(k_max=1.0), path)
+    # a torch.save of a module (pickled code, not a state_dict) is refused too
+    path = tmp_path / "module.pt"
+    torch.save(NeuralSplineCorrection(k_max=1.0), path)
+    with pytest.raises(ValueError, match="refused to unpickle"):
+        load_weights(NeuralSplineCorrection(k_max=1.0), path)

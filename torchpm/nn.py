@@ -1,0 +1,398 @@
+"""``torch.nn`` layers: CIC paint and readout, a differentiable power spectrum, and
+learnable force corrections for ``Simulation(force_correction=...)``.
+
+A force correction is a module ``(k, a) -> filter``: ``k`` is the ``|k|`` mesh of the
+force mesh's rfft block in h/Mpc (shape broadcastable like the block), ``a`` a 0-d
+tensor; the returned real filter multiplies the gravitational potential in Fourier
+space (:func:`torchpm.pm.compute_forces`). Both corrections here start as the
+identity filter (exactly 1.0), so an untrained model reproduces the plain PM run bit
+for bit.
+
+All layers follow ``torch.nn`` conventions: ``.to(device, dtype)`` moves parameters and
+buffers, ``state_dict`` holds the learned weights only, ``extra_repr`` prints the
+settings. They run on cpu and cuda in float32 and float64. Under ``torch.compile``:
+:class:`NeuralSplineCorrection`, :class:`PGDCorrection` and :class:`PowerSpectrum`
+compile without graph breaks (pure torch ops); :class:`CICPaint` and
+:class:`CICReadout` call the ``torch.ops.torchpm`` custom ops, which have fake kernels
+and registered backward passes, so they compile as opaque nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .mesh import LocalMesh, as_box_size, as_shape
+from .ops import cic_paint, cic_readout
+
+__all__ = [
+    "CICPaint",
+    "CICReadout",
+    "PowerSpectrum",
+    "NeuralSplineCorrection",
+    "PGDCorrection",
+    "save_weights",
+    "load_weights",
+]
+
+
+class CICPaint(nn.Module):
+    """Cloud-in-cell paint onto a periodic mesh (:func:`torchpm.cic_paint`).
+
+    Args:
+        shape: mesh cells per side (int) or ``(nx, ny, nz)``.
+
+    ``forward(positions, weights=None)``: positions ``(B, N, 3)`` in mesh-cell units,
+    weights ``(B, N)`` / ``(B, N, C)`` or None (unit mass); returns ``(B, nx, ny, nz)``
+    (or ``(B, C, nx, ny, nz)``).
+    """
+
+    def __init__(self, shape: int | Sequence[int]):
+        super().__init__()
+        self.shape = as_shape(shape, "shape")
+
+    def forward(self, positions: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        return cic_paint(positions, weights, self.shape, periodic=True)
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}"
+
+
+class CICReadout(nn.Module):
+    """Cloud-in-cell readout of a periodic mesh at particle positions (:func:`torchpm.cic_readout`).
+
+    ``forward(mesh, positions)``: mesh ``(B, nx, ny, nz)`` or ``(B, C, nx, ny, nz)``,
+    positions ``(B, N, 3)`` in mesh-cell units; returns ``(B, N)`` or ``(B, N, C)``.
+    """
+
+    def forward(self, mesh: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return cic_readout(mesh, positions, periodic=True)
+
+
+class PowerSpectrum(nn.Module):
+    """Differentiable binned (cross) power spectrum of fields on a fixed mesh.
+
+    The estimator of :func:`torchpm.analysis.power_spectrum`:
+    ``P(k) = V/N^2 <Re(DFT a conj(DFT b))>_shell`` with the k = 0 mode excluded, the rfft
+    half-spectrum weighted by the number of full-DFT modes each entry stands for.
+    The shell of every mode is computed once, at construction, so the forward pass
+    is an FFT, a product and one ``index_add`` (no data-dependent shapes: it compiles).
+
+    Args:
+        shape: mesh cells per side (int) or ``(nx, ny, nz)``.
+        box_size: box side(s) in Mpc/h.
+        bins: None (shells of width ``2 pi / L`` centred on its multiples, up to the
+            smallest Nyquist frequency), a number of equal-width bins up to the
+            largest |k|, or increasing bin edges in h/Mpc. Empty bins are dropped.
+        compensate_cic: divide each field by the CIC window ``prod sinc^2(w/2pi)``.
+        dtype: of the computation and of the ``k`` / ``modes`` buffers.
+
+    ``forward(field, other=None)``: ``(B, nx, ny, nz)`` real fields; returns
+    ``(B, n_bins)`` power in (Mpc/h)^3 (the cross power with ``other`` when given).
+    Attributes ``k`` (mean |k| of each bin, h/Mpc) and ``modes`` are buffers.
+    """
+
+    def __init__(
+        self,
+        shape: int | Sequence[int],
+        box_size: float | Sequence[float],
+        *,
+        bins=None,
+        compensate_cic: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ):
+        super().__init__()
+        self.shape = as_shape(shape, "shape")
+        self.box_size = as_box_size(box_size)
+        self.compensate_cic = bool(compensate_cic)
+        mesh = LocalMesh(self.shape)
+        w = mesh.wavevectors(dtype=torch.float64)
+        k_axes = [wi * n / b for wi, n, b in zip(w, self.shape, self.box_size)]
+        k = torch.sqrt(sum(ki**2 for ki in k_axes)).expand(*mesh.local_fourier_shape).reshape(-1)
+        weight = mesh.hermitian_weights(dtype=torch.float64).expand(*mesh.local_fourier_shape).reshape(-1)
+        k_fundamental = min(2 * math.pi / b for b in self.box_size)
+        if bins is None:
+            k_nyquist = min(math.pi * n / b for n, b in zip(self.shape, self.box_size))
+            count = max(1, int(math.floor(k_nyquist / k_fundamental - 0.5)))
+            edges = k_fundamental * (torch.arange(count + 1, dtype=torch.float64) + 0.5)
+        elif isinstance(bins, int) and not isinstance(bins, bool):
+            if bins < 1:
+                raise ValueError(f"PowerSpectrum: `bins` must be a positive number of bins, got {bins}")
+            edges = torch.linspace(0.5 * k_fundamental, float(k.max()) * (1 + 1e-12), bins + 1, dtype=torch.float64)
+        else:
+            edges = torch.as_tensor(bins, dtype=torch.float64)
+            if edges.dim() != 1 or edges.numel() < 2 or bool((edges[1:] <= edges[:-1]).any()):
+                raise ValueError(f"PowerSpectrum: `bins` must be an int or increasing bin edges in h/Mpc, got {bins!r}")
+        n_bins = edges.numel() - 1
+        index = torch.bucketize(k, edges, right=True) - 1
+        valid = (index >= 0) & (index < n_bins) & (k > 0)
+        modes = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index[valid], weight[valid])
+        k_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index[valid], (weight * k)[valid])
+        keep = modes > 0
+        # Renumber the non-empty bins 0..n-1; modes outside every bin go to a last,
+        # dropped slot, so the forward pass needs no boolean indexing.
+        renumber = torch.full((n_bins + 1,), int(keep.sum()), dtype=torch.long)
+        renumber[:n_bins][keep] = torch.arange(int(keep.sum()))
+        index = renumber[torch.where(valid, index, torch.full_like(index, n_bins))]
+        scale = weight * (math.prod(self.box_size) / mesh.size**2)
+        if self.compensate_cic:
+            window = 1.0
+            for wi in w:
+                window = window * torch.sinc(wi / (2 * math.pi)) ** 2
+            scale = scale / (window**2).expand(*mesh.local_fourier_shape).reshape(-1)
+        scale = scale / torch.cat([modes[keep], torch.ones(1, dtype=torch.float64)])[index]
+        self.n_bins = int(keep.sum())
+        self.register_buffer("k", (k_sum[keep] / modes[keep]).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("modes", modes[keep].to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("_bin_index", index.to(device=device), persistent=False)
+        self.register_buffer("_mode_scale", scale.to(dtype=dtype, device=device), persistent=False)
+
+    def _check(self, field, name):
+        if not isinstance(field, torch.Tensor) or field.dim() != 4 or tuple(field.shape[1:]) != self.shape:
+            raise ValueError(
+                f"PowerSpectrum: `{name}` must be a real tensor of shape (B, {', '.join(map(str, self.shape))}), got "
+                f"{tuple(field.shape) if isinstance(field, torch.Tensor) else type(field).__name__}"
+            )
+        if field.is_complex() or not field.is_floating_point():
+            raise ValueError(f"PowerSpectrum: `{name}` must be real floating point, got {field.dtype}")
+
+    def forward(self, field: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        self._check(field, "field")
+        field_k = torch.fft.rfftn(field, dim=(-3, -2, -1)).reshape(field.shape[0], -1)
+        if other is None:
+            product = field_k.real**2 + field_k.imag**2
+        else:
+            self._check(other, "other")
+            other_k = torch.fft.rfftn(other, dim=(-3, -2, -1)).reshape(field.shape[0], -1)
+            product = field_k.real * other_k.real + field_k.imag * other_k.imag
+        values = product * self._mode_scale.to(product.dtype)
+        sums = values.new_zeros(field.shape[0], self.n_bins + 1).index_add(1, self._bin_index, values)
+        return sums[:, : self.n_bins]
+
+    def extra_repr(self) -> str:
+        return (
+            f"shape={self.shape}, box_size={self.box_size}, n_bins={self.n_bins}, "
+            f"compensate_cic={self.compensate_cic}"
+        )
+
+
+def _bspline_taps(k: torch.Tensor, knots: int, k_max: float):
+    """Where each ``k`` falls among ``knots`` control points spread evenly over
+    ``[0, k_max]`` (``k`` clamped to that range): the index of the first of the 4
+    control points of its cubic B-spline segment (into the end-padded control points)
+    and the 4 weights, ``(4, *k.shape)``."""
+    t = torch.clamp(k / k_max, 0.0, 1.0) * (knots - 1)
+    index = torch.clamp(torch.floor(t), max=knots - 2).long()
+    u = t - index
+    u2, u3 = u * u, u * u * u
+    weights = torch.stack(((1 - u) ** 3 / 6, (3 * u3 - 6 * u2 + 4) / 6, (-3 * u3 + 3 * u2 + 3 * u + 1) / 6, u3 / 6))
+    return index, weights
+
+
+def _cubic_bspline(k: torch.Tensor, coefficients: torch.Tensor, k_max: float, taps=None) -> torch.Tensor:
+    """Uniform cubic B-spline with control points ``coefficients`` (``n >= 2``) spread
+    evenly over ``[0, k_max]``, evaluated at ``k`` (clamped to that range). The end
+    control points are repeated, so the curve is flat beyond ``k_max``; zero control
+    points give exactly zero. ``taps``: :func:`_bspline_taps` of ``k``, if known."""
+    index, weights = taps if taps is not None else _bspline_taps(k, coefficients.shape[-1], k_max)
+    padded = torch.cat([coefficients[:1], coefficients, coefficients[-1:], coefficients[-1:]])
+    return sum(weights[j] * padded[index + j] for j in range(4))
+
+
+class NeuralSplineCorrection(nn.Module):
+    """Hybrid-PM force correction: an MLP of the scale factor (and optionally of
+    conditioning values such as cosmological parameters) outputs the control points of
+    a cubic B-spline over ``|k|``; the potential is multiplied by ``1 + spline(k)``.
+
+    The last layer starts at zero, so the filter is exactly 1 until trained.
+
+    Args:
+        k_max: |k| (h/Mpc) of the last control point; beyond it the spline is flat.
+            Use at least the largest |k| of the force mesh (``sqrt(3) pi / cell``).
+        knots: number of control points.
+        hidden: widths of the hidden layers.
+        conditions: number of extra inputs to the MLP; set their values with
+            :meth:`set_conditions` (e.g. ``Omega_m, sigma8``) before each run.
+        dtype, device: of the parameters (``.to()`` changes them later).
+
+    ``forward(k, a)``: ``k`` any shape (h/Mpc), ``a`` a 0-d tensor or float; returns the
+    filter, shaped like ``k``, in the dtype of ``k``.
+    """
+
+    def __init__(
+        self,
+        k_max: float,
+        knots: int = 16,
+        hidden: Sequence[int] = (32, 32),
+        conditions: int = 0,
+        *,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ):
+        super().__init__()
+        if not (isinstance(k_max, (int, float)) and math.isfinite(k_max) and k_max > 0):
+            raise ValueError(f"NeuralSplineCorrection: `k_max` must be a positive number of h/Mpc, got {k_max!r}")
+        if isinstance(knots, bool) or not isinstance(knots, int) or knots < 2:
+            raise ValueError(f"NeuralSplineCorrection: `knots` must be an integer >= 2, got {knots!r}")
+        hidden = tuple(hidden)
+        if any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in hidden):
+            raise ValueError(f"NeuralSplineCorrection: `hidden` must be positive integer widths, got {hidden!r}")
+        if isinstance(conditions, bool) or not isinstance(conditions, int) or conditions < 0:
+            raise ValueError(f"NeuralSplineCorrection: `conditions` must be a non-negative integer, got {conditions!r}")
+        self.k_max = float(k_max)
+        self.knots = knots
+        self.conditions = conditions
+        widths = (1 + conditions,) + hidden
+        layers: list[nn.Module] = []
+        for width_in, width_out in zip(widths, widths[1:]):
+            layers += [nn.Linear(width_in, width_out, dtype=dtype, device=device), nn.SiLU()]
+        last = nn.Linear(widths[-1], knots, dtype=dtype, device=device)
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
+        self.network = nn.Sequential(*layers, last)
+        self._taps_cache = None
+        reference = last.weight
+        self.register_buffer(
+            "condition_values", torch.zeros(conditions, dtype=reference.dtype, device=reference.device), persistent=False
+        )
+
+    def set_conditions(self, values) -> None:
+        """Set the ``conditions`` extra MLP inputs (a sequence or 1-d tensor; may require grad)."""
+        values = torch.as_tensor(values, dtype=self.condition_values.dtype, device=self.condition_values.device)
+        if values.shape != (self.conditions,):
+            raise ValueError(
+                f"NeuralSplineCorrection.set_conditions: expected {self.conditions} values, got shape {tuple(values.shape)}"
+            )
+        self.condition_values = values
+
+    def control_points(self, a) -> torch.Tensor:
+        """The spline's ``(knots,)`` control points at scale factor ``a``."""
+        reference = self.network[-1].weight
+        a = torch.as_tensor(a, dtype=reference.dtype, device=reference.device).reshape(1)
+        inputs = torch.cat([a, self.condition_values.to(reference.dtype)])
+        return self.network(inputs)
+
+    def _taps(self, k: torch.Tensor):
+        # A simulation passes the same |k| mesh at every step: its spline taps are
+        # computed once and reused while it is the same, unmodified tensor object (the
+        # cache holds a reference to it, so its memory cannot be reused by another k).
+        if k.requires_grad or torch.compiler.is_compiling():
+            return None
+        cache = self._taps_cache
+        if cache is None or cache[0] is not k or cache[1] != k._version:
+            cache = self._taps_cache = (k, k._version, _bspline_taps(k, self.knots, self.k_max))
+        return cache[2]
+
+    def forward(self, k: torch.Tensor, a) -> torch.Tensor:
+        coefficients = self.control_points(a).to(k.dtype)
+        return 1.0 + _cubic_bspline(k, coefficients, self.k_max, self._taps(k))
+
+    def extra_repr(self) -> str:
+        return f"k_max={self.k_max:.4g}, knots={self.knots}, conditions={self.conditions}"
+
+
+class PGDCorrection(nn.Module):
+    """Potential-gradient-descent short-range force correction (after Dai, Feng & Seljak 2018).
+
+    PGD moves particles along the gradient of the potential band-passed by
+    ``O(k) = exp(-(k_l/k)^2) exp(-(k/k_s)^4)``, which sharpens halos that a coarse PM
+    mesh leaves too diffuse. As a force filter this is an extra, band-limited force
+    each kick::
+
+        filter(k, a) = 1 + alpha a^mu O(k)
+
+    with trainable ``alpha`` (starts at 0: the identity filter), ``mu`` and the scales
+    ``k_l``, ``k_s`` (kept positive through their logarithms).
+
+    Args:
+        k_long: ``k_l`` in h/Mpc (the large-scale cut, below which nothing changes).
+        k_short: ``k_s`` in h/Mpc (the small-scale cut, around the mesh resolution).
+        alpha, mu: initial amplitude and scale-factor exponent.
+        dtype, device: of the parameters.
+
+    ``forward(k, a)``: filter shaped like ``k`` (dtype of ``k``); 1 at ``k = 0``.
+    """
+
+    def __init__(
+        self,
+        k_long: float,
+        k_short: float,
+        alpha: float = 0.0,
+        mu: float = 0.0,
+        *,
+        dtype: torch.dtype | None = None,
+        device=None,
+    ):
+        super().__init__()
+        for name, value in (("k_long", k_long), ("k_short", k_short)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"PGDCorrection: `{name}` must be a positive number of h/Mpc, got {value!r}")
+        factory = dict(dtype=dtype if dtype is not None else torch.get_default_dtype(), device=device)
+        self.log_k_long = nn.Parameter(torch.tensor(math.log(k_long), **factory))
+        self.log_k_short = nn.Parameter(torch.tensor(math.log(k_short), **factory))
+        self.alpha = nn.Parameter(torch.tensor(float(alpha), **factory))
+        self.mu = nn.Parameter(torch.tensor(float(mu), **factory))
+
+    def band(self, k: torch.Tensor) -> torch.Tensor:
+        """``O(k)``, 0 at ``k = 0``."""
+        k_long = torch.exp(self.log_k_long).to(k.dtype)
+        k_short = torch.exp(self.log_k_short).to(k.dtype)
+        positive = k > 0
+        safe = torch.where(positive, k, torch.ones_like(k))
+        value = torch.exp(-((k_long / safe) ** 2) - (safe / k_short) ** 4)
+        return torch.where(positive, value, torch.zeros_like(value))
+
+    def forward(self, k: torch.Tensor, a) -> torch.Tensor:
+        a = torch.as_tensor(a, dtype=k.dtype, device=k.device)
+        amplitude = self.alpha.to(k.dtype) * a ** self.mu.to(k.dtype)
+        return 1.0 + amplitude * self.band(k)
+
+    def extra_repr(self) -> str:
+        return (
+            f"k_long={float(self.log_k_long.detach().exp()):.4g}, k_short={float(self.log_k_short.detach().exp()):.4g}, "
+            f"alpha={float(self.alpha.detach()):.4g}, mu={float(self.mu.detach()):.4g}"
+        )
+
+
+def save_weights(module: nn.Module, path) -> None:
+    """Save ``module.state_dict()`` in a format that cannot carry code.
+
+    ``*.safetensors`` files use safetensors (needs ``pip install safetensors``); any
+    other name gets ``torch.save`` of the plain tensor dict, which :func:`load_weights`
+    reads back with ``weights_only=True``.
+    """
+    state = {key: value.detach().contiguous() for key, value in module.state_dict().items()}
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(state, str(path))
+    else:
+        torch.save(state, path)
+
+
+def load_weights(module: nn.Module, path, strict: bool = True):
+    """Load weights written by :func:`save_weights` into ``module`` (on its device and dtype).
+
+    Pickled objects other than tensors are refused (``torch.load(weights_only=True)``;
+    safetensors files hold tensors only), so loading a file cannot run code.
+    Raises ``ValueError`` naming the file when it holds anything else.
+    """
+    if str(path).endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # UnpicklingError, or a RuntimeError wrapping it
+            raise ValueError(
+                f"load_weights: {path} does not hold plain tensors only (refused to unpickle it: {error}); "
+                "save weights with torchpm.nn.save_weights"
+            ) from error
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"load_weights: {path} must hold a dict of tensors (a state_dict), got {type(state).__name__}")
+    return module.load_state_dict(state, strict=strict)
