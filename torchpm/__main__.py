@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import math
 import inspect
 import os
 import sys
@@ -136,6 +137,19 @@ def prepare_output(folder: str, overwrite: bool) -> None:
         )
 
 
+def _read_for_resume(path, context, read_snapshot):
+    """The snapshot for this rank: the whole of it on one process; on a process grid the
+    rank's own file when the set has one file per rank (same order as the run: bit-exact),
+    else a contiguous share (the particles then migrate to their owners)."""
+    if context.world_size == 1:
+        return read_snapshot(path)
+    from .io import _resolve_files
+
+    if len(_resolve_files(path)) == context.world_size:
+        return read_snapshot(path, file_index=context.rank)
+    return read_snapshot(path, share=(context.rank, context.world_size))
+
+
 def describe(config: dict, simulation) -> str:
     """The resolved settings (TOML) and the memory estimate, for ``run --check``."""
     from .io import to_toml
@@ -158,12 +172,43 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
 
     Raises :class:`UserError` for every mistake found before the run starts.
     """
-    import numpy as np
-
     import torchpm
     from torchpm.analysis import power_spectrum
+    from torchpm.distributed.launch import finish, gather_blocks, init_from_environment
     from torchpm.io import read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot
 
+    # Under torchrun (WORLD_SIZE > 1): join the process group; `grid = []` then means a
+    # balanced grid over the ranks. Rank 0 prints and writes the shared outputs.
+    try:
+        context = init_from_environment(config["device"], config["collective_timeout"])
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    try:
+        return _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gather_blocks,
+                    read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot)
+    finally:
+        finish(context)
+
+
+def _agree(context, error: str | None) -> None:
+    """Raise UserError on every rank when rank 0 found ``error`` (the others wait for its word)."""
+    if context.world_size > 1:
+        import torch.distributed as dist
+
+        message = [error]
+        dist.broadcast_object_list(message, src=0)
+        error = message[0]
+    if error:
+        raise UserError(error)
+
+
+def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gather_blocks,
+         read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot):
+    import numpy as np
+
+    main_rank = context.is_main
+    if context.device.type == "cuda":
+        config = dict(config, device=str(context.device))
     simulation = build_simulation(config)
     device = simulation.device
     batch = config["batch"]
@@ -179,29 +224,38 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
         if batch != 1:
             raise UserError(f"--resume continues one simulation; set batch = 1 (got {batch})")
         try:
-            snapshot = read_snapshot(resume)
+            snapshot = _read_for_resume(resume, context, read_snapshot)
             start_state = restart_state(snapshot, simulation)
         except (OSError, ValueError, KeyError) as error:
             raise UserError(f"cannot resume from {resume!r}: {error}") from None
     if check:
-        print(describe(config, simulation), flush=True)
-        if start_state is not None:
-            print(f"# resumes from {resume} at a = {start_state.a:.6g}", flush=True)
+        if main_rank:
+            print(describe(config, simulation), flush=True)
+            if start_state is not None:
+                print(f"# resumes from {resume} at a = {start_state.a:.6g}", flush=True)
         return {}
 
     output = config["output"]
-    prepare_output(output, overwrite)
+    problem = None
+    if main_rank:
+        try:
+            prepare_output(output, overwrite)
+            with open(os.path.join(output, "config.toml"), "w", encoding="utf-8") as handle:
+                handle.write(to_toml(config))
+        except UserError as error:
+            problem = str(error)
+    _agree(context, problem)
     if config["threads"]:
         torch.set_num_threads(config["threads"])
-    with open(os.path.join(output, "config.toml"), "w", encoding="utf-8") as handle:
-        handle.write(to_toml(config))
-    print(simulation, flush=True)
+    if main_rank:
+        print(simulation, flush=True)
 
     from tqdm import tqdm
 
     step_times = []
     first = 0 if start_state is None else scale_factor_index(simulation, start_state.a)
-    bar = tqdm(total=simulation.steps - first, desc="PM steps", unit="step", disable=simulation.steps == first)
+    bar = tqdm(total=simulation.steps - first, desc="PM steps", unit="step",
+               disable=simulation.steps == first or not main_rank)
     marks = {}
 
     def callback(step, a):
@@ -242,15 +296,28 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
             torch.cuda.synchronize(device)
         total = time.perf_counter() - start
         bar.close()
-        state = simulation.to_physical(state.positions, state.momenta, state.a)
-        density = simulation.density(state)
+        state = simulation.to_physical(state.positions, state.momenta, state.a, state.ids)
+        density = simulation.density(state)  # this rank's block of the force mesh
 
     box = simulation.box_size
     n_particles = simulation.n_total
     cosmology = simulation.cosmology
-    spectrum = power_spectrum(density[0] - 1.0, box, compensate_cic=True, n_particles=n_particles)
+    mesh = simulation.force_mesh
+    spectrum = power_spectrum(density[0] - 1.0, box, compensate_cic=True, n_particles=n_particles, mesh=mesh)
     growth = cosmology.growth(state.a)
     linear = simulation.linear_power(spectrum.k) * growth.D1**2
+    # Statistics of the whole mesh, and a slab a few cells thick for the figure (z is whole on every rank).
+    sums = torch.stack([density.sum(), (density**2).sum()]).to(torch.float64)
+    sums = mesh.all_reduce(sums)
+    count = density.shape[0] * math.prod(simulation.mesh_shape)
+    density_std = float(torch.sqrt(sums[1] / count - (sums[0] / count) ** 2))
+    density_max = float(mesh.all_reduce(density.max().reshape(1), "max")[0])
+    thickness = max(1, simulation.mesh_shape[2] // 8)
+    slab = gather_blocks(density[0, :, :, :thickness].mean(-1), mesh.local_real_offset[:2],
+                         simulation.mesh_shape[:2], mesh)
+    summary = dict(steps=simulation.steps, snapshots=written)
+    if not main_rank:
+        return summary
 
     table_path = os.path.join(output, "power_spectrum.txt")
     header = (
@@ -268,24 +335,22 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
         fmt=["%.6e", "%.6e", "%d", "%.6e"],
     )
     figure_path = os.path.join(output, "power_spectrum.png")
-    plot(spectrum, linear, density[0], simulation, state.a, figure_path)
+    plot(spectrum, linear, slab, thickness, simulation, state.a, figure_path)
 
     per_step = float(np.median(step_times)) if step_times else float("nan")
     lpt_time = marks["lpt"] - start if "lpt" in marks else 0.0
-    summary = dict(
-        total_s=total, lpt_s=lpt_time, step_s=per_step, steps=simulation.steps, table=table_path,
-        figure=figure_path, snapshots=written,
-    )
+    summary.update(total_s=total, lpt_s=lpt_time, step_s=per_step, table=table_path, figure=figure_path)
     low = spectrum.k < 0.1
     ratio = float((spectrum.power[low] / linear[low]).mean()) if bool(low.any()) else float("nan")
     threads = torch.get_num_threads()
     print(
         f"torchpm run: {n_particles} particles, mesh {'x'.join(map(str, simulation.mesh_shape))}, "
-        f"{simulation.steps} steps a = {simulation.a_start} -> {state.a:.3f} on {device} ({threads} threads)\n"
+        f"{simulation.steps} steps a = {simulation.a_start} -> {state.a:.3f} on {device} ({threads} threads"
+        + (f", {context.world_size} ranks" if context.world_size > 1 else "") + ")\n"
         + (f"  resumed from {resume} at a = {start_state.a:.4g}\n" if start_state is not None else
            f"  initial conditions (linear field + {simulation.lpt_order}LPT): {lpt_time:.2f} s\n")
         + f"  time per step (median): {per_step * 1e3:.1f} ms; total {total:.2f} s\n"
-        f"  density: std {float(density.std()):.3f}, max {float(density.max()):.1f}; "
+        f"  density: std {density_std:.3f}, max {density_max:.1f}; "
         f"P/P_linear at k < 0.1 h/Mpc: {ratio:.3f}\n"
         f"  wrote {table_path} and {figure_path}" + (f" and {len(written)} snapshot(s)" if written else ""),
         flush=True,
@@ -293,7 +358,8 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
     return summary
 
 
-def plot(spectrum, linear, density, simulation, a, path):
+def plot(spectrum, linear, slab, thickness, simulation, a, path):
+    """P(k) against linear theory, and ``slab`` (the density averaged over ``thickness`` cells in z)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -309,8 +375,7 @@ def plot(spectrum, linear, density, simulation, a, path):
     left.legend()
     left.set_title("matter power spectrum")
     # A slice a few cells thick: a single plane of a CIC mesh is noisy.
-    thickness = max(1, density.shape[2] // 8)
-    slab = density[:, :, :thickness].mean(-1).cpu().numpy()
+    slab = slab.cpu().numpy()
     box = simulation.box_size
     image = right.imshow(
         np.log10(np.maximum(slab, 0.1)).T, origin="lower", extent=(0, box[0], 0, box[1]), cmap="magma"
