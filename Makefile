@@ -7,11 +7,13 @@ TORCH_VERSION ?= 2.13.0
 NVCC ?= nvcc
 CUDA_ARCH ?= sm_90
 STAMP := build/.torchpm-installed
-SOURCES := setup.py pyproject.toml $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
+SOURCES := setup.py pyproject.toml csrc/sources.txt $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 CU_SOURCES := $(shell find csrc -name '*.cu')
 CU_OBJECTS := $(patsubst csrc/%.cu,.cuda-check/%.o,$(CU_SOURCES))
 
-.PHONY: run test deps test-deps build cuda-check bench bench-dfft example-dfft test-distributed clean
+CPP_BUILD ?= build/cpp
+
+.PHONY: run test deps test-deps build cpp cuda-check bench bench-dfft example-dfft test-distributed clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
@@ -51,8 +53,30 @@ cuda-check: deps
 	@echo "nvcc -c $< ($(CUDA_ARCH))"
 	@$(NVCC) -c $< -o $@ -std=c++17 -O1 -arch=$(CUDA_ARCH) --expt-relaxed-constexpr \
 		-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DTORCHPM_WITH_CUDA \
-		$$($(PYTHON) tools/torch_includes.py) -Icsrc
+		$$($(PYTHON) tools/torch_includes.py) -Icsrc -Icsrc/include
 
+# The op library as a CMake package (CMakeLists.txt) against the LibTorch inside
+# the installed torch wheel, installed to $(CPP_BUILD)/install, and the C++
+# example built on it. tests/test_cpp.py runs the same build (same directories,
+# so either reuses the other's) and compares the example with Python.
+cpp: deps
+	@if ! command -v cmake >/dev/null 2>&1; then \
+		echo "cpp: cmake not found, C++ build skipped"; exit 0; fi; \
+	prefix=$$($(PYTHON) -c "import torch; print(torch.utils.cmake_prefix_path)"); \
+	generator=$$(command -v ninja >/dev/null 2>&1 && echo "-G Ninja"); \
+	set -e; \
+	test -f $(CPP_BUILD)/lib/CMakeCache.txt || cmake -S . -B $(CPP_BUILD)/lib $$generator \
+		-DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$$prefix" \
+		-DCMAKE_INSTALL_PREFIX=$(abspath $(CPP_BUILD))/install; \
+	cmake --build $(CPP_BUILD)/lib; \
+	cmake --install $(CPP_BUILD)/lib; \
+	test -f $(CPP_BUILD)/example/CMakeCache.txt || cmake -S examples/cpp -B $(CPP_BUILD)/example $$generator \
+		-DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$(abspath $(CPP_BUILD))/install;$$prefix"; \
+	cmake --build $(CPP_BUILD)/example; \
+	echo "cpp: built $(CPP_BUILD)/example/pm_forces (usage: run it without arguments)"
+
+# The C++ check (tests/test_cpp.py) is part of the pytest run: it builds with
+# CMake as `make cpp` does, or prints why it was skipped (no cmake or compiler).
 test: build test-deps cuda-check
 	$(PYTHON) -m pytest -ra
 
@@ -70,4 +94,4 @@ test-distributed: build
 	$(PYTHON) -m pytest tests/test_distributed_fft.py tests/test_distributed_ops.py
 
 clean:
-	rm -rf build .cuda-check torchpm/_C*.so *.egg-info
+	rm -rf build .cuda-check torchpm/_C*.so torchpm/libtorchpm_ops.so *.egg-info

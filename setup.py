@@ -1,4 +1,10 @@
-"""Build of the torchpm C++/CUDA extension (metadata lives in pyproject.toml).
+"""Build of the torchpm op library (metadata lives in pyproject.toml).
+
+The kernels and op registrations go into ``torchpm/libtorchpm_ops.so``, a plain
+shared library with no Python in it (it links libtorch, not libtorch_python or
+libpython), which ``torchpm/__init__.py`` loads with ``torch.ops.load_library``.
+CMakeLists.txt builds the same library, from the same list of sources
+(csrc/sources.txt), for LibTorch programs.
 
 Build without isolation so the installed torch is used::
 
@@ -57,13 +63,43 @@ def decide_cuda():
     return True, f"torch CUDA {torch.version.cuda}, toolkit at {CUDA_HOME}"
 
 
+def read_sources(with_cuda):
+    """The sources of the op library: csrc/sources.txt, its globs expanded."""
+    sources = []
+    with open(os.path.join(ROOT, "csrc", "sources.txt")) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            condition, _, pattern = line.rpartition(":")
+            pattern = pattern.strip()
+            if condition not in ("", "cuda", "no-cuda"):
+                raise ValueError(f"csrc/sources.txt: unknown condition {condition!r} in {line!r}")
+            if (condition == "cuda" and not with_cuda) or (condition == "no-cuda" and with_cuda):
+                continue
+            matches = sorted(glob.glob(os.path.join("csrc", pattern)))
+            if not matches:
+                raise ValueError(f"csrc/sources.txt: {pattern!r} matches no file under csrc/")
+            sources += [m for m in matches if m not in sources]
+    return sources
+
+
+class BuildOpLibrary(BuildExtension):
+    """BuildExtension naming the op library libtorchpm_ops.so (no Python ABI tag:
+    it is not a Python module)."""
+
+    def get_ext_filename(self, ext_name):
+        if ext_name.split(".")[-1] == "libtorchpm_ops":
+            return os.path.join(*ext_name.split(".")) + ".so"
+        return super().get_ext_filename(ext_name)
+
+
 def extensions():
     debug = flag("TORCHPM_DEBUG")
     with_cuda, why = decide_cuda()
     openmp = compiler_has_openmp()
 
-    sources = ["csrc/ops.cpp", "csrc/checks.cpp", "csrc/transpose.cpp"]
-    sources += sorted(glob.glob("csrc/cpu/*.cpp")) + sorted(glob.glob("csrc/distributed/*.cpp"))
+    sources = read_sources(with_cuda)
     define_macros = []
     cxx = ["-std=c++17", "-O0" if debug else "-O3"]
     link = []
@@ -76,12 +112,10 @@ def extensions():
 
     nvcc = ["-O3", "--expt-relaxed-constexpr", "-std=c++17"]
     if with_cuda:
-        sources += sorted(glob.glob("csrc/cuda/*.cu"))
         define_macros.append(("TORCHPM_WITH_CUDA", "1"))
         extension = CUDAExtension
         extra = {"cxx": cxx, "nvcc": nvcc + (["-g", "-G"] if debug else [])}
     else:
-        sources.append("csrc/cuda_missing.cpp")
         extension = CppExtension
         extra = {"cxx": cxx}
 
@@ -92,9 +126,12 @@ def extensions():
     )
     return [
         extension(
-            "torchpm._C",
+            "torchpm.libtorchpm_ops",
             sources,
-            include_dirs=[os.path.join(ROOT, "csrc")],
+            include_dirs=[os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")],
+            # Leaves libtorch_python out of the link: the library must load in a
+            # process without Python.
+            py_limited_api=True,
             define_macros=define_macros,
             extra_compile_args=extra,
             extra_link_args=link,
@@ -104,5 +141,5 @@ def extensions():
 
 setup(
     ext_modules=extensions(),
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildOpLibrary.with_options(use_ninja=True)},
 )

@@ -1,18 +1,12 @@
 // The torchpm operator library: every schema is declared here, once. Each
 // backend file (cpu/*.cpp, cuda/*.cu) adds its kernels with TORCH_LIBRARY_IMPL;
-// fake kernels and autograd live in Python (torchpm/ops/).
-#include <Python.h>
+// fake kernels and autograd for Python callers live in Python (torchpm/ops/),
+// the C++ API's autograd in api.cpp.
+//
+// Nothing in libtorchpm_ops uses Python: a LibTorch program links it (CMake
+// target torchpm::ops) and the Python package loads the same sources, built by
+// setup.py, with torch.ops.load_library.
 #include <torch/library.h>
-
-extern "C" {
-// The module exists so that `import torchpm._C` loads this library and runs the
-// registrations below; it defines no Python functions of its own.
-PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {
-      PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
-}
-}
 
 namespace {
 

@@ -1,12 +1,17 @@
 """torchpm: a differentiable, distributed particle-mesh N-body solver for PyTorch."""
 
+import os
+
 import torch
 
+# The op library (kernels and TORCH_LIBRARY registrations of torch.ops.torchpm)
+# is a plain shared library without Python, the one LibTorch programs link.
+_OPS_LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libtorchpm_ops.so")
 try:
-    from . import _C  # noqa: F401  (registers the torch.ops.torchpm kernels)
-except ImportError as error:  # pragma: no cover - exercised only on a broken install
+    torch.ops.load_library(_OPS_LIBRARY)
+except OSError as error:  # pragma: no cover - exercised only on a broken install
     raise ImportError(
-        "torchpm's compiled extension (torchpm._C) could not be loaded: "
+        f"torchpm's op library ({_OPS_LIBRARY}) could not be loaded: "
         f"{error}. Build it against the installed torch with "
         "`pip install --no-build-isolation -e .` (or `make test`), and rebuild "
         "after upgrading torch."

@@ -1,0 +1,110 @@
+// torchpm's C++ API: the mass-assignment ops for LibTorch programs, no Python.
+//
+// Link the CMake target torchpm::ops (find_package(torchpm)); that library holds
+// the op registrations (TORCH_LIBRARY(torchpm, ...)) and the kernels.
+//
+// Two layers:
+//  * torchpm::ops::*: typed calls of the registered ops through the dispatcher,
+//    exactly what torch.ops.torchpm.* calls from Python: the same schema, device
+//    dispatch and argument checks. They carry no autograd formula in a program
+//    without Python (Python registers the ops' autograd with
+//    torch.library.register_autograd): do not differentiate through them.
+//  * torchpm::cic_paint / torchpm::cic_readout: the same ops wrapped in
+//    torch::autograd::Function, whose backwards call the same ops as Python's
+//    (readout's mesh gradient is paint, both position gradients are
+//    _cic_position_gradient), so torch::autograd::grad gives the gradients
+//    Python gives. First derivatives only: a second derivative through a
+//    position gradient throws (Python has them, through the pure-torch twin).
+//
+// Geometry and shapes as in Python (torchpm/ops/cic.py): positions (B, N, 3) in
+// mesh-cell units, float32 or float64; meshes (B, nx, ny, nz) or
+// (B, C, nx, ny, nz); `offset` is the global index of the local mesh's node
+// (0, 0, 0); `periodic[d]` says whether axis d wraps (false: a block axis, whose
+// particles must lie inside the block).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <array>
+#include <cstdint>
+#include <optional>
+
+// Exported even when a build hides symbols by default (Linux and macOS only:
+// torchpm is not built on Windows).
+#define TORCHPM_API __attribute__((visibility("default")))
+
+namespace torchpm {
+
+using Periodic = std::array<bool, 3>;
+
+namespace ops {
+
+// torch.ops.torchpm.cic_paint: positions (B, N, 3), weights (B, N), (B, N, C) or
+// none (unit mass) -> mesh (B, nx, ny, nz) or (B, C, nx, ny, nz).
+inline at::Tensor cic_paint(
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    Periodic periodic) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpm::cic_paint", "")
+                       .typed<at::Tensor(
+                           const at::Tensor&, const std::optional<at::Tensor>&,
+                           at::IntArrayRef, at::IntArrayRef, Periodic)>();
+  return op.call(positions, weights, shape, offset, periodic);
+}
+
+// torch.ops.torchpm.cic_readout: mesh (B, [C,] nx, ny, nz) at positions
+// (B, N, 3) -> (B, N) or (B, N, C).
+inline at::Tensor cic_readout(
+    const at::Tensor& mesh,
+    const at::Tensor& positions,
+    at::IntArrayRef offset,
+    Periodic periodic) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpm::cic_readout", "")
+                       .typed<at::Tensor(
+                           const at::Tensor&, const at::Tensor&, at::IntArrayRef, Periodic)>();
+  return op.call(mesh, positions, offset, periodic);
+}
+
+// torch.ops.torchpm._cic_position_gradient: d/dx_p of
+// sum_c values[p, c] * readout(mesh)[p, c] (values none: unit values), (B, N, 3).
+inline at::Tensor cic_position_gradient(
+    const at::Tensor& mesh,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& values,
+    at::IntArrayRef offset,
+    Periodic periodic) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpm::_cic_position_gradient", "")
+                       .typed<at::Tensor(
+                           const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                           at::IntArrayRef, Periodic)>();
+  return op.call(mesh, positions, values, offset, periodic);
+}
+
+}  // namespace ops
+
+// Differentiable cloud-in-cell paint (in positions and weights); see ops::cic_paint.
+TORCHPM_API at::Tensor cic_paint(
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset = {0, 0, 0},
+    Periodic periodic = {true, true, true});
+
+// Differentiable cloud-in-cell readout (in mesh and positions); see ops::cic_readout.
+TORCHPM_API at::Tensor cic_readout(
+    const at::Tensor& mesh,
+    const at::Tensor& positions,
+    at::IntArrayRef offset = {0, 0, 0},
+    Periodic periodic = {true, true, true});
+
+// True when this build of the library contains its CUDA kernels
+// (torchpm.has_cuda_kernels() in Python).
+TORCHPM_API bool has_cuda_kernels();
+
+}  // namespace torchpm

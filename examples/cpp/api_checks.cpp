@@ -1,0 +1,101 @@
+// Checks of torchpm's C++ API (<torchpm/ops.h>) that the PM example does not
+// reach, run by tests/test_cpp.py against Python:
+//  * the gradients of paint with weights and of multi-channel readout, through
+//    the C++ autograd Functions: L = sum(paint(x, w) * f) + sum(readout(f, x)^2)
+//    with x (1, N, 3), w (1, N, 2), f (1, 2, n, n, n); writes dL/dx, dL/dw, dL/df;
+//  * that the dispatcher-level calls (torchpm::ops::*) give the same values;
+//  * that op argument errors reach a C++ caller as c10::Error with the op's
+//    message, and that a second derivative throws instead of being wrong.
+//
+// Usage: api_checks MESH_SIZE INPUT OUTPUT
+//   INPUT: raw float64 x, then w, then f (N from the size); OUTPUT: raw float64
+//   dL/dx, dL/dw, dL/df. Prints one line per check; exit status 1 on a failure.
+#include <torch/torch.h>
+#include <torchpm/ops.h>
+
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace {
+
+int failures = 0;
+
+void check(bool ok, const std::string& what) {
+  std::cout << (ok ? "ok: " : "FAILED: ") << what << "\n";
+  failures += ok ? 0 : 1;
+}
+
+// Runs `body`, expecting a c10::Error whose message contains `expected`.
+template <typename Body>
+void check_throws(Body body, const std::string& expected, const std::string& what) {
+  try {
+    body();
+  } catch (const c10::Error& error) {
+    const std::string message = error.what_without_backtrace();
+    check(message.find(expected) != std::string::npos, what + " (message: " + message.substr(0, 160) + ")");
+    return;
+  }
+  check(false, what + " (nothing thrown)");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 4) {
+    std::cerr << "usage: " << argv[0] << " MESH_SIZE INPUT OUTPUT\n";
+    return 2;
+  }
+  const int64_t n = std::stoll(argv[1]);
+  std::ifstream input(argv[2], std::ios::binary | std::ios::ate);
+  const int64_t values = static_cast<int64_t>(input.tellg()) / static_cast<int64_t>(sizeof(double));
+  const int64_t count = (values - 2 * n * n * n) / 5;
+  if (!input || count <= 0 || 5 * count + 2 * n * n * n != values) {
+    std::cerr << "api_checks: " << argv[2] << " is not x (N, 3), w (N, 2), f (2, n, n, n) in float64\n";
+    return 2;
+  }
+  std::vector<double> data(static_cast<size_t>(values));
+  input.seekg(0);
+  input.read(reinterpret_cast<char*>(data.data()), values * static_cast<int64_t>(sizeof(double)));
+  const at::Tensor all = torch::from_blob(data.data(), {values}, torch::kFloat64).clone();
+  const at::Tensor x = all.narrow(0, 0, 3 * count).view({1, count, 3}).requires_grad_(true);
+  const at::Tensor w = all.narrow(0, 3 * count, 2 * count).view({1, count, 2}).requires_grad_(true);
+  const at::Tensor f = all.narrow(0, 5 * count, 2 * n * n * n).view({1, 2, n, n, n}).requires_grad_(true);
+  const std::vector<int64_t> shape = {n, n, n};
+
+  const at::Tensor painted = torchpm::cic_paint(x, w, shape);
+  const at::Tensor read = torchpm::cic_readout(f, x);
+  const at::Tensor loss = (painted * f).sum() + (read * read).sum();
+  const auto grads = torch::autograd::grad({loss}, {x, w, f});
+  {
+    std::ofstream output(argv[3], std::ios::binary);
+    for (const auto& grad : grads) {
+      const at::Tensor host = grad.contiguous();
+      output.write(reinterpret_cast<const char*>(host.data_ptr<double>()),
+                   host.numel() * static_cast<std::streamsize>(sizeof(double)));
+    }
+  }
+
+  {
+    torch::NoGradGuard no_grad;
+    check(torch::equal(torchpm::ops::cic_paint(x, w, shape, {0, 0, 0}, {true, true, true}), painted),
+          "torchpm::ops::cic_paint equals torchpm::cic_paint");
+    check(torch::equal(torchpm::ops::cic_readout(f, x, {0, 0, 0}, {true, true, true}), read),
+          "torchpm::ops::cic_readout equals torchpm::cic_readout");
+  }
+  check(painted.requires_grad() && read.requires_grad(), "torchpm::cic_paint / cic_readout are differentiable");
+
+  check_throws([&] { torchpm::cic_paint(x.narrow(2, 0, 2), std::nullopt, shape); },
+               "positions", "paint of (B, N, 2) positions is rejected");
+  check_throws([&] { torchpm::cic_readout(f, x, {0, 0, 0}, {false, false, false}); },
+               "torchpm", "readout of particles outside a non-periodic block is rejected");
+  check_throws(
+      [&] {
+        const at::Tensor value = torchpm::cic_readout(f, x).sum();
+        const at::Tensor grad_x = torch::autograd::grad({value}, {x}, {}, true, true)[0];
+        torch::autograd::grad({grad_x.sum()}, {x});
+      },
+      "second derivatives", "a second derivative through a position gradient throws");
+  return failures == 0 ? 0 : 1;
+}
