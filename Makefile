@@ -81,7 +81,7 @@ test: build test-deps cuda-check
 	$(PYTHON) -m pytest -ra
 
 bench: build
-	$(PYTHON) benchmarks/bench_cic.py
+	$(PYTHON) benchmarks/bench_mass_assignment.py
 	$(PYTHON) benchmarks/bench_pm.py
 
 bench-dfft: build

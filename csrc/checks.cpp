@@ -28,11 +28,15 @@ std::string format_list(at::IntArrayRef values, const char* open, const char* cl
   return out.str();
 }
 
-CicGeometry make_geometry(
+StencilGeometry make_geometry(
     const char* op,
     at::IntArrayRef shape,
     at::IntArrayRef offset,
-    std::array<bool, 3> periodic) {
+    std::array<bool, 3> periodic,
+    int64_t order) {
+  TORCH_CHECK_VALUE(
+      order >= 1 && order <= 4, op,
+      ": expected `order` 1 (NGP), 2 (CIC), 3 (TSC) or 4 (PCS), got ", order, ".");
   TORCH_CHECK_VALUE(
       shape.size() == 3, op, ": expected `shape` to have 3 entries (nx, ny, nz), got ",
       shape.size(), ".");
@@ -42,10 +46,14 @@ CicGeometry make_geometry(
   TORCH_CHECK_VALUE(
       periodic.size() == 3, op, ": expected `periodic` to have 3 entries, got ",
       periodic.size(), ".");
-  CicGeometry g;
+  StencilGeometry g;
+  g.order = order;
   for (int d = 0; d < 3; ++d) {
     TORCH_CHECK_VALUE(
         shape[d] > 0, op, ": expected every entry of `shape` to be positive, got ",
+        format_list(shape), ".");
+    TORCH_CHECK_VALUE(
+        shape[d] <= kMaxAxisSize, op, ": every entry of `shape` must be below 2^31, got ",
         format_list(shape), ".");
     TORCH_CHECK_VALUE(
         offset[d] > -(int64_t(1) << 40) && offset[d] < (int64_t(1) << 40), op,
@@ -55,6 +63,19 @@ CicGeometry make_geometry(
     g.periodic[d] = periodic[d];
   }
   return g;
+}
+
+void check_mesh_size(
+    const char* op, int64_t batch, int64_t channels, const StencilGeometry& g,
+    at::ScalarType dtype) {
+  // In floating point: the exact product may overflow int64 itself.
+  const double bytes = static_cast<double>(batch) * static_cast<double>(channels) *
+      static_cast<double>(g.shape[0]) * static_cast<double>(g.shape[1]) *
+      static_cast<double>(g.shape[2]) * static_cast<double>(c10::elementSize(dtype));
+  TORCH_CHECK_VALUE(
+      bytes < 9.0e18, op, ": a mesh of shape (", batch, ", ", channels, ", ",
+      g.shape[0], ", ", g.shape[1], ", ", g.shape[2], ") would need ", bytes,
+      " bytes, beyond what can be addressed; paint onto a smaller mesh or block.");
 }
 
 at::Tensor check_positions(const char* op, const at::Tensor& positions) {
@@ -130,7 +151,7 @@ at::Tensor check_mesh(
 void throw_bad_particles(
     const char* op,
     const at::Tensor& positions,
-    const CicGeometry& g,
+    const StencilGeometry& g,
     int64_t bad) {
   auto x = positions.detach().to(at::kCPU, at::kDouble).reshape({-1, 3});
   const int64_t total = x.size(0);
@@ -149,8 +170,8 @@ void throw_bad_particles(
     throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                           msg.str());
   }
-  // Distance outside the allowed range [offset, offset + n - 1) on block axes,
-  // and beyond +-2^40 on any axis.
+  // Distance outside the allowed range [offset + p/2 - 1, offset + n - p/2) on
+  // block axes (p the order), and beyond +-2^40 on any axis.
   auto excess = at::zeros({total}, x.options());
   std::ostringstream ranges;
   for (int d = 0; d < 3; ++d) {
@@ -158,9 +179,10 @@ void throw_bad_particles(
     auto far = (xd.abs() - kMaxAbsPosition).clamp_min(0);
     excess = at::maximum(excess, far);
     if (!g.periodic[d]) {
-      const double lo = static_cast<double>(g.offset[d]);
-      const double hi = static_cast<double>(g.offset[d] + g.shape[d] - 1);
-      // The upper bound is exclusive: a particle at x = hi would need node hi + 1.
+      const double half = 0.5 * static_cast<double>(g.order);
+      const double lo = static_cast<double>(g.offset[d]) + half - 1.0;
+      const double hi = static_cast<double>(g.offset[d] + g.shape[d]) - half;
+      // The upper bound is exclusive: a particle at x = hi would need one more node.
       auto below = (lo - xd).clamp_min(0);
       auto above = (xd - hi).clamp_min(0);
       auto at_hi = (xd >= hi).to(x.scalar_type()) * 1e-300;
@@ -179,8 +201,35 @@ void throw_bad_particles(
     msg << "; the block (shape " << g.shape[0] << "x" << g.shape[1] << "x"
         << g.shape[2] << ", offset " << g.offset[0] << "," << g.offset[1] << ","
         << g.offset[2] << ") accepts positions in" << ranges.str()
-        << ". Enlarge the block (halo) or move the particles to the rank that owns them.";
+        << " for order " << g.order
+        << ". Enlarge the block (halo, see torchpm.ops.halo_widths) or move the particles "
+           "to the rank that owns them.";
   }
+  throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                        msg.str());
+}
+
+void throw_non_finite(
+    const char* op,
+    const char* name,
+    const at::Tensor& per_particle,
+    int64_t count) {
+  // per_particle: (B, N, C) values of the particles (weights, or readout results).
+  auto x = per_particle.detach().to(at::kCPU, at::kDouble);
+  const int64_t per_batch = x.size(1);
+  auto bad = at::logical_not(at::isfinite(x.reshape({x.size(0) * x.size(1), -1})).all(1));
+  std::ostringstream msg;
+  msg << op << ": `" << name << "` contains NaN or Inf values";
+  const int64_t found = bad.sum().item<int64_t>();
+  if (found > 0) {
+    const int64_t first = bad.nonzero().index({0, 0}).item<int64_t>();
+    msg << " for " << found << " particles, the first is particle " << first % per_batch
+        << " of batch " << first / per_batch;
+  } else {
+    msg << " (" << count << " particles)";
+  }
+  msg << "; nothing was returned. Check the inputs that produced `" << name
+      << "` (pass check_finite=False to skip this check and propagate them).";
   throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                         msg.str());
 }

@@ -17,19 +17,20 @@ namespace {
 
 at::Tensor paint_missing(
     const at::Tensor&, const std::optional<at::Tensor>&, at::IntArrayRef,
-    at::IntArrayRef, std::array<bool, 3>) {
-  no_cuda_kernels("torchpm.cic_paint");
+    at::IntArrayRef, std::array<bool, 3>, int64_t, bool) {
+  no_cuda_kernels("torchpm.paint");
 }
 
 at::Tensor readout_missing(
-    const at::Tensor&, const at::Tensor&, at::IntArrayRef, std::array<bool, 3>) {
-  no_cuda_kernels("torchpm.cic_readout");
+    const at::Tensor&, const at::Tensor&, at::IntArrayRef, std::array<bool, 3>,
+    int64_t, bool) {
+  no_cuda_kernels("torchpm.readout");
 }
 
 at::Tensor position_gradient_missing(
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    at::IntArrayRef, std::array<bool, 3>) {
-  no_cuda_kernels("torchpm._cic_position_gradient");
+    at::IntArrayRef, std::array<bool, 3>, int64_t) {
+  no_cuda_kernels("torchpm._position_gradient");
 }
 
 at::Tensor pack_blocks_missing(const at::Tensor&, int64_t, at::IntArrayRef) {
@@ -44,9 +45,9 @@ at::Tensor unpack_blocks_missing(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
-  m.impl("cic_paint", &paint_missing);
-  m.impl("cic_readout", &readout_missing);
-  m.impl("_cic_position_gradient", &position_gradient_missing);
+  m.impl("paint", &paint_missing);
+  m.impl("readout", &readout_missing);
+  m.impl("_position_gradient", &position_gradient_missing);
   m.impl("pack_blocks", &pack_blocks_missing);
   m.impl("unpack_blocks", &unpack_blocks_missing);
 }

@@ -21,22 +21,26 @@ bool cuda_kernels_built() {
 }  // namespace
 
 TORCH_LIBRARY(torchpm, m) {
-  // Cloud-in-cell paint: positions (B, N, 3), weights (B, N) or (B, N, C) or
-  // None (unit weights) -> mesh (B, nx, ny, nz) or (B, C, nx, ny, nz).
+  // Mass assignment of order 1 (NGP), 2 (CIC), 3 (TSC) or 4 (PCS); the stencil
+  // convention and the block geometry are described in torchpm.h / stencil.h.
+  // Paint: positions (B, N, 3), weights (B, N) or (B, N, C) or None (unit
+  // weights) -> mesh (B, nx, ny, nz) or (B, C, nx, ny, nz). check_finite: raise
+  // on NaN/Inf weights.
   m.def(
-      "cic_paint(Tensor positions, Tensor? weights, int[] shape, int[] offset, "
-      "bool[3] periodic) -> Tensor");
-  // Cloud-in-cell readout: mesh (B, nx, ny, nz) or (B, C, nx, ny, nz) at
-  // positions (B, N, 3) -> values (B, N) or (B, N, C).
+      "paint(Tensor positions, Tensor? weights, int[] shape, int[] offset, "
+      "bool[3] periodic, int order=2, bool check_finite=True) -> Tensor");
+  // Readout: mesh (B, nx, ny, nz) or (B, C, nx, ny, nz) at positions (B, N, 3)
+  // -> values (B, N) or (B, N, C). check_finite: raise when a particle reads a
+  // NaN/Inf mesh value.
   m.def(
-      "cic_readout(Tensor mesh, Tensor positions, int[] offset, bool[3] periodic) "
-      "-> Tensor");
+      "readout(Tensor mesh, Tensor positions, int[] offset, bool[3] periodic, "
+      "int order=2, bool check_finite=True) -> Tensor");
   // d/dx_p of sum_c values[p, c] * readout(mesh)[p, c]: the position gradient of
   // both readout (values = upstream gradient) and paint (mesh = upstream
-  // gradient, values = weights). Returns (B, N, 3).
+  // gradient, values = weights). Returns (B, N, 3) (zero for order 1).
   m.def(
-      "_cic_position_gradient(Tensor mesh, Tensor positions, Tensor? values, "
-      "int[] offset, bool[3] periodic) -> Tensor");
+      "_position_gradient(Tensor mesh, Tensor positions, Tensor? values, "
+      "int[] offset, bool[3] periodic, int order=2) -> Tensor");
   // Block transposer. pack_blocks splits `input` along `dim` into consecutive
   // chunks of `sizes` (summing to input.size(dim)) and lays them out one after
   // another as a 1-D buffer, chunk p being input.narrow(dim, sum(sizes[:p]),

@@ -1,4 +1,4 @@
-// Shared declarations of the torchpm extension: the geometry of a CIC mesh,
+// Shared declarations of the torchpm extension: the geometry of a painted mesh,
 // argument checks used by every backend, and the diagnostics that turn a
 // failed particle check into an error a user can act on.
 #pragma once
@@ -16,28 +16,43 @@ namespace torchpm {
 // fractional part of a float is meaningless and the cell index would overflow.
 constexpr double kMaxAbsPosition = 1099511627776.0;  // 2^40
 
-// Where a (B, [C,] nx, ny, nz) mesh sits in the global mesh.
+// Largest accepted mesh size along one axis (indices stay far from int64
+// overflow and every axis fits an int32 grid dimension).
+constexpr int64_t kMaxAxisSize = (int64_t(1) << 31) - 1;
+
+// Where a (B, [C,] nx, ny, nz) mesh sits in the global mesh, and the order of
+// the mass assignment (1 NGP, 2 CIC, 3 TSC, 4 PCS: nodes per axis).
 //
 // For each axis d, a particle at global coordinate x (mesh-cell units, node j of
-// the global mesh sits at x = j) touches the global nodes floor(x) and
-// floor(x) + 1. They map to the local indices floor(x) - offset[d] and that plus
-// one. On a periodic axis the local index is taken modulo shape[d]; on a block
-// axis both indices must lie in [0, shape[d]) or the particle is rejected.
-struct CicGeometry {
+// the global mesh sits at x = j) touches the global nodes first .. first + order
+// - 1 with first = floor(x + 1 - order/2) (stencil.h). They map to the local
+// indices (node - offset[d]). On a periodic axis the local index is taken modulo
+// shape[d]; on a block axis all indices must lie in [0, shape[d]) or the particle
+// is rejected: the block accepts x in [offset + order/2 - 1, offset + shape -
+// order/2).
+struct StencilGeometry {
   int64_t shape[3];
   int64_t offset[3];
   bool periodic[3];
+  int64_t order;
 };
 
 // "(a, b, c)" (or with other brackets), for error messages.
 std::string format_list(at::IntArrayRef values, const char* open = "(", const char* close = ")");
 
 // Builds and validates the geometry from the op arguments.
-CicGeometry make_geometry(
+StencilGeometry make_geometry(
     const char* op,
     at::IntArrayRef shape,
     at::IntArrayRef offset,
-    std::array<bool, 3> periodic);
+    std::array<bool, 3> periodic,
+    int64_t order);
+
+// Raises when a mesh of batch x channels x shape elements of `dtype` would not
+// be addressable (its byte count overflows int64).
+void check_mesh_size(
+    const char* op, int64_t batch, int64_t channels, const StencilGeometry& g,
+    at::ScalarType dtype);
 
 // Validates positions (B, N, 3) and returns a contiguous copy or view.
 at::Tensor check_positions(const char* op, const at::Tensor& positions);
@@ -67,7 +82,16 @@ at::Tensor check_mesh(
 [[noreturn]] void throw_bad_particles(
     const char* op,
     const at::Tensor& positions,
-    const CicGeometry& geometry,
+    const StencilGeometry& geometry,
     int64_t bad);
+
+// Called by a backend when its fused check found `count` particles whose value
+// (`weights` for paint; for readout the mesh values at the particle's stencil)
+// is NaN or Inf: names the first such particle and throws.
+[[noreturn]] void throw_non_finite(
+    const char* op,
+    const char* name,
+    const at::Tensor& per_particle,
+    int64_t count);
 
 }  // namespace torchpm

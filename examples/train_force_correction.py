@@ -295,6 +295,9 @@ def main():
             config={k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()},
             world_size=world, device=str(device), losses=losses,
             error_uncorrected=before, error_corrected=after, improvement=before / after,
+            k=model.power.k.tolist(),
+            **{f"{name}_{key}": results[name][key].tolist() for name in results for key in ("ratio", "r")},
+            r_k=results["corrected"]["r_k"].tolist(),
             train_seconds=time.perf_counter() - start,
         )
         with open(os.path.join(args.out, "loss.json"), "w") as f:

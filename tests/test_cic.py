@@ -274,14 +274,14 @@ def opcheck_cases(device):
     xb = gradcheck_positions(block["shape"], 9, device, block["offset"], block["periodic"]).detach()
     ops = torch.ops.torchpm
     return [
-        (ops.cic_paint.default, (x, w, list(shape), [0, 0, 0], [True] * 3)),
-        (ops.cic_paint.default, (x, None, list(shape), [0, 0, 0], [True] * 3)),
-        (ops.cic_paint.default, (x, w3, list(shape), [0, 0, 0], [True] * 3)),
-        (ops.cic_paint.default, (xb, w, list(block["shape"]), list(block["offset"]), list(block["periodic"]))),
-        (ops.cic_readout.default, (m, x, [0, 0, 0], [True] * 3)),
-        (ops.cic_readout.default, (m3, x, [0, 0, 0], [True] * 3)),
-        (ops._cic_position_gradient.default, (m3, x, w3, [0, 0, 0], [True] * 3)),
-        (ops._cic_position_gradient.default, (m, x, None, [0, 0, 0], [True] * 3)),
+        (ops.paint.default, (x, w, list(shape), [0, 0, 0], [True] * 3, 2, True)),
+        (ops.paint.default, (x, None, list(shape), [0, 0, 0], [True] * 3, 2, True)),
+        (ops.paint.default, (x, w3, list(shape), [0, 0, 0], [True] * 3, 2, True)),
+        (ops.paint.default, (xb, w, list(block["shape"]), list(block["offset"]), list(block["periodic"]), 2, True)),
+        (ops.readout.default, (m, x, [0, 0, 0], [True] * 3, 2, True)),
+        (ops.readout.default, (m3, x, [0, 0, 0], [True] * 3, 2, True)),
+        (ops._position_gradient.default, (m3, x, w3, [0, 0, 0], [True] * 3, 2)),
+        (ops._position_gradient.default, (m, x, None, [0, 0, 0], [True] * 3, 2)),
     ]
 
 
@@ -365,7 +365,7 @@ def test_bad_mesh_sizes_raise(device, shape):
         torchpm.cic_paint(x, None, shape)
     if shape is not None and len(shape) == 3:
         with pytest.raises(ValueError, match="`shape`"):
-            torch.ops.torchpm.cic_paint(x, None, list(shape), [0, 0, 0], [True] * 3)
+            torch.ops.torchpm.paint(x, None, list(shape), [0, 0, 0], [True] * 3)
 
 
 def test_bad_geometry_arguments_raise():
@@ -393,7 +393,7 @@ def test_cuda_deterministic_mode():
     try:
         torch.use_deterministic_algorithms(True)
         with pytest.raises(RuntimeError, match="deterministic"):
-            torch.ops.torchpm.cic_paint(x, None, [8, 8, 8], [0, 0, 0], [True] * 3)
+            torch.ops.torchpm.paint(x, None, [8, 8, 8], [0, 0, 0], [True] * 3)
         first = torchpm.cic_paint(x, None, (8, 8, 8))
         second = torchpm.cic_paint(x, None, (8, 8, 8))
         # the readout's backward paints: it must take the deterministic path too
@@ -408,6 +408,6 @@ def test_cuda_deterministic_mode():
 
 def test_build_reports_cuda_kernels_and_registers_cuda_dispatch():
     # Either real CUDA kernels or the helpful-error stubs are registered.
-    for name in ("cic_paint", "cic_readout", "_cic_position_gradient"):
+    for name in ("paint", "readout", "_position_gradient"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torchpm::{name}", "CUDA")
     assert torchpm.has_cuda_kernels() == (torch.version.cuda is not None)

@@ -18,7 +18,7 @@ except OSError as error:  # pragma: no cover - exercised only on a broken instal
     ) from error
 
 from . import ops  # noqa: E402
-from .ops import cic_paint, cic_readout  # noqa: E402
+from .ops import cic_paint, cic_readout, paint, readout  # noqa: E402
 
 from . import adjoint, analysis, cosmology, distributed, fourier, ic, mesh, nn, pm  # noqa: E402
 from . import config, io, resources  # noqa: E402  (io imports h5py only when used)
@@ -35,6 +35,8 @@ def has_cuda_kernels() -> bool:
 
 
 __all__ = [
+    "paint",
+    "readout",
     "cic_paint",
     "cic_readout",
     "has_cuda_kernels",

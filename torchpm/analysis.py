@@ -10,6 +10,14 @@ modes it stands for (1 on the ``k_z = 0`` and Nyquist planes, 2 elsewhere), so
 ``modes`` counts modes of the full DFT and ``k`` is their mean ``|k|``.
 Units: k in h/Mpc, P in (Mpc/h)^3 when the box is in Mpc/h.
 
+Fields painted from particles are smoothed by the mass-assignment window
+``W(w) = prod_i sinc(w_i / 2 pi)^p`` (p = 1 NGP, 2 CIC, 3 TSC, 4 PCS) and carry
+aliased images of the power beyond the Nyquist frequency. ``window=`` divides
+the measured power by ``W^2``; :func:`paint_density` paints with a chosen window
+and, with ``interlacing=True``, paints a second time with the particles shifted
+by half a cell along each axis and averages the two in Fourier space with the
+phase factor ``exp(i w . (1/2, 1/2, 1/2))``, which cancels the odd aliasing images.
+
 Distributed fields: pass the field's ``mesh`` (a
 :class:`~torchpm.distributed.PencilDecomposition`, e.g. ``sim.force_mesh``) and this
 rank's block of the field; the shell sums are all-reduced over the process grid,
@@ -24,9 +32,18 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from .fourier import window as window_transform
 from .mesh import LocalMesh, as_box_size
+from .ops._arguments import ORDER_NAMES, order_number, tensor_argument
 
-__all__ = ["PowerSpectrum", "power_spectrum", "cross_power", "correlation_coefficient", "transfer_function"]
+__all__ = [
+    "PowerSpectrum",
+    "power_spectrum",
+    "cross_power",
+    "correlation_coefficient",
+    "transfer_function",
+    "paint_density",
+]
 
 
 class PowerSpectrum(NamedTuple):
@@ -37,6 +54,17 @@ class PowerSpectrum(NamedTuple):
     k: torch.Tensor
     power: torch.Tensor
     modes: torch.Tensor
+
+
+def _window_argument(window, compensate_cic):
+    if not isinstance(compensate_cic, bool):
+        raise TypeError(f"`compensate_cic` must be a bool, got {compensate_cic!r}")
+    if window is None:
+        return "cic" if compensate_cic else None
+    name = ORDER_NAMES[order_number(window, "power_spectrum", "window")]
+    if compensate_cic and name != "cic":
+        raise ValueError(f"`compensate_cic=True` contradicts `window={window!r}`; pass only `window`")
+    return name
 
 
 def _field_error(field, name, mesh):
@@ -66,7 +94,7 @@ def _binned(
     mesh: LocalMesh,
     box: Sequence[float],
     bins,
-    compensate_cic: bool,
+    window: str | None,
 ):
     """Shell averages of ``spectrum_k`` (B, *fourier block, real) -> (k, mean, modes)."""
     device = spectrum_k.device
@@ -75,11 +103,8 @@ def _binned(
     k = torch.sqrt(sum(ki**2 for ki in k_axes)).expand(*mesh.local_fourier_shape)
     weight = mesh.hermitian_weights(dtype=torch.float64, device=device).expand(*mesh.local_fourier_shape)
     values = spectrum_k.to(torch.float64)
-    if compensate_cic:
-        window = 1.0
-        for wi in w:
-            window = window * torch.sinc(wi / (2 * math.pi)) ** 2
-        values = values / window**2
+    if window is not None:
+        values = values / window_transform(mesh, window, device=device) ** 2
     k_fundamental = min(2 * math.pi / b for b in box)
     if bins is None:
         k_nyquist = min(math.pi * n / b for n, b in zip(mesh.global_shape, box))
@@ -120,6 +145,7 @@ def cross_power(
     *,
     bins=None,
     compensate_cic: bool = False,
+    window: str | None = None,
     mesh=None,
 ) -> PowerSpectrum:
     """Cross power ``V/N^2 <Re(DFT a conj(DFT b))>`` of two fields in shells of |k|.
@@ -130,7 +156,10 @@ def cross_power(
         box_size: box side(s) in Mpc/h.
         bins: None (width ``2 pi / L`` shells centred on multiples of it, up to the
             Nyquist frequency), a number of equal-width bins, or bin edges in h/Mpc.
-        compensate_cic: divide each field by the CIC window ``prod sinc^2(w/2pi)``.
+        window: the mass-assignment window the fields were painted with (``"ngp"``,
+            ``"cic"``, ``"tsc"``, ``"pcs"``): divide each field by
+            ``W = prod sinc^p(w/2pi)``, i.e. the power by ``W^2``. ``None``: no compensation.
+        compensate_cic: the older switch, the same as ``window="cic"``.
         mesh: the mesh the fields live on (default: a :class:`LocalMesh` of the field
             shape); on a process grid, the fields are this rank's blocks and every
             rank gets the global result.
@@ -138,6 +167,7 @@ def cross_power(
     Returns:
         :class:`PowerSpectrum`; ``power`` is ``(B, n_bins)`` for batched input.
     """
+    window = _window_argument(window, compensate_cic)
     error = _field_error(field_a, "field_a", mesh) or _field_error(field_b, "field_b", mesh)
     if error is None and field_a.shape != field_b.shape:
         error = (f"`field_a` and `field_b` must have the same shape, got {tuple(field_a.shape)} and "
@@ -153,7 +183,7 @@ def cross_power(
     a_k = mesh.rfftn(a.to(torch.float64))
     b_k = a_k if field_b is field_a else mesh.rfftn(b.to(torch.float64))
     product = (a_k * b_k.conj()).real * (math.prod(box) / mesh.size**2)
-    k, power, modes = _binned(product, mesh, box, bins, compensate_cic)
+    k, power, modes = _binned(product, mesh, box, bins, window)
     return PowerSpectrum(k, power[0] if single else power, modes)
 
 
@@ -163,6 +193,7 @@ def power_spectrum(
     *,
     bins=None,
     compensate_cic: bool = False,
+    window: str | None = None,
     shot_noise: float | None = None,
     n_particles: int | None = None,
     mesh=None,
@@ -175,7 +206,7 @@ def power_spectrum(
     """
     if shot_noise is not None and n_particles is not None:
         raise ValueError("pass at most one of `shot_noise` and `n_particles`")
-    result = cross_power(field, field, box_size, bins=bins, compensate_cic=compensate_cic, mesh=mesh)
+    result = cross_power(field, field, box_size, bins=bins, compensate_cic=compensate_cic, window=window, mesh=mesh)
     noise = 0.0
     if n_particles is not None:
         if int(n_particles) <= 0:
@@ -199,3 +230,65 @@ def transfer_function(field, reference, box_size, **options) -> PowerSpectrum:
     auto = power_spectrum(field, box_size, **options)
     auto_ref = power_spectrum(reference, box_size, **options)
     return PowerSpectrum(auto.k, torch.sqrt(auto.power / auto_ref.power), auto.modes)
+
+
+def paint_density(
+    positions: torch.Tensor,
+    mesh=None,
+    *,
+    weights: torch.Tensor | None = None,
+    order: str = "cic",
+    interlacing: bool = False,
+    shape=None,
+) -> torch.Tensor:
+    """Overdensity of a particle set painted with a chosen window, ready for P(k).
+
+    Args:
+        positions: ``(B, N, 3)`` in mesh-cell units of ``mesh`` (node ``j`` at ``x = j``,
+            periodic).
+        mesh: a mesh object with the interface of :class:`~torchpm.mesh.LocalMesh`
+            (``paint(positions, weights, order=)``, ``rfftn``, ``irfftn``,
+            ``wavevectors``, ``global_shape``), or ``None`` for a ``LocalMesh`` of ``shape``.
+        weights: ``(B, N)`` particle masses, or ``None`` for equal masses.
+        order: ``"ngp"``, ``"cic"``, ``"tsc"`` or ``"pcs"``.
+        interlacing: paint a second time with the particles shifted by half a cell
+            along every axis and average the two in Fourier space with the phase
+            ``exp(i w . (1/2, 1/2, 1/2))``, cancelling the odd aliasing images.
+        shape: ``(nx, ny, nz)`` when ``mesh`` is None.
+
+    Returns:
+        ``(B, *local_real_shape)``: ``rho / mean(rho) - 1``, with the mean taken
+        over the global mesh from the total mass of the particles (summed over
+        the process grid when the mesh has ``all_reduce``). Measure its spectrum with
+        ``power_spectrum(delta, box, window=order, mesh=mesh)``; the result still
+        contains shot noise ``V / N``.
+    """
+    positions = tensor_argument(positions, "positions", "paint_density")
+    if not isinstance(interlacing, bool):
+        raise TypeError(f"`interlacing` must be a bool, got {interlacing!r}")
+    name = ORDER_NAMES[order_number(order, "paint_density")]
+    if mesh is None:
+        if shape is None:
+            raise ValueError("paint_density: pass `mesh` or `shape`")
+        mesh = LocalMesh(shape)
+    cells = math.prod(mesh.global_shape)
+    if weights is None:
+        total = torch.full((positions.shape[0],), float(positions.shape[1]), dtype=torch.float64, device=positions.device)
+    else:
+        total = weights.detach().to(torch.float64).sum(1)
+    if hasattr(mesh, "all_reduce"):  # a process grid: every rank's particles count
+        total = mesh.all_reduce(total)
+    if not bool((total > 0).all()):
+        raise ValueError("paint_density: no particles (or zero total weight); the overdensity is undefined")
+    # mean-1 normalisation (a constant: gradients flow through the painted field)
+    scale = (cells / total).to(positions.dtype).view(-1, 1, 1, 1)
+    rho = mesh.paint(positions, weights, order=name)
+    if not interlacing:
+        return rho * scale - 1.0
+    shifted = mesh.paint(positions + 0.5, weights, order=name)
+    rho_k = mesh.rfftn(rho)
+    shifted_k = mesh.rfftn(shifted)
+    w = mesh.wavevectors(dtype=torch.float64, device=positions.device)
+    phase = torch.exp(1j * 0.5 * (w[0] + w[1] + w[2])).to(rho_k.dtype)
+    combined = 0.5 * (rho_k + shifted_k * phase)
+    return mesh.irfftn(combined) * scale - 1.0

@@ -19,6 +19,7 @@ import torch
 
 __all__ = [
     "FourierKernels",
+    "window",
     "gradient_inverse_laplacian",
     "multiply_real",
     "stack_products",
@@ -30,6 +31,20 @@ GRADIENTS = ("fd4", "exact")
 LAPLACIANS = ("exact", "fd")
 
 
+def window(mesh, order, dtype=torch.float64, device=None) -> torch.Tensor:
+    """Fourier transform of the mass-assignment window of ``order`` on ``mesh``'s
+    local Fourier block: ``W(w) = prod_i sinc(w_i / 2 pi)^p`` with ``p`` = 1 (NGP),
+    2 (CIC), 3 (TSC), 4 (PCS) (``order`` a name or 1..4), ``sinc(x) = sin(pi x)/(pi x)``.
+    Real, broadcastable against the complex block like :meth:`mesh.wavevectors`."""
+    from .ops._arguments import order_number
+
+    p = order_number(order, "window")
+    result = 1.0
+    for wi in mesh.wavevectors(dtype=torch.float64, device=device):
+        result = result * torch.sinc(wi / (2.0 * math.pi)) ** p
+    return torch.as_tensor(result, device=device).to(dtype)
+
+
 class FourierKernels:
     """Fourier-space kernels of one mesh, built once and reused every step.
 
@@ -39,14 +54,21 @@ class FourierKernels:
         gradient: ``"fd4"`` (4-point finite difference, the FastPM default) or
             ``"exact"`` (``i k``, Nyquist zeroed).
         laplacian: ``"exact"`` (``-1/k^2``) or ``"fd"`` (3-point finite difference).
-        cic_compensation: divide by the CIC window ``prod_i sinc(w_i/2pi)^2``.
+        window_compensation: ``None`` (none) or the mass-assignment order used to
+            paint and read out (``"ngp"``, ``"cic"``, ``"tsc"``, ``"pcs"``): divide
+            by ``W^2`` with ``W = prod_i sinc(w_i/2pi)^p`` (:func:`window`), once
+            for the paint and once for the readout.
+        cic_compensation: the older switch, kept with its meaning: divide by the CIC
+            window once, ``prod_i sinc(w_i/2pi)^-2`` (FastPM's and JaxPM's
+            convention: the paint is deconvolved, the readout is not). Not
+            together with ``window_compensation``.
         dtype, device: of the kernels (real dtype of the fields).
 
     Attributes:
         gradient: ``(g_x, g_y, g_z)``, complex, ``i g_i / c_i`` in h/Mpc, each
             broadcasting against the complex block like :meth:`mesh.wavevectors`.
         inverse_laplacian: real, ``1/k_eff^2`` in (Mpc/h)^2 (0 at k = 0), times the
-            CIC compensation when asked for; ``-gradient * inverse_laplacian``
+            window compensation ``1/W^2`` when asked for; ``-gradient * inverse_laplacian``
             is ``-G L``, i.e. ``-grad (grad^2)^-1``.
         k_magnitude: ``|k|`` in h/Mpc (exact), real, broadcastable like the block.
     """
@@ -59,16 +81,30 @@ class FourierKernels:
         gradient: str = "fd4",
         laplacian: str = "exact",
         cic_compensation: bool = False,
+        window_compensation: str | int | None = None,
         dtype=torch.float32,
         device=None,
     ):
+        from .ops._arguments import ORDER_NAMES, order_number
+
+        if not isinstance(cic_compensation, bool):
+            raise TypeError(f"`cic_compensation` must be a bool, got {cic_compensation!r}")
+        if window_compensation is not None:
+            window_compensation = ORDER_NAMES[order_number(window_compensation, "FourierKernels", "window_compensation")]
+            if cic_compensation:
+                raise ValueError("pass at most one of `cic_compensation` and `window_compensation`")
         if gradient not in GRADIENTS:
             raise ValueError(f"`gradient` must be one of {GRADIENTS}, got {gradient!r}")
         if laplacian not in LAPLACIANS:
             raise ValueError(f"`laplacian` must be one of {LAPLACIANS}, got {laplacian!r}")
         self.mesh = mesh
         self.cell_size = tuple(float(c) for c in cell_size)
-        self.options = dict(gradient=gradient, laplacian=laplacian, cic_compensation=bool(cic_compensation))
+        self.options = dict(
+            gradient=gradient,
+            laplacian=laplacian,
+            cic_compensation=cic_compensation,
+            window_compensation=window_compensation,
+        )
         # Built in float64, stored in the field dtype.
         w = mesh.wavevectors(dtype=torch.float64, device=device)
         complex_dtype = torch.complex128 if dtype == torch.float64 else torch.complex64
@@ -98,11 +134,11 @@ class FourierKernels:
         self.k_magnitude = torch.sqrt(k_squared).to(dtype)
         k_eff = k_squared if laplacian == "exact" else k_squared_fd
         inverse = torch.where(k_eff > 0, 1.0 / torch.where(k_eff > 0, k_eff, 1.0), 0.0)
-        if cic_compensation:
-            window = 1.0
-            for wi in w:
-                window = window * torch.sinc(wi / (2.0 * math.pi)) ** 2
-            inverse = inverse / window
+        if window_compensation is not None:
+            # 1/W^2: the paint and the readout each smooth by W.
+            inverse = inverse / window(mesh, window_compensation, device=device) ** 2
+        elif cic_compensation:
+            inverse = inverse / window(mesh, "cic", device=device)
         # Stored repeated on a last axis of 2, to multiply the real view of a complex
         # block contiguously (faster than a stride-0 broadcast); the plain kernel is
         # a view of it, not a second copy of a mesh-sized tensor.

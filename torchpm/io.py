@@ -363,6 +363,9 @@ def write_snapshot(
             ours.attrs["gradient"] = sim.kernel_options["gradient"]
             ours.attrs["laplacian"] = sim.kernel_options["laplacian"]
             ours.attrs["cic_compensation"] = sim.cic_compensation
+            for key in ("paint_order", "window_compensation"):
+                if hasattr(sim, key):
+                    ours.attrs[key] = getattr(sim, key)
             for key, value in cosmology.items():
                 ours.attrs[f"cosmology_{key}"] = value
             from . import __version__
@@ -582,6 +585,10 @@ def check_restart(snapshot: Snapshot, sim) -> None:
         laplacian=sim.kernel_options["laplacian"],
         cic_compensation=sim.cic_compensation,
     )
+    # Settings of the force that not every build has (mass-assignment order, window).
+    for key in ("paint_order", "window_compensation"):
+        if hasattr(sim, key):
+            ours[key] = getattr(sim, key)
     for key, value in sim.cosmology.parameters().items():
         ours[f"cosmology_{key}"] = float(value.detach())
     differences = []

@@ -15,7 +15,8 @@ Force on the particles (mesh units)::
 with ``G_i = i g_i / c_i`` the gradient (``g = w``, Nyquist zeroed, or the 4-point
 finite difference ``(8 sin w - sin 2w) / 6``), ``L = -1/k^2`` (0 at k = 0) or its
 finite-difference form ``-1 / sum_i (2 sin(w_i/2) / c_i)^2``, ``S`` the optional
-CIC compensation ``prod_i sinc(w_i / 2 pi)^-2`` and ``C`` the optional
+window compensation ``W^-2``, ``W = prod_i sinc(w_i / 2 pi)^p`` for the order p of
+the mass assignment (or the older CIC switch ``prod_i sinc(w_i / 2 pi)^-2``) and ``C`` the optional
 force-correction filter of (|k| in h/Mpc, a).
 """
 
@@ -45,6 +46,7 @@ def compute_forces(
     force_scale,
     force_correction: Callable | None = None,
     weights: torch.Tensor | None = None,
+    order: str = "cic",
 ) -> torch.Tensor:
     """PM accelerations ``dp/da * a^2 E`` on the particles, in mesh units.
 
@@ -59,12 +61,15 @@ def compute_forces(
             the potential.
         weights: optional ``(B, N)`` mass of each particle in units of one particle
             (0 for the empty slots of a padded distributed batch); None: all 1.
+        order: mass-assignment window of the paint and the readout (``"ngp"``,
+            ``"cic"``, ``"tsc"``, ``"pcs"``); the kernels' window compensation, if
+            any, should be for the same order.
 
     Returns:
         ``(B, N, 3)``: ``F_i = 1.5 Omega_m (-d_i grad^-2 delta)(x) / c_i``.
     """
     mesh = kernels.mesh
-    density_k = mesh.rfftn(mesh.paint(positions, weights))
+    density_k = mesh.rfftn(mesh.paint(positions, weights, order=order))
     filter_ = None
     if force_correction is not None:
         a_tensor = torch.as_tensor(a, dtype=kernels.dtype, device=positions.device)
@@ -76,7 +81,7 @@ def compute_forces(
     gradient = [g * (force_scale * (particle_mass / c)) for g, c in zip(kernels.gradient, kernels.cell_size)]
     gradient = [g.to(kernels.gradient[0].dtype) for g in gradient]
     field = gradient_inverse_laplacian(density_k, kernels, filter_, gradient)
-    return mesh.readout(field, positions)  # (B, N, 3), the 3 components in one pass
+    return mesh.readout(field, positions, order=order)  # (B, N, 3), the 3 components in one pass
 
 
 class StepFactors(NamedTuple):

@@ -27,6 +27,7 @@ from .fourier import FourierKernels
 from .pm import StepFactors, compute_forces, step_factors
 from .resources import check_memory, estimate_memory
 from .adjoint import adjoint_integrate
+from .ops._arguments import ORDER_NAMES, order_number
 
 __all__ = ["Simulation", "SimulationState"]
 
@@ -127,7 +128,13 @@ class Simulation(nn.Module):
             :mod:`torchpm.ic`.
         integrator: ``"fastpm"`` (growth-corrected kick-drift-kick) or ``"leapfrog"``.
         gradient: ``"fd4"`` (default) or ``"exact"``; laplacian: ``"exact"`` or ``"fd"``.
-        cic_compensation: deconvolve the CIC window in the force kernel.
+        paint_order: mass-assignment window of the force calculation's paint and
+            readout: ``"ngp"``, ``"cic"`` (default), ``"tsc"`` or ``"pcs"``.
+        window_compensation: divide the force kernel by ``W^2``, ``W`` the window of
+            ``paint_order`` (``prod_i sinc(w_i/2pi)^p``; once for paint, once for readout).
+        cic_compensation: the older switch, unchanged: divide by the CIC window once
+            (``prod_i sinc(w_i/2pi)^-2``, the FastPM/JaxPM convention); CIC only, not
+            together with ``window_compensation``.
         force_correction: optional callable or ``nn.Module`` ``(k, a) -> filter``
             (``k``: ``|k|`` mesh in h/Mpc, ``a``: 0-d tensor) multiplying the potential.
         dtype: of particles and fields (float32 default; the background is float64).
@@ -187,6 +194,8 @@ class Simulation(nn.Module):
         laplacian: str = "exact",
         cic_compensation: bool = False,
         force_correction: Callable | None = None,
+        paint_order: str = "cic",
+        window_compensation: bool = False,
         dtype: torch.dtype = torch.float32,
         checkpoint: bool = False,
         adjoint: bool = False,
@@ -232,7 +241,15 @@ class Simulation(nn.Module):
         self.checkpoint = checked["checkpoint"]
         self.adjoint = as_bool("adjoint", adjoint)
         self.kernel_options = dict(gradient=checked["gradient"], laplacian=checked["laplacian"])
+        window_compensation = as_bool("window_compensation", window_compensation)
+        self.paint_order = ORDER_NAMES[order_number(paint_order, "Simulation", "paint_order")]
+        if checked["cic_compensation"] and (window_compensation or self.paint_order != "cic"):
+            raise ValueError(
+                "`cic_compensation` is the CIC-only older switch; with `paint_order` or "
+                "`window_compensation` use `window_compensation=True` alone"
+            )
         self.cic_compensation = checked["cic_compensation"]
+        self.window_compensation = window_compensation
 
         if particle_capacity is not None and (
             isinstance(particle_capacity, bool) or not isinstance(particle_capacity, numbers.Integral)
@@ -302,8 +319,15 @@ class Simulation(nn.Module):
                 mesh, cell, compensate = self.particle_mesh, self.particle_cell, False
             else:
                 mesh, cell, compensate = self.force_mesh, self.cell_size, self.cic_compensation
+            window = self.paint_order if which == "force" and self.window_compensation else None
             self._kernels[key] = FourierKernels(
-                mesh, cell, cic_compensation=compensate, dtype=self.dtype, device=self.device, **self.kernel_options
+                mesh,
+                cell,
+                cic_compensation=compensate,
+                window_compensation=window,
+                dtype=self.dtype,
+                device=self.device,
+                **self.kernel_options,
             )
         return self._kernels[key]
 
@@ -565,6 +589,7 @@ class Simulation(nn.Module):
             force_scale=1.5 * cosmology.Omega_m,
             force_correction=self._correction(),
             weights=weights,
+            order=self.paint_order,
         )
 
     def _step(self, positions, momenta, forces, ids, factor: StepFactors, cosmology=None):

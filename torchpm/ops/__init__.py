@@ -1,6 +1,23 @@
 """torchpm's custom ops (``torch.ops.torchpm``) with their Python front ends."""
 
-from .cic import cic_paint, cic_readout
-from ._reference import cic_paint_reference, cic_readout_reference
+from .mass_assignment import cic_paint, cic_readout, halo_widths, paint, readout
+from ._reference import (
+    cic_paint_reference,
+    cic_readout_reference,
+    paint_reference,
+    position_gradient_reference,
+    readout_reference,
+)
 
-__all__ = ["cic_paint", "cic_readout", "cic_paint_reference", "cic_readout_reference"]
+__all__ = [
+    "paint",
+    "readout",
+    "cic_paint",
+    "cic_readout",
+    "halo_widths",
+    "paint_reference",
+    "readout_reference",
+    "position_gradient_reference",
+    "cic_paint_reference",
+    "cic_readout_reference",
+]

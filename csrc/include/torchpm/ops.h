@@ -12,7 +12,7 @@
 //  * torchpm::cic_paint / torchpm::cic_readout: the same ops wrapped in
 //    torch::autograd::Function, whose backwards call the same ops as Python's
 //    (readout's mesh gradient is paint, both position gradients are
-//    _cic_position_gradient), so torch::autograd::grad gives the gradients
+//    _position_gradient), so torch::autograd::grad gives the gradients
 //    Python gives. First derivatives only: a second derivative through a
 //    position gradient throws (Python has them, through the pure-torch twin).
 //
@@ -40,8 +40,9 @@ using Periodic = std::array<bool, 3>;
 
 namespace ops {
 
-// torch.ops.torchpm.cic_paint: positions (B, N, 3), weights (B, N), (B, N, C) or
-// none (unit mass) -> mesh (B, nx, ny, nz) or (B, C, nx, ny, nz).
+// torch.ops.torchpm.paint with order 2 (cloud in cell): positions (B, N, 3),
+// weights (B, N), (B, N, C) or none (unit mass) -> mesh (B, nx, ny, nz) or
+// (B, C, nx, ny, nz).
 inline at::Tensor cic_paint(
     const at::Tensor& positions,
     const std::optional<at::Tensor>& weights,
@@ -49,28 +50,28 @@ inline at::Tensor cic_paint(
     at::IntArrayRef offset,
     Periodic periodic) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("torchpm::cic_paint", "")
+                       .findSchemaOrThrow("torchpm::paint", "")
                        .typed<at::Tensor(
                            const at::Tensor&, const std::optional<at::Tensor>&,
-                           at::IntArrayRef, at::IntArrayRef, Periodic)>();
-  return op.call(positions, weights, shape, offset, periodic);
+                           at::IntArrayRef, at::IntArrayRef, Periodic, int64_t, bool)>();
+  return op.call(positions, weights, shape, offset, periodic, /*order=*/2, /*check_finite=*/true);
 }
 
-// torch.ops.torchpm.cic_readout: mesh (B, [C,] nx, ny, nz) at positions
-// (B, N, 3) -> (B, N) or (B, N, C).
+// torch.ops.torchpm.readout with order 2 (cloud in cell): mesh (B, [C,] nx, ny, nz)
+// at positions (B, N, 3) -> (B, N) or (B, N, C).
 inline at::Tensor cic_readout(
     const at::Tensor& mesh,
     const at::Tensor& positions,
     at::IntArrayRef offset,
     Periodic periodic) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("torchpm::cic_readout", "")
+                       .findSchemaOrThrow("torchpm::readout", "")
                        .typed<at::Tensor(
-                           const at::Tensor&, const at::Tensor&, at::IntArrayRef, Periodic)>();
-  return op.call(mesh, positions, offset, periodic);
+                           const at::Tensor&, const at::Tensor&, at::IntArrayRef, Periodic, int64_t, bool)>();
+  return op.call(mesh, positions, offset, periodic, /*order=*/2, /*check_finite=*/true);
 }
 
-// torch.ops.torchpm._cic_position_gradient: d/dx_p of
+// torch.ops.torchpm._position_gradient with order 2: d/dx_p of
 // sum_c values[p, c] * readout(mesh)[p, c] (values none: unit values), (B, N, 3).
 inline at::Tensor cic_position_gradient(
     const at::Tensor& mesh,
@@ -79,11 +80,11 @@ inline at::Tensor cic_position_gradient(
     at::IntArrayRef offset,
     Periodic periodic) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("torchpm::_cic_position_gradient", "")
+                       .findSchemaOrThrow("torchpm::_position_gradient", "")
                        .typed<at::Tensor(
                            const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                           at::IntArrayRef, Periodic)>();
-  return op.call(mesh, positions, values, offset, periodic);
+                           at::IntArrayRef, Periodic, int64_t)>();
+  return op.call(mesh, positions, values, offset, periodic, /*order=*/2);
 }
 
 }  // namespace ops

@@ -1,0 +1,152 @@
+"""Mass-assignment (NGP, CIC, TSC, PCS) paint / readout throughput.
+
+For n^3 particles painted into an n^3 mesh (float32), times paint, paint
+forward+backward, 3-channel readout and 3-channel readout forward+backward for
+every order, for uniformly random positions and for a lattice plus small
+displacements (the layout of an early N-body step). Reports particles per second
+(median of repeats after a warm-up, with device synchronisation), the time per
+particle relative to CIC measured in the same run (orders timed round-robin, the
+median of the per-round ratios) (targets: TSC within 3x, PCS
+within 6x: 27 and 64 nodes per particle against 8), and for CIC the ratio against
+the pure-torch twin (``--reference``, all orders; the twin of PCS needs ~10 GB at
+256^3).
+
+    python benchmarks/bench_mass_assignment.py                      # cpu: 64^3, 128^3
+    python benchmarks/bench_mass_assignment.py --device cuda        # adds 256^3, 512^3
+    python benchmarks/bench_mass_assignment.py --sizes 128 --orders cic tsc pcs --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+import torchpm
+from torchpm.ops import paint_reference, readout_reference
+
+WIDTH = {"ngp": 1, "cic": 2, "tsc": 3, "pcs": 4}
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn, device, repeats, budget):
+    fn()  # warm-up (allocator, caches, lazy init)
+    synchronize(device)
+    times = []
+    start_all = time.perf_counter()
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+        if time.perf_counter() - start_all > budget:
+            break
+    return statistics.median(times)
+
+
+def make_positions(n, layout, device, generator):
+    if layout == "uniform":
+        return (torch.rand(1, n**3, 3, generator=generator) * n).to(device)
+    axis = torch.arange(n, dtype=torch.float32)
+    q = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(1, -1, 3)
+    return ((q + 0.5 * torch.randn(q.shape, generator=generator)) % n).to(device)
+
+
+def cases(n, x, order, device, reference):
+    shape = (n, n, n)
+    mesh1 = torch.randn(1, *shape, device=device)
+    mesh3 = torch.randn(1, 3, *shape, device=device)
+    p = WIDTH[order]
+    if reference:
+        paint = lambda x, w: paint_reference(x, w, shape, order=p)  # noqa: E731
+        read = lambda m, x: readout_reference(m, x, order=p)  # noqa: E731
+    else:
+        paint = lambda x, w: torchpm.paint(x, w, shape, order=order)  # noqa: E731
+        read = lambda m, x: torchpm.readout(m, x, order=order)  # noqa: E731
+
+    def paint_backward():
+        xr = x.detach().requires_grad_(True)
+        w = torch.ones(x.shape[:2], device=device, requires_grad=True)
+        paint(xr, w).backward(mesh1)
+
+    def readout_backward():
+        xr = x.detach().requires_grad_(True)
+        m = mesh3.detach().requires_grad_(True)
+        out = read(m, xr)
+        out.backward(torch.ones_like(out))
+
+    return [
+        ("paint", lambda: paint(x, None)),
+        ("paint fwd+bwd", paint_backward),
+        ("readout 3ch", lambda: read(mesh3, x)),
+        ("readout 3ch fwd+bwd", readout_backward),
+    ]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sizes", type=int, nargs="*")
+    parser.add_argument("--orders", nargs="*", default=["ngp", "cic", "tsc", "pcs"])
+    parser.add_argument("--layouts", nargs="*", default=["uniform", "lattice"])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=20.0, help="seconds per measurement before stopping repeats")
+    parser.add_argument("--reference", action="store_true", help="also time the pure-torch twin")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    sizes = args.sizes or ([64, 128, 256, 512] if device.type == "cuda" else [64, 128])
+    orders = list(dict.fromkeys(["cic"] + args.orders))  # CIC first: the reference of the ratios
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
+    )
+    print(f"# torchpm {torchpm.__version__}, torch {torch.__version__}, {name}, float32")
+    header = f"{'n':>5} {'layout':>8} {'order':>5} {'op':<20} {'Mpart/s':>9} {'x CIC time':>10}"
+    print(header + (f" {'twin Mpart/s':>13} {'speedup':>8}" if args.reference else ""))
+    generator = torch.Generator().manual_seed(0)
+    for n in sizes:
+        for layout in args.layouts:
+            x = make_positions(n, layout, device, generator)
+            # Orders are timed round-robin, one repeat of each in turn, so that a
+            # busy spell of a shared machine hits all of them alike; the ratio to
+            # CIC is the median of the per-round ratios.
+            per_order = {order: cases(n, x, order, device, reference=False) for order in orders}
+            for index, (label, _) in enumerate(per_order["cic"]):
+                fns = {order: per_order[order][index][1] for order in orders}
+                for fn in fns.values():
+                    fn()  # warm-up
+                synchronize(device)
+                times = {order: [] for order in orders}
+                start_all = time.perf_counter()
+                for _ in range(args.repeats):
+                    for order, fn in fns.items():
+                        start = time.perf_counter()
+                        fn()
+                        synchronize(device)
+                        times[order].append(time.perf_counter() - start)
+                    if time.perf_counter() - start_all > args.budget * len(orders):
+                        break
+                for order in orders:
+                    t = statistics.median(times[order])
+                    ratio = statistics.median(a / b for a, b in zip(times[order], times["cic"]))
+                    line = f"{n:>5} {layout:>8} {order:>5} {label:<20} {n**3 / t / 1e6:>9.2f} {ratio:>10.2f}"
+                    if args.reference:
+                        ref = cases(n, x, order, device, reference=True)[index][1]
+                        t_ref = median_time(ref, device, args.repeats, args.budget)
+                        line += f" {n**3 / t_ref / 1e6:>13.2f} {t_ref / t:>8.2f}"
+                    print(line, flush=True)
+            del x
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

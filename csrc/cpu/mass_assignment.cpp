@@ -1,0 +1,479 @@
+// CPU kernels of the mass-assignment ops (NGP, CIC, TSC, PCS), written once as
+// templates over the stencil width W (stencil.h) and instantiated per order.
+//
+// Paint is a scatter. To parallelise it without atomics or per-thread meshes,
+// particles are binned (stable counting sort) by the x plane of their first
+// stencil node. A particle in plane i writes planes i .. i + W - 1 only, so all
+// planes i with the same i mod W can be painted concurrently, one residue after
+// another (W phases). Every mesh cell then receives its contributions in an
+// order fixed by the input alone, so the result does not depend on the number
+// of threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/OpMathType.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <vector>
+
+#include "../stencil.h"
+#include "../torchpm.h"
+
+namespace torchpm {
+namespace {
+
+// Below this many particles the binning costs more than it saves.
+constexpr int64_t kSerialPaintLimit = 1 << 15;
+
+template <typename scalar_t, int W>
+void deposit(
+    const scalar_t* position,
+    const scalar_t* values,  // C entries, or nullptr for unit weight
+    int64_t channels,
+    int64_t channel_stride,
+    const StencilGeometry& g,
+    scalar_t* mesh) {
+  using acc_t = at::opmath_type<scalar_t>;
+  Stencil<acc_t, W> s;
+  make_stencil<scalar_t, acc_t, W>(position, g, s);
+  for (int64_t ch = 0; ch < channels; ++ch) {
+    const acc_t v = values ? static_cast<acc_t>(values[ch]) : acc_t(1);
+    scalar_t* m = mesh + ch * channel_stride;
+    for (int a = 0; a < W; ++a) {
+      for (int b = 0; b < W; ++b) {
+        scalar_t* row = m + s.offset[0][a] + s.offset[1][b];
+        const acc_t wab = s.weight[0][a] * s.weight[1][b];
+        if (s.z_contiguous) {
+          // adjacent nodes: a fixed-length loop the compiler unrolls and vectorises
+          scalar_t* z = row + s.offset[2][0];
+          for (int c = 0; c < W; ++c) {
+            z[c] += static_cast<scalar_t>(v * (wab * s.weight[2][c]));
+          }
+        } else {
+          for (int c = 0; c < W; ++c) {
+            row[s.offset[2][c]] += static_cast<scalar_t>(v * (wab * s.weight[2][c]));
+          }
+        }
+      }
+    }
+  }
+}
+
+inline void prefetch(const void* address) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(address);
+#else
+  (void)address;
+#endif
+}
+
+// Visits particles [begin, end) in chunks: first computes the chunk's stencils
+// and prefetches every mesh line they touch, then calls visit(p, stencil) for
+// each valid particle. In random particle order each gather is a cache miss;
+// issuing a chunk's loads ahead lets the memory system serve them in parallel
+// instead of one after another. Returns the number of rejected particles.
+template <typename scalar_t, typename acc_t, int W, bool with_derivative, typename Visit>
+int64_t gather_particles(
+    const scalar_t* positions,
+    int64_t begin,
+    int64_t end,
+    const StencilGeometry& g,
+    const scalar_t* field,
+    int64_t batch,
+    int64_t per_batch,
+    int64_t channels,
+    const Visit& visit) {
+  // Fewer particles per chunk for wide stencils: their prefetches fill the
+  // line-fill buffers sooner.
+  constexpr int kChunk = W <= 2 ? 16 : 4;
+  const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
+  Stencil<acc_t, W> stencil[kChunk];
+  bool valid[kChunk];
+  int64_t bad = 0;
+  for (int64_t first = begin; first < end; first += kChunk) {
+    const int count = static_cast<int>(std::min<int64_t>(kChunk, end - first));
+    for (int i = 0; i < count; ++i) {
+      const int64_t p = first + i;
+      Stencil<acc_t, W>& s = stencil[i];
+      valid[i] = make_stencil<scalar_t, acc_t, W, with_derivative>(positions + 3 * p, g, s);
+      if (!valid[i]) {
+        continue;
+      }
+      const scalar_t* m = field + (batch == 1 ? 0 : p / per_batch) * channels * channel_stride;
+      for (int64_t ch = 0; ch < channels; ++ch) {
+        for (int a = 0; a < W; ++a) {
+          for (int b = 0; b < W; ++b) {
+            const scalar_t* row = m + ch * channel_stride + s.offset[0][a] + s.offset[1][b];
+            // The z nodes of one row are adjacent except across a periodic wrap.
+            prefetch(row + s.offset[2][0]);
+            prefetch(row + s.offset[2][W - 1]);
+          }
+        }
+      }
+    }
+    for (int i = 0; i < count; ++i) {
+      if (valid[i]) {
+        visit(first + i, stencil[i]);
+      } else {
+        ++bad;
+      }
+    }
+  }
+  return bad;
+}
+
+struct CheckResult {
+  int64_t bad_positions = 0;
+  int64_t bad_values = 0;
+};
+
+// Checks every particle (position, and its values when `values` is not null);
+// fills `plane` (the x index of each particle's first stencil node) when it is
+// not null.
+template <typename scalar_t, int W>
+CheckResult check_and_bin(
+    const scalar_t* positions,
+    const scalar_t* values,
+    int64_t channels,
+    int64_t count,
+    const StencilGeometry& g,
+    int64_t* plane) {
+  using acc_t = at::opmath_type<scalar_t>;
+  std::atomic<int64_t> bad{0};
+  std::atomic<int64_t> bad_values{0};
+  at::parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
+    int64_t local_bad = 0;
+    int64_t local_bad_values = 0;
+    Stencil<acc_t, W> s;
+    for (int64_t p = begin; p < end; ++p) {
+      const bool ok = make_stencil<scalar_t, acc_t, W>(positions + 3 * p, g, s);
+      local_bad += ok ? 0 : 1;
+      if (plane) {
+        plane[p] = ok ? s.first_x : 0;
+      }
+      if (values) {
+        bool finite = true;
+        for (int64_t ch = 0; ch < channels; ++ch) {
+          finite = finite && std::isfinite(values[p * channels + ch]);
+        }
+        local_bad_values += finite ? 0 : 1;
+      }
+    }
+    bad += local_bad;
+    bad_values += local_bad_values;
+  });
+  return {bad.load(), bad_values.load()};
+}
+
+template <typename scalar_t, int W>
+void paint_kernel(
+    const char* op,
+    const at::Tensor& positions,   // (B, N, 3) contiguous
+    const at::Tensor& weights,     // (B, N, C) contiguous or undefined
+    int64_t channels,
+    const StencilGeometry& g,
+    bool check_finite,
+    at::Tensor& mesh) {  // (B, C, nx, ny, nz) contiguous zeros
+  const int64_t batch = positions.size(0);
+  const int64_t n = positions.size(1);
+  const int64_t nx = g.shape[0];
+  const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
+  const scalar_t* pos = positions.data_ptr<scalar_t>();
+  const scalar_t* values = weights.defined() ? weights.data_ptr<scalar_t>() : nullptr;
+  scalar_t* out = mesh.data_ptr<scalar_t>();
+  const int64_t total = batch * n;
+
+  // Decided by the particle count alone, never by the thread count: the binned
+  // path gives every cell its contributions in the same order with 1 thread or
+  // many, and a different order from the serial path.
+  const bool serial = total < kSerialPaintLimit;
+  std::vector<int64_t> plane(serial ? 0 : total);
+  const CheckResult check = check_and_bin<scalar_t, W>(
+      pos, check_finite ? values : nullptr, channels, total, g,
+      serial ? nullptr : plane.data());
+  if (check.bad_positions > 0) {
+    throw_bad_particles(op, positions, g, check.bad_positions);
+  }
+  if (check.bad_values > 0) {
+    throw_non_finite(op, "weights", weights, check.bad_values);
+  }
+  auto paint_one = [&](int64_t p) {
+    const int64_t b = batch == 1 ? 0 : p / n;
+    deposit<scalar_t, W>(
+        pos + 3 * p, values ? values + channels * p : nullptr, channels,
+        channel_stride, g, out + b * channels * channel_stride);
+  };
+  if (serial) {
+    for (int64_t p = 0; p < total; ++p) {
+      paint_one(p);
+    }
+    return;
+  }
+
+  // Stable counting sort of particles into bins (batch, plane).
+  const int64_t bins = batch * nx;
+  std::vector<int64_t> start(bins + 1, 0);
+  for (int64_t b = 0, p = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < n; ++i, ++p) {
+      ++start[b * nx + plane[p] + 1];
+    }
+  }
+  for (int64_t i = 0; i < bins; ++i) {
+    start[i + 1] += start[i];
+  }
+  std::vector<int64_t> order(total);
+  {
+    std::vector<int64_t> fill(start.begin(), start.end() - 1);
+    for (int64_t b = 0, p = 0; b < batch; ++b) {
+      for (int64_t i = 0; i < n; ++i, ++p) {
+        order[fill[b * nx + plane[p]]++] = p;
+      }
+    }
+  }
+  // On a periodic axis, planes at or past the last multiple of W wrap into
+  // planes 0 .. W - 2 and may collide with bins of their own residue: they are
+  // painted one by one after the phases. Bins below that limit of one residue
+  // are at least W apart and, wrapped, still do not overlap.
+  const int64_t phased = g.periodic[0] ? nx - nx % W : nx;
+  auto paint_bin = [&](int64_t bin) {
+    // Binned order reads positions out of order: fetch a few particles ahead.
+    constexpr int64_t kAhead = 8;
+    const int64_t stop = start[bin + 1];
+    for (int64_t k = start[bin]; k < stop; ++k) {
+      if (k + kAhead < stop) {
+        const int64_t ahead = order[k + kAhead];
+        prefetch(pos + 3 * ahead);
+        if (values) {
+          prefetch(values + channels * ahead);
+        }
+      }
+      paint_one(order[k]);
+    }
+  };
+  for (int residue = 0; residue < W; ++residue) {
+    const int64_t planes_in_phase = phased > residue ? (phased - residue + W - 1) / W : 0;
+    const int64_t tasks = batch * planes_in_phase;
+    if (tasks == 0) {
+      continue;
+    }
+    // Planes hold very different particle counts once structure forms, so
+    // threads take planes from a shared counter (dynamic scheduling) on torch's
+    // own thread pool.
+    std::atomic<int64_t> next{0};
+    const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      for (int64_t t = next++; t < tasks; t = next++) {
+        const int64_t b = t / planes_in_phase;
+        const int64_t i = W * (t % planes_in_phase) + residue;
+        paint_bin(b * nx + i);
+      }
+    });
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = phased; i < nx; ++i) {
+      paint_bin(b * nx + i);
+    }
+  }
+}
+
+at::Tensor paint_cpu(
+    const at::Tensor& positions_in,
+    const std::optional<at::Tensor>& weights_in,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order,
+    bool check_finite) {
+  const char* op = "torchpm.paint";
+  auto positions = check_positions(op, positions_in);
+  const StencilGeometry g = make_geometry(op, shape, offset, periodic, order);
+  int64_t channels = 1;
+  bool has_channel_dim = false;
+  at::Tensor weights;
+  if (weights_in.has_value()) {
+    weights = check_particle_values(
+        op, "weights", *weights_in, positions, channels, has_channel_dim);
+  }
+  check_mesh_size(op, positions.size(0), channels, g, positions.scalar_type());
+  auto mesh = at::zeros(
+      {positions.size(0), channels, shape[0], shape[1], shape[2]},
+      positions.options());
+  if (positions.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "paint_cpu", [&] {
+      dispatch_order(op, order, [&](auto width) {
+        paint_kernel<scalar_t, decltype(width)::value>(
+            op, positions, weights, channels, g, check_finite, mesh);
+      });
+    });
+  }
+  return has_channel_dim ? mesh : mesh.squeeze(1);
+}
+
+at::Tensor readout_cpu(
+    const at::Tensor& mesh_in,
+    const at::Tensor& positions_in,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order,
+    bool check_finite) {
+  const char* op = "torchpm.readout";
+  auto positions = check_positions(op, positions_in);
+  int64_t channels = 1;
+  bool has_channel_dim = false;
+  auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim);
+  const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
+  const int64_t batch = positions.size(0);
+  const int64_t n = positions.size(1);
+  auto out = at::empty({batch, n, channels}, positions.options());
+  if (out.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "readout_cpu", [&] {
+      dispatch_order(op, order, [&](auto width) {
+        constexpr int W = decltype(width)::value;
+        using acc_t = at::opmath_type<scalar_t>;
+        const scalar_t* pos = positions.data_ptr<scalar_t>();
+        const scalar_t* field = mesh.data_ptr<scalar_t>();
+        scalar_t* result = out.data_ptr<scalar_t>();
+        const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
+        std::atomic<int64_t> bad{0};
+        std::atomic<int64_t> non_finite{0};
+        at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
+          int64_t local_non_finite = 0;
+          bad += gather_particles<scalar_t, acc_t, W, false>(
+              pos, begin, end, g, field, batch, n, channels,
+              [&](int64_t p, const Stencil<acc_t, W>& s) {
+                const scalar_t* m = field + (batch == 1 ? 0 : p / n) * channels * channel_stride;
+                bool finite = true;
+                for (int64_t ch = 0; ch < channels; ++ch) {
+                  const scalar_t* mc = m + ch * channel_stride;
+                  // Separable sum: the z dot product first, then the (x, y)
+                  // weights, W^2 (W + 1) multiplications instead of 2 W^3.
+                  acc_t acc = 0;
+                  for (int a = 0; a < W; ++a) {
+                    for (int b = 0; b < W; ++b) {
+                      const scalar_t* row = mc + s.offset[0][a] + s.offset[1][b];
+                      acc_t along_z = 0;
+                      if (s.z_contiguous) {
+                        const scalar_t* z = row + s.offset[2][0];
+                        for (int c = 0; c < W; ++c) {
+                          along_z += s.weight[2][c] * static_cast<acc_t>(z[c]);
+                        }
+                      } else {
+                        for (int c = 0; c < W; ++c) {
+                          along_z += s.weight[2][c] * static_cast<acc_t>(row[s.offset[2][c]]);
+                        }
+                      }
+                      acc += (s.weight[0][a] * s.weight[1][b]) * along_z;
+                    }
+                  }
+                  result[p * channels + ch] = static_cast<scalar_t>(acc);
+                  finite = finite && std::isfinite(acc);
+                }
+                local_non_finite += finite ? 0 : 1;
+              });
+          non_finite += local_non_finite;
+        });
+        if (bad.load() > 0) {
+          throw_bad_particles(op, positions, g, bad.load());
+        }
+        if (check_finite && non_finite.load() > 0) {
+          throw_non_finite(op, "mesh", out, non_finite.load());
+        }
+      });
+    });
+  }
+  return has_channel_dim ? out : out.squeeze(2);
+}
+
+at::Tensor position_gradient_cpu(
+    const at::Tensor& mesh_in,
+    const at::Tensor& positions_in,
+    const std::optional<at::Tensor>& values_in,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order) {
+  const char* op = "torchpm._position_gradient";
+  auto positions = check_positions(op, positions_in);
+  int64_t channels = 1;
+  bool has_channel_dim = false;
+  auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim);
+  at::Tensor values;
+  if (values_in.has_value()) {
+    int64_t value_channels = 1;
+    bool value_channel_dim = false;
+    values = check_particle_values(
+        op, "values", *values_in, positions, value_channels, value_channel_dim);
+    TORCH_CHECK_VALUE(
+        value_channels == channels && value_channel_dim == has_channel_dim, op,
+        ": `values` must have one entry per channel of `mesh`.");
+  } else {
+    TORCH_CHECK_VALUE(channels == 1 && !has_channel_dim, op,
+                      ": `values` may be omitted only for a single-channel mesh.");
+  }
+  const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
+  const int64_t batch = positions.size(0);
+  const int64_t n = positions.size(1);
+  auto out = at::empty({batch, n, 3}, positions.options());
+  if (out.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "position_gradient_cpu", [&] {
+      dispatch_order(op, order, [&](auto width) {
+        constexpr int W = decltype(width)::value;
+        using acc_t = at::opmath_type<scalar_t>;
+        const scalar_t* pos = positions.data_ptr<scalar_t>();
+        const scalar_t* field = mesh.data_ptr<scalar_t>();
+        const scalar_t* val = values.defined() ? values.data_ptr<scalar_t>() : nullptr;
+        scalar_t* result = out.data_ptr<scalar_t>();
+        const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
+        std::atomic<int64_t> bad{0};
+        at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
+          bad += gather_particles<scalar_t, acc_t, W, true>(
+              pos, begin, end, g, field, batch, n, channels,
+              [&](int64_t p, const Stencil<acc_t, W>& s) {
+                const scalar_t* m = field + (batch == 1 ? 0 : p / n) * channels * channel_stride;
+                // Separable: per (x, y) node pair, the z sums with the weights and
+                // with their derivatives, then the (x, y) factors.
+                acc_t grad[3] = {0, 0, 0};
+                for (int a = 0; a < W; ++a) {
+                  for (int b = 0; b < W; ++b) {
+                    const int64_t row = s.offset[0][a] + s.offset[1][b];
+                    acc_t along_z = 0;
+                    acc_t along_z_derivative = 0;
+                    for (int c = 0; c < W; ++c) {
+                      const int64_t idx = row + s.offset[2][c];
+                      acc_t sum = 0;
+                      for (int64_t ch = 0; ch < channels; ++ch) {
+                        const acc_t v = val ? static_cast<acc_t>(val[p * channels + ch]) : acc_t(1);
+                        sum += v * static_cast<acc_t>(m[ch * channel_stride + idx]);
+                      }
+                      along_z += s.weight[2][c] * sum;
+                      along_z_derivative += s.derivative[2][c] * sum;
+                    }
+                    grad[0] += s.derivative[0][a] * s.weight[1][b] * along_z;
+                    grad[1] += s.weight[0][a] * s.derivative[1][b] * along_z;
+                    grad[2] += s.weight[0][a] * s.weight[1][b] * along_z_derivative;
+                  }
+                }
+                for (int d = 0; d < 3; ++d) {
+                  result[3 * p + d] = static_cast<scalar_t>(grad[d]);
+                }
+              });
+        });
+        if (bad.load() > 0) {
+          throw_bad_particles(op, positions, g, bad.load());
+        }
+      });
+    });
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
+  m.impl("paint", &paint_cpu);
+  m.impl("readout", &readout_cpu);
+  m.impl("_position_gradient", &position_gradient_cpu);
+}
+
+}  // namespace torchpm

@@ -1,0 +1,172 @@
+// The mass-assignment stencil of one particle (NGP, CIC, TSC, PCS), shared by
+// the CPU and CUDA kernels so that both backends compute exactly the same
+// weights and indices. One template over the stencil width W (nodes per axis,
+// equal to the assignment order p); no per-order copies.
+#pragma once
+
+#include <c10/macros/Macros.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "torchpm.h"
+
+// Unrolls a loop of compile-time length in device code; host compilers that do
+// not know the pragma would warn, and unroll constant trip counts themselves.
+#ifdef __CUDACC__
+#define TORCHPM_UNROLL _Pragma("unroll")
+#else
+#define TORCHPM_UNROLL
+#endif
+
+namespace torchpm {
+
+// Node j of the global mesh sits at x = j. Along each axis a particle at x
+// touches the W nodes first, ..., first + W - 1 with
+//
+//     first = floor(x + 1 - W/2),   t = x + 1 - W/2 - first  in [0, 1),
+//
+// i.e. NGP the nearest node round-half-up(x), CIC floor(x) and floor(x) + 1,
+// TSC the nearest node and its two neighbours, PCS floor(x) - 1 .. floor(x) + 2.
+// The weights are the uniform B-spline of degree W - 1 (the top hat convolved
+// with itself W - 1 times) evaluated at the node distances, written in t.
+// Their sum is 1 for every t, so mass is conserved exactly up to rounding.
+template <int W, typename acc_t>
+C10_HOST_DEVICE inline void bspline_weights(acc_t t, acc_t* weight, acc_t* derivative) {
+  static_assert(W >= 1 && W <= 4, "stencil width must be 1 (NGP) to 4 (PCS)");
+  const acc_t one = acc_t(1);
+  const acc_t u = one - t;
+  if constexpr (W == 1) {
+    weight[0] = one;
+    derivative[0] = acc_t(0);  // piecewise constant: zero almost everywhere
+  } else if constexpr (W == 2) {
+    weight[0] = u;
+    weight[1] = t;
+    derivative[0] = -one;
+    derivative[1] = one;
+  } else if constexpr (W == 3) {
+    const acc_t half = acc_t(0.5);
+    weight[0] = half * u * u;
+    weight[1] = acc_t(0.75) - (t - half) * (t - half);
+    weight[2] = half * t * t;
+    derivative[0] = -u;
+    derivative[1] = one - acc_t(2) * t;
+    derivative[2] = t;
+  } else {
+    const acc_t sixth = one / acc_t(6);
+    weight[0] = sixth * u * u * u;
+    weight[1] = sixth * (acc_t(4) - acc_t(6) * t * t + acc_t(3) * t * t * t);
+    weight[2] = sixth * (acc_t(4) - acc_t(6) * u * u + acc_t(3) * u * u * u);
+    weight[3] = sixth * t * t * t;
+    derivative[0] = -acc_t(0.5) * u * u;
+    derivative[1] = t * (acc_t(1.5) * t - acc_t(2));
+    derivative[2] = u * (acc_t(2) - acc_t(1.5) * u);
+    derivative[3] = acc_t(0.5) * t * t;
+  }
+}
+
+// Indices and separable weights of the W x W x W nodes a particle touches.
+// offset[d][k] is node k's contribution to the linear index inside one channel
+// (local index * stride of axis d), weight[d][k] its weight along axis d and
+// derivative[d][k] that weight's derivative with respect to x_d.
+template <typename acc_t, int W>
+struct Stencil {
+  static constexpr int width = W;
+  int64_t first_x;  // local x index of the first node (binning by plane)
+  bool z_contiguous;  // the z nodes are adjacent in memory (no periodic wrap)
+  int64_t offset[3][W];
+  acc_t weight[3][W];
+  acc_t derivative[3][W];
+};
+
+// Wraps i into [0, n); the common case (already inside) costs one comparison.
+C10_HOST_DEVICE inline int64_t wrap_index(int64_t i, int64_t n) {
+  if (i >= 0 && i < n) {
+    return i;
+  }
+  i %= n;
+  return i < 0 ? i + n : i;
+}
+
+// Fills `stencil` for a particle at (x0, x1, x2) and returns false when the
+// particle is not finite, absurdly far out, or (on a block axis) touches a node
+// outside the block. `with_derivative` skips the derivatives when not needed.
+template <typename scalar_t, typename acc_t, int W, bool with_derivative = false>
+C10_HOST_DEVICE inline bool make_stencil(
+    const scalar_t* position,
+    const StencilGeometry& g,
+    Stencil<acc_t, W>& stencil) {
+  const int64_t stride[3] = {g.shape[1] * g.shape[2], g.shape[2], 1};
+  // 1 - W/2 is exact in binary floating point (0.5, 0, -0.5, -1).
+  const acc_t shift = acc_t(1) - acc_t(W) / acc_t(2);
+  for (int d = 0; d < 3; ++d) {
+    const acc_t x = static_cast<acc_t>(position[d]);
+    // !(|x| < bound) is also true for NaN.
+    if (!(x < static_cast<acc_t>(kMaxAbsPosition) &&
+          x > -static_cast<acc_t>(kMaxAbsPosition))) {
+      return false;
+    }
+    const acc_t shifted = x + shift;
+    const acc_t floor_x = ::floor(shifted);
+    const acc_t t = shifted - floor_x;
+    const int64_t first = static_cast<int64_t>(floor_x) - g.offset[d];
+    const int64_t n = g.shape[d];
+    if (g.periodic[d]) {
+      int64_t node = wrap_index(first, n);
+      TORCHPM_UNROLL
+      for (int k = 0; k < W; ++k) {
+        stencil.offset[d][k] = node * stride[d];
+        node = (node + 1 == n) ? 0 : node + 1;
+      }
+      if (d == 0) {
+        stencil.first_x = wrap_index(first, n);
+      }
+    } else {
+      if (first < 0 || first + W > n) {
+        return false;
+      }
+      TORCHPM_UNROLL
+      for (int k = 0; k < W; ++k) {
+        stencil.offset[d][k] = (first + k) * stride[d];
+      }
+      if (d == 0) {
+        stencil.first_x = first;
+      }
+    }
+    if (d == 2) {
+      stencil.z_contiguous = stencil.offset[2][W - 1] - stencil.offset[2][0] == W - 1;
+    }
+    acc_t unused[W];
+    bspline_weights<W, acc_t>(
+        t, stencil.weight[d], with_derivative ? stencil.derivative[d] : unused);
+  }
+  return true;
+}
+
+// Calls f(std::integral_constant<int, W>{}) with W = order (1 NGP .. 4 PCS), so
+// a kernel written once as a template over W is instantiated for every order.
+template <typename F>
+inline void dispatch_order(const char* op, int64_t order, const F& f) {
+  switch (order) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      TORCH_CHECK_VALUE(
+          false, op, ": expected `order` 1 (NGP), 2 (CIC), 3 (TSC) or 4 (PCS), got ",
+          order, ".");
+  }
+}
+
+}  // namespace torchpm

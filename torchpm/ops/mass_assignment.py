@@ -1,0 +1,371 @@
+"""Mass assignment (NGP, CIC, TSC, PCS): paint and readout as torch custom ops.
+
+The kernels are C++ (CPU) and CUDA, registered under ``torch.ops.torchpm``, one
+template over the stencil width for every order. This module gives them fake
+(meta) kernels for ``torch.compile`` that perform every check that needs no
+values, autograd formulas whose backwards are themselves custom ops, and the
+public functions :func:`paint`, :func:`readout` (and the CIC shortcuts
+:func:`cic_paint`, :func:`cic_readout`) with argument checking.
+
+Geometry. Positions are in mesh-cell units: node ``j`` of the global mesh sits at
+``x = j``. An assignment of order ``p`` (1 NGP, 2 CIC, 3 TSC, 4 PCS) gives a
+particle at ``x`` the ``p`` nodes ``first .. first + p - 1`` along each axis, with
+``first = floor(x + 1 - p/2)`` and ``t = x + 1 - p/2 - first`` in ``[0, 1)``, and
+weights the uniform B-spline of degree ``p - 1`` at the node distances:
+
+* NGP: the nearest node ``floor(x + 1/2)``, weight 1;
+* CIC: ``floor(x)``, ``floor(x) + 1`` with ``1 - t``, ``t``;
+* TSC: the nearest node ``c`` and ``c -+ 1``, with ``(1-t)^2/2``, ``3/4 - (t-1/2)^2``,
+  ``t^2/2`` (``t - 1/2 = x - c``);
+* PCS: ``floor(x) - 1 .. floor(x) + 2`` with ``(1-t)^3/6``, ``(4 - 6t^2 + 3t^3)/6``,
+  ``(4 - 6(1-t)^2 + 3(1-t)^3)/6``, ``t^3/6``;
+
+the 3-d weight is the product over the axes. Its Fourier transform is
+``W(w) = prod_i sinc(w_i / 2 pi)^p`` (``w`` in radians per cell). A local mesh of
+shape ``(nx, ny, nz)`` holds global nodes ``offset .. offset + shape - 1``:
+
+* on a *periodic* axis, indices wrap modulo the local size (with ``offset = 0``
+  and the full size this is the ordinary periodic mesh);
+* on a *block* axis, all ``p`` nodes must lie in the block, that is
+  ``offset + p/2 - 1 <= x < offset + n - p/2``; a particle outside is an error
+  naming how many particles and the worst one. Nothing is ever dropped silently.
+  :func:`halo_widths` gives the halo a block needs around the interval it owns.
+
+Gradients are exact for every order. NGP's weights are piecewise constant: its
+position gradient is zero (exact almost everywhere; the jumps at cell faces
+have no derivative), its weight and mesh gradients are ordinary.
+
+Non-finite values: by default (``check_finite=True``) paint raises on NaN/Inf
+weights and readout raises when a particle reads a NaN/Inf mesh value, with one
+flag per call inside the kernels (no extra pass). ``check_finite=False`` skips
+that and propagates them (the backward passes do so: a NaN gradient is the
+upstream's to report). Non-finite positions always raise.
+
+Inputs must be torch tensors: numpy arrays and lists raise a ``TypeError``
+(converting would have to guess the dtype and device).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import _arguments as args
+from . import _reference
+
+__all__ = ["paint", "readout", "cic_paint", "cic_readout", "halo_widths"]
+
+_ops = torch.ops.torchpm
+
+
+def halo_widths(order) -> tuple[int, int]:
+    """``(below, above)``: the reach of the stencil of ``order`` around a block.
+
+    A particle whose global coordinate along an axis lies in the owned interval
+    ``[o, o + n)`` has all its stencil nodes in ``[o - below, o + n - 1 + above]``.
+    So a block mesh of shape ``n + below + above`` with ``offset = o - below``
+    accepts every particle the rank owns. With ``first = floor(x + 1 - p/2)``
+    (module docs), ``below = ceil(p/2 - 1)`` and ``above = ceil(p/2)``:
+
+    ========  =====  =====
+    order     below  above
+    ========  =====  =====
+    ngp (1)   0      1
+    cic (2)   0      1
+    tsc (3)   1      2
+    pcs (4)   1      2
+    ========  =====  =====
+    """
+    p = args.order_number(order, "halo_widths")
+    below = -((2 - p) // 2)  # ceil(p/2 - 1)
+    above = (p + 1) // 2
+    return below, above
+
+
+def _use_reference(tensor):
+    # CUDA paint scatters with atomics; honour deterministic mode with the
+    # deterministic pure-torch path (index_put_ with accumulate=True).
+    return tensor.is_cuda and torch.are_deterministic_algorithms_enabled()
+
+
+def paint(
+    positions: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    shape: Sequence[int] | None = None,
+    *,
+    order: str | int = "cic",
+    offset: Sequence[int] | None = None,
+    periodic: bool | Sequence[bool] = True,
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """Paint particles onto a mesh with the mass-assignment window ``order``.
+
+    Args:
+        positions: ``(B, N, 3)`` float32 or float64, global mesh-cell units.
+        weights: ``(B, N)`` or ``(B, N, C)`` values carried by each particle (same
+            dtype and device), or ``None`` for unit mass.
+        shape: ``(nx, ny, nz)`` of the (local) mesh, integers below 2^31.
+        order: ``"ngp"``, ``"cic"``, ``"tsc"`` or ``"pcs"`` (or 1..4).
+        offset: 3 integers, global index of the local mesh's node ``(0, 0, 0)``;
+            default 0.
+        periodic: a bool or 3 bools: per axis, whether indices wrap modulo the
+            local size; a non-periodic axis is a block axis (module docs).
+        check_finite: raise on NaN/Inf weights (module docs).
+
+    Returns:
+        ``(B, nx, ny, nz)``, or ``(B, C, nx, ny, nz)`` for ``(B, N, C)`` weights.
+        The sum of the mesh equals the sum of the weights.
+
+    Differentiable in ``positions`` and ``weights``. On CUDA the kernel adds with
+    atomics, so float rounding may differ between runs; under
+    ``torch.use_deterministic_algorithms(True)`` a deterministic pure-torch path
+    is used instead. The CPU kernel is deterministic and independent of the
+    number of threads.
+    """
+    op = "paint"
+    positions = args.tensor_argument(positions, "positions", op)
+    weights = args.tensor_argument(weights, "weights", op, optional=True)
+    shape = args.shape_argument(shape, op)
+    offset = args.offset_argument(offset, op)
+    periodic = args.periodic_argument(periodic, op)
+    p = args.order_number(order, op)
+    check_finite = args.bool_argument(check_finite, "check_finite", op)
+    if _use_reference(positions):
+        _paint_checks(positions, weights, shape, offset, p)
+        if check_finite and weights is not None and not bool(torch.isfinite(weights).all()):
+            raise ValueError(f"{op}: `weights` contains NaN or Inf values")
+        return _reference.paint_reference(positions, weights, shape, offset, periodic, p)
+    return _ops.paint(positions, weights, shape, offset, periodic, p, check_finite)
+
+
+def readout(
+    mesh: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    order: str | int = "cic",
+    offset: Sequence[int] | None = None,
+    periodic: bool | Sequence[bool] = True,
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """Interpolate a mesh at particle positions with the window ``order``.
+
+    Args:
+        mesh: ``(B, nx, ny, nz)`` or ``(B, C, nx, ny, nz)`` (C channels read in
+            one pass over the particles, e.g. the 3 force components).
+        positions: ``(B, N, 3)``, same dtype and device as ``mesh``.
+        order, offset, periodic: as in :func:`paint`.
+        check_finite: raise when a particle reads a NaN/Inf mesh value.
+
+    Returns:
+        ``(B, N)`` or ``(B, N, C)``.
+
+    Differentiable in ``mesh`` and ``positions``. The adjoint of readout in the
+    mesh is paint with the same order: ``<paint(x, w), f> = <w, readout(f, x)>``.
+    """
+    op = "readout"
+    mesh = args.tensor_argument(mesh, "mesh", op)
+    positions = args.tensor_argument(positions, "positions", op)
+    offset = args.offset_argument(offset, op)
+    periodic = args.periodic_argument(periodic, op)
+    p = args.order_number(order, op)
+    check_finite = args.bool_argument(check_finite, "check_finite", op)
+    return _ops.readout(mesh, positions, offset, periodic, p, check_finite)
+
+
+def cic_paint(positions, weights=None, shape=None, *, offset=None, periodic=True, check_finite=True):
+    """:func:`paint` with ``order="cic"`` (cloud in cell)."""
+    return paint(positions, weights, shape, order=2, offset=offset, periodic=periodic, check_finite=check_finite)
+
+
+def cic_readout(mesh, positions, *, offset=None, periodic=True, check_finite=True):
+    """:func:`readout` with ``order="cic"`` (cloud in cell)."""
+    return readout(mesh, positions, order=2, offset=offset, periodic=periodic, check_finite=check_finite)
+
+
+# ----------------------------------------------------------------------------
+# Fake kernels: every check that needs no values (the same ones as the C++
+# argument checks, so meta tensors and torch.compile fail as eager does).
+
+
+def _floating(t, name, op):
+    if t.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: expected `{name}` to be float32 or float64, got {t.dtype}.")
+
+
+def _check_positions(positions, op):
+    if positions.dim() != 3 or positions.shape[2] != 3:
+        raise ValueError(f"{op}: expected `positions` of shape (B, N, 3), got {tuple(positions.shape)}.")
+    _floating(positions, "positions", op)
+
+
+def _check_same(t, name, positions, op):
+    if t.dtype != positions.dtype:
+        raise ValueError(f"{op}: expected `{name}` to have the dtype of `positions` ({positions.dtype}), got {t.dtype}.")
+    if t.device != positions.device:
+        raise RuntimeError(f"{op}: expected `{name}` on the device of `positions` ({positions.device}), got {t.device}.")
+
+
+def _check_values(values, name, positions, op):
+    """(B, N) or (B, N, C) -> C or None (no channel axis)."""
+    if values.dim() not in (2, 3) or tuple(values.shape[:2]) != tuple(positions.shape[:2]):
+        raise ValueError(
+            f"{op}: expected `{name}` of shape (B, N) or (B, N, C) with (B, N) = "
+            f"{tuple(positions.shape[:2])} from `positions`, got {tuple(values.shape)}."
+        )
+    _check_same(values, name, positions, op)
+    if values.dim() == 3 and values.shape[2] == 0:
+        raise ValueError(f"{op}: `{name}` has zero channels.")
+    return values.shape[2] if values.dim() == 3 else None
+
+
+def _check_mesh(mesh, positions, op):
+    if mesh.dim() not in (4, 5) or mesh.shape[0] != positions.shape[0]:
+        raise ValueError(
+            f"{op}: expected `mesh` of shape (B, nx, ny, nz) or (B, C, nx, ny, nz) with B = "
+            f"{positions.shape[0]} from `positions`, got {tuple(mesh.shape)}."
+        )
+    _check_same(mesh, "mesh", positions, op)
+    if mesh.dim() == 5 and mesh.shape[1] == 0:
+        raise ValueError(f"{op}: `mesh` has zero channels.")
+    if any(s <= 0 for s in mesh.shape[-3:]):
+        raise ValueError(f"{op}: expected every mesh size of `mesh` to be positive, got {tuple(mesh.shape)}.")
+    return mesh.shape[1] if mesh.dim() == 5 else None
+
+
+def _check_geometry(shape, offset, order, op):
+    if len(shape) != 3 or any(s <= 0 or s > args.MAX_AXIS for s in shape):
+        raise ValueError(f"{op}: expected `shape` to be 3 positive integers below 2^31, got {tuple(shape)}.")
+    if len(offset) != 3 or any(abs(o) >= 2**40 for o in offset):
+        raise ValueError(f"{op}: expected `offset` to have 3 entries below 2^40, got {tuple(offset)}.")
+    if not 1 <= order <= 4:
+        raise ValueError(f"{op}: expected `order` 1 (NGP), 2 (CIC), 3 (TSC) or 4 (PCS), got {order}.")
+
+
+def _paint_checks(positions, weights, shape, offset, order):
+    op = "torchpm.paint"
+    _check_positions(positions, op)
+    channels = _check_values(weights, "weights", positions, op) if weights is not None else None
+    _check_geometry(shape, offset, order, op)
+    return channels
+
+
+@torch.library.register_fake("torchpm::paint")
+def _paint_fake(positions, weights, shape, offset, periodic, order=2, check_finite=True):
+    channels = _paint_checks(positions, weights, shape, offset, order)
+    batch = positions.shape[0]
+    if channels is not None:
+        return positions.new_empty(batch, channels, *shape)
+    return positions.new_empty(batch, *shape)
+
+
+@torch.library.register_fake("torchpm::readout")
+def _readout_fake(mesh, positions, offset, periodic, order=2, check_finite=True):
+    op = "torchpm.readout"
+    _check_positions(positions, op)
+    channels = _check_mesh(mesh, positions, op)
+    _check_geometry(list(mesh.shape[-3:]), offset, order, op)
+    batch, count = positions.shape[0], positions.shape[1]
+    if channels is not None:
+        return positions.new_empty(batch, count, channels)
+    return positions.new_empty(batch, count)
+
+
+@torch.library.register_fake("torchpm::_position_gradient")
+def _position_gradient_fake(mesh, positions, values, offset, periodic, order=2):
+    op = "torchpm._position_gradient"
+    _check_positions(positions, op)
+    channels = _check_mesh(mesh, positions, op)
+    if values is not None:
+        if _check_values(values, "values", positions, op) != channels:
+            raise ValueError(f"{op}: `values` must have one entry per channel of `mesh`.")
+    elif channels is not None:
+        raise ValueError(f"{op}: `values` may be omitted only for a single-channel mesh.")
+    _check_geometry(list(mesh.shape[-3:]), offset, order, op)
+    # A fresh contiguous (B, N, 3), as the kernels return, whatever the strides of positions.
+    return positions.new_empty(positions.shape[0], positions.shape[1], 3)
+
+
+# ----------------------------------------------------------------------------
+# Autograd. Every backward is made of custom ops, so torch.compile traces it.
+
+
+def _paint_setup_context(ctx, inputs, output):
+    positions, weights, shape, offset, periodic, order, _ = inputs
+    ctx.save_for_backward(positions, weights)
+    ctx.geometry = (offset, periodic, order)
+
+
+def _paint_backward(ctx, grad_mesh):
+    positions, weights = ctx.saved_tensors
+    offset, periodic, order = ctx.geometry
+    grad_positions = grad_weights = None
+    if ctx.needs_input_grad[0]:
+        grad_positions = _ops._position_gradient(grad_mesh, positions, weights, offset, periodic, order)
+    if weights is not None and ctx.needs_input_grad[1]:
+        grad_weights = _ops.readout(grad_mesh, positions, offset, periodic, order, False)
+    return grad_positions, grad_weights, None, None, None, None, None
+
+
+def _readout_setup_context(ctx, inputs, output):
+    mesh, positions, offset, periodic, order, _ = inputs
+    ctx.save_for_backward(mesh, positions)
+    ctx.geometry = (offset, periodic, order)
+
+
+def _readout_backward(ctx, grad_values):
+    mesh, positions = ctx.saved_tensors
+    offset, periodic, order = ctx.geometry
+    grad_mesh = grad_positions = None
+    if ctx.needs_input_grad[0]:
+        shape = list(mesh.shape[-3:])
+        if _use_reference(positions):
+            # deterministic mode may have been switched on after the forward
+            grad_mesh = _reference.paint_reference(positions, grad_values, shape, offset, periodic, order)
+        else:
+            grad_mesh = _ops.paint(positions, grad_values, shape, offset, periodic, order, False)
+    if ctx.needs_input_grad[1]:
+        grad_positions = _ops._position_gradient(mesh, positions, grad_values, offset, periodic, order)
+    return grad_mesh, grad_positions, None, None, None, None
+
+
+def _position_gradient_setup_context(ctx, inputs, output):
+    mesh, positions, values, offset, periodic, order = inputs
+    ctx.save_for_backward(mesh, positions, values)
+    ctx.geometry = (offset, periodic, order)
+
+
+def _position_gradient_backward(ctx, grad):
+    # Only reached for second derivatives (Hessian-vector products, gradient
+    # penalties). Rare enough to differentiate the pure-torch twin instead of
+    # keeping a second set of kernels; exact, including the cross terms
+    # d2W/dx_i dx_j of the separable weights.
+    mesh, positions, values = ctx.saved_tensors
+    offset, periodic, order = ctx.geometry
+    needs = ctx.needs_input_grad[:3]
+    with torch.enable_grad():
+        inputs = [
+            t if t is None or t.requires_grad or not need else t.detach().requires_grad_(True)
+            for t, need in zip((mesh, positions, values), needs)
+        ]
+        out = _reference.position_gradient_reference(*inputs, offset, periodic, order)
+        leaves = [t for t, need in zip(inputs, needs) if need]
+        grads = iter(
+            torch.autograd.grad(out, leaves, grad, allow_unused=True, create_graph=torch.is_grad_enabled())
+        )
+    result = []
+    for t, need in zip(inputs, needs):
+        g = next(grads) if need else None
+        if need and g is None:  # NGP: no dependence at all
+            g = torch.zeros_like(t)
+        result.append(g)
+    return (*result, None, None, None)
+
+
+torch.library.register_autograd("torchpm::paint", _paint_backward, setup_context=_paint_setup_context)
+torch.library.register_autograd("torchpm::readout", _readout_backward, setup_context=_readout_setup_context)
+torch.library.register_autograd(
+    "torchpm::_position_gradient",
+    _position_gradient_backward,
+    setup_context=_position_gradient_setup_context,
+)
