@@ -17,13 +17,16 @@ CPP_BUILD ?= build/cpp
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
-	@$(PYTHON) -c "import numpy, pytest, tqdm, matplotlib, safetensors" 2>/dev/null || \
-		$(PYTHON) -m pip install numpy pytest tqdm matplotlib safetensors
+	@$(PYTHON) -c "import numpy, pytest, tqdm, matplotlib, safetensors, h5py" 2>/dev/null || \
+		$(PYTHON) -m pip install numpy pytest tqdm matplotlib safetensors h5py
 
-# Independent codes the physics is validated against (tests only).
+# Independent codes the physics is validated against, and pynbody, an
+# independent reader of the Gadget HDF5 snapshots (tests only).
 test-deps: deps
 	@$(PYTHON) -c "import scipy, astropy, colossus" 2>/dev/null || \
 		$(PYTHON) -m pip install scipy astropy==8.0.2 colossus==1.4.0
+	@$(PYTHON) -c "import pynbody" 2>/dev/null || $(PYTHON) -m pip install pynbody==2.8.0
+	@$(PYTHON) -c "import hypothesis" 2>/dev/null || $(PYTHON) -m pip install hypothesis
 	@PYTHON=$(PYTHON) bash tools/install_jaxpm.sh
 
 $(STAMP): $(SOURCES)
@@ -32,8 +35,9 @@ $(STAMP): $(SOURCES)
 
 build: deps $(STAMP)
 
+# --overwrite: `make run` replaces the outputs of the previous `make run` in out/.
 run: build
-	$(PYTHON) -m torchpm run
+	$(PYTHON) -m torchpm run --overwrite
 
 # Compile every CUDA source to an object file whenever nvcc is present, so a CUDA
 # compile error fails CI on machines without a GPU (nothing is linked or run).

@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+import torch
 
 import torchpm
 
@@ -41,7 +43,217 @@ def test_run_rejects_bad_config(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text("n_particles = 8\nmesh_factor = 1.5\n")
     result = _run(["run", str(config)], cwd=tmp_path)
-    assert result.returncode != 0 and "mesh_factor" in result.stderr
+    assert result.returncode == 2 and "mesh_factor" in result.stderr
+    # a user error in a real process: one line, no traceback
+    assert "Traceback" not in result.stderr and result.stderr.strip().count("\n") == 0
     config.write_text("n_particle = 8\n")
     result = _run(["run", str(config)], cwd=tmp_path)
-    assert result.returncode != 0 and "unknown keys" in result.stderr
+    assert result.returncode == 2 and "unknown keys" in result.stderr
+
+
+# ----------------------------------------------------------------------------------
+# User errors: one line on stderr, exit status 2, nothing run, no traceback.
+
+from torchpm.__main__ import main  # noqa: E402
+
+SMALL = 'n_particles = 4\nbox_size = 40.0\nsteps = 2\n'
+
+BAD_VALUES = [
+    ("batch = 0", "`batch`"),
+    ("batch = 1.5", "`batch`"),
+    ("seed = \"abc\"", "`seed`"),
+    ("seed = 1.7", "`seed`"),
+    ("seed = -1", "`seed`"),
+    ("threads = -1", "`threads`"),
+    ("device = \"bogus\"", "`device`"),
+    ("device = \"cuda:99\"", "`device`"),
+    ("dtype = [\"float32\"]", "`dtype`"),
+    ("dtype = \"float16\"", "`dtype`"),
+    ("cosmology = { Omega_c = \"x\", Omega_b = 0.05, h = 0.7, n_s = 0.96, sigma8 = 0.8 }", "`cosmology.Omega_c`"),
+    ("cosmology = { Omega_c = 0.3 }", "missing parameters"),
+    ("cosmology = { Omega_c = 0.3, Omega_b = 0.05, h = 0.7, n_s = 0.96, sigma8 = 0.8, Omega_nu = 0.1 }", "unknown parameters"),
+    ("cosmology = { Omega_c = 0.9, Omega_b = 0.5, h = 0.7, n_s = 0.96, sigma8 = 0.8 }", "dark-energy"),
+    ("cosmology = \"Planck99\"", "`cosmology`"),
+    ("n_particles = \"644\"", "`n_particles`"),
+    ("box_size = \"256\"", "`box_size`"),
+    ("box_size = inf", "`box_size`"),
+    ("cic_compensation = \"false\"", "`cic_compensation`"),
+    ("steps = \"\"", "`steps`"),
+    ("steps = 1000000000", "`steps`"),
+    ("mesh_factor = 1.5", "`mesh_factor`"),
+    ("a_start = 0", "`a_start`"),
+    ("output = \"\"", "`output`"),
+    ("snapshots = [0.56]", "not one of the scale factors"),
+    ("snapshots = [1.0, 0.5]", "`snapshots`"),
+    ("grid = [2]", "`grid`"),
+    ("grid = [2, 1]", "`grid`"),
+    ("lpt_normalisation = \"pmwd\"", "`lpt_normalisation`"),
+    ("collective_timeout = -1", "`collective_timeout`"),
+    ("paint_order = \"quadratic\"", "`paint_order`"),
+    ("power_spectrum = \"missing_table.txt\"", "`power_spectrum`"),
+    ("n_particle = 8", "unknown keys"),
+    ("n_particles = [8, 8", "not valid TOML"),
+    ("n_particles = 512\nmesh_factor = 2", "needs about"),
+]
+
+
+def _line_count(text):
+    return len([line for line in text.splitlines() if line.strip()])
+
+
+@pytest.mark.parametrize("text,match", BAD_VALUES, ids=[v[0].split("\n")[0][:40] for v in BAD_VALUES])
+def test_bad_value_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, text, match):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "bad.toml"
+    # the small base config, less the keys the bad text sets (TOML refuses duplicate keys)
+    keys = {line.split("=")[0].strip() for line in text.splitlines()}
+    base = "".join(line + "\n" for line in SMALL.splitlines() if line.split("=")[0].strip() not in keys)
+    config.write_text(base + text + "\n")
+    assert main(["run", str(config)]) == 2
+    error = capsys.readouterr().err
+    assert match in error and _line_count(error) == 1, error
+    assert "Traceback" not in error
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+def test_bad_value_names_the_line(tmp_path, capsys):
+    config = tmp_path / "bad.toml"
+    config.write_text(SMALL + "# a comment\nbatch = 1.5\n")
+    assert main(["run", str(config)]) == 2
+    assert f"{config}:5: `batch`" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["directory", "not_utf8", "missing", "binary_power", "empty_output",
+                                  "output_is_file", "output_under_file", "resume_missing", "resume_not_hdf5"])
+def test_bad_paths_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.toml"
+    config.write_text(SMALL)
+    arguments = ["run", str(config)]
+    match = {"directory": "is a directory", "not_utf8": "not UTF-8", "missing": "not found",
+             "binary_power": "not a UTF-8 text table", "empty_output": "`output`",
+             "output_is_file": "not a folder", "output_under_file": "cannot create",
+             "resume_missing": "cannot resume", "resume_not_hdf5": "cannot resume"}[case]
+    if case == "directory":
+        arguments = ["run", str(tmp_path)]
+    elif case == "not_utf8":
+        config.write_bytes(b"n_particles = 4\nseed = \"\xff\xfe\"\n")
+    elif case == "missing":
+        arguments = ["run", str(tmp_path / "nothing.toml")]
+    elif case == "binary_power":
+        (tmp_path / "power.bin").write_bytes(bytes(range(256)) * 4)
+        config.write_text(SMALL + 'power_spectrum = "power.bin"\n')
+    elif case == "empty_output":
+        arguments += ["--output", ""]
+    elif case == "output_is_file":
+        (tmp_path / "taken").write_text("x")
+        arguments += ["--output", "taken"]
+    elif case == "output_under_file":
+        (tmp_path / "taken").write_text("x")
+        arguments += ["--output", "taken/run"]
+    elif case == "resume_missing":
+        arguments += ["--resume", str(tmp_path / "snap_000.hdf5")]
+    elif case == "resume_not_hdf5":
+        (tmp_path / "snap_000.hdf5").write_text("not hdf5")
+        arguments += ["--resume", str(tmp_path / "snap_000.hdf5")]
+    assert main(arguments) == 2
+    error = capsys.readouterr().err
+    assert match in error and _line_count(error) == 1, error
+
+
+# ----------------------------------------------------------------------------------
+# --check, info, outputs, snapshots and --resume.
+
+
+def test_check_prints_settings_and_memory_without_running(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.toml"
+    config.write_text(SMALL + 'output = "never"\nbatch = 2\n')
+    assert main(["run", "--check", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "batch = 2" in out and "n_particles = [4, 4, 4]" in out and "memory estimate" in out
+    assert "GiB" in out or "MiB" in out
+    assert not (tmp_path / "never").exists()
+
+
+def test_info(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out and "CUDA kernels built" in out and "h5py:" in out
+
+
+def test_snapshots_resume_and_overwrite(tmp_path, capsys, monkeypatch):
+    import h5py
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'n_particles = 8\nbox_size = 64.0\nsteps = [0.3, 0.5, 0.7, 1.0]\nsnapshots = [0.5, 1.0]\n'
+        'output = "first"\nseed = 2\n'
+    )
+    assert main(["run", str(config)]) == 0
+    first = tmp_path / "first"
+    assert sorted(p.name for p in first.iterdir()) == [
+        "config.toml", "power_spectrum.png", "power_spectrum.txt", "snap_000.hdf5", "snap_001.hdf5"]
+    # Not overwritten silently; --overwrite replaces.
+    assert main(["run", str(config)]) == 2
+    assert "already holds outputs" in capsys.readouterr().err
+    assert main(["run", str(config), "--overwrite"]) == 0
+    # Resume from a = 0.5 into another folder: the final snapshot is bit-identical.
+    assert main(["run", str(config), "--resume", str(first / "snap_000.hdf5"), "--output", "second"]) == 0
+    second = tmp_path / "second"
+    assert not (second / "snap_000.hdf5").exists()
+    with h5py.File(first / "snap_001.hdf5", "r") as a, h5py.File(second / "snap_001.hdf5", "r") as b:
+        for name in ("torchpm/MeshPositions", "torchpm/MeshMomenta", "PartType1/Coordinates", "PartType1/ParticleIDs"):
+            np.testing.assert_array_equal(a[name][:], b[name][:])
+        assert b["Header"].attrs["Time"] == 1.0
+    body = [line for line in (first / "power_spectrum.txt").read_text().splitlines() if not line.startswith("#")]
+    assert body == [line for line in (second / "power_spectrum.txt").read_text().splitlines() if not line.startswith("#")]
+    # --check validates the snapshot too, without running
+    capsys.readouterr()
+    assert main(["run", str(config), "--check", "--resume", str(first / "snap_000.hdf5")]) == 0
+    assert "resumes from" in capsys.readouterr().out
+    # An incompatible config is refused with one line.
+    config.write_text(config.read_text().replace("box_size = 64.0", "box_size = 65.0"))
+    assert main(["run", str(config), "--check", "--resume", str(first / "snap_000.hdf5")]) == 2
+    assert "box_size" in capsys.readouterr().err
+    assert main(["run", str(config), "--resume", str(first / "snap_000.hdf5"), "--output", "third"]) == 2
+    assert "box_size" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_torchrun_snapshots_and_bit_identical_resume(tmp_path):
+    """2 gloo ranks write a Gadget multi-file set; a 2-rank --resume (each rank its own
+    file) reproduces the uninterrupted run's final snapshot and P(k) bit for bit."""
+    import h5py
+
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'n_particles = 12\nbox_size = 96.0\nmesh_factor = 2\nsteps = 4\ndtype = "float64"\nthreads = 1\n'
+        'seed = 4\nsnapshots = [0.55, 1.0]\ncollective_timeout = 120\n'
+    )
+    environment = dict(os.environ, OMP_NUM_THREADS="1",
+                       PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def torchrun(*arguments):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   "-m", "torchpm", "run", str(config), *arguments]
+        result = subprocess.run(command, cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        return result
+
+    torchrun("--output", "first")
+    torchrun("--output", "second", "--resume", str(tmp_path / "first" / "snap_000.hdf5"))
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert sorted(p.name for p in first.glob("snap_*")) == [
+        "snap_000.0.hdf5", "snap_000.1.hdf5", "snap_001.0.hdf5", "snap_001.1.hdf5"]
+    for rank in range(2):
+        with h5py.File(first / f"snap_001.{rank}.hdf5", "r") as a, h5py.File(second / f"snap_001.{rank}.hdf5", "r") as b:
+            assert a["Header"].attrs["NumFilesPerSnapshot"] == 2 and a["Header"].attrs["NumPart_Total"][1] == 12**3
+            for name in ("torchpm/MeshPositions", "torchpm/MeshMomenta", "PartType1/ParticleIDs"):
+                np.testing.assert_array_equal(a[name][:], b[name][:])
+
+    def table(folder):
+        return [line for line in (folder / "power_spectrum.txt").read_text().splitlines() if not line.startswith("#")]
+
+    assert table(first) == table(second)

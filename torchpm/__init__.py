@@ -21,6 +21,7 @@ from . import ops  # noqa: E402
 from .ops import cic_paint, cic_readout, paint, readout  # noqa: E402
 
 from . import adjoint, analysis, cosmology, distributed, fourier, ic, mesh, nn, pm  # noqa: E402
+from . import config, io, resources  # noqa: E402  (io imports h5py only when used)
 from .cosmology import Cosmology, Planck15, Planck18, PowerTable, linear_power  # noqa: E402
 from .mesh import LocalMesh  # noqa: E402
 from .simulation import Simulation, SimulationState  # noqa: E402
@@ -46,6 +47,9 @@ __all__ = [
     "cosmology",
     "distributed",
     "ic",
+    "config",
+    "io",
+    "resources",
     "mesh",
     "pm",
     "Cosmology",

@@ -1,93 +1,47 @@
-"""Command line: ``python -m torchpm run [config.toml]``.
+"""Command line: ``python -m torchpm run [config.toml]``, ``info``, ``config-table``.
 
-Runs one simulation (default: 64^3 particles on a 128^3 mesh in a 256 Mpc/h box,
-Planck15, 2LPT at a = 0.1, 10 FastPM steps to a = 1), shows a progress bar over
-the steps, and writes to the output folder (default ``out/``):
+``run`` runs one simulation (default: 64^3 particles on a 128^3 mesh in a
+256 Mpc/h box, Planck15, 2LPT at a = 0.1, 10 FastPM steps to a = 1), shows a
+progress bar over the steps, and writes into the run's output folder (default ``out/``):
 
+* ``config.toml``: the resolved settings of the run;
 * ``power_spectrum.txt``: k [h/Mpc], P(k) [(Mpc/h)^3] (CIC-compensated, shot noise
   subtracted), the number of modes, and the linear P(k) at the final a;
-* ``power_spectrum.png``: P(k) against linear theory, and a slice of the density.
+* ``power_spectrum.png``: P(k) against linear theory, and a slice of the density;
+* ``snap_000.hdf5``, ...: Gadget-4 HDF5 snapshots at the scale factors listed in
+  ``snapshots`` (numbered in that order; see :mod:`torchpm.io`).
 
-A TOML config may set any of these keys (units as in :class:`torchpm.Simulation`)::
+The folder is created and tested for writing before the run; a folder that
+already holds outputs is refused unless ``--overwrite``. ``--resume snap.hdf5``
+continues a run from one of its snapshots (bit for bit on the CPU); ``--check``
+validates the config and prints the resolved settings and the memory estimate
+without running. Every key, its default, unit and meaning: the README table,
+generated from :data:`torchpm.config.SETTINGS` (``python -m torchpm config-table``).
 
-    n_particles = 64          # per side, or [nx, ny, nz]
-    box_size = 256.0          # Mpc/h
-    mesh_factor = 2
-    a_start = 0.1
-    a_end = 1.0
-    steps = 10                # or a list of scale factors
-    lpt_order = 2
-    integrator = "fastpm"     # or "leapfrog"
-    gradient = "fd4"          # or "exact"
-    laplacian = "exact"       # or "fd"
-    cic_compensation = false
-    power_spectrum = "eisenstein_hu"   # or "eisenstein_hu_nowiggle" or a table path
-    cosmology = "Planck15"    # or "Planck18", or a table {Omega_c = ..., Omega_b = ..., ...}
-    seed = 0
-    batch = 1
-    dtype = "float32"
-    device = "cpu"
-    threads = 0               # torch.set_num_threads; 0 leaves torch's default
-    output = "out"
+User errors print one line and exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import math
+import inspect
 import os
 import sys
+import tempfile
 import time
 
 import torch
 
-DEFAULTS = dict(
-    n_particles=64,
-    box_size=256.0,
-    mesh_factor=2,
-    a_start=0.1,
-    a_end=1.0,
-    steps=10,
-    lpt_order=2,
-    integrator="fastpm",
-    gradient="fd4",
-    laplacian="exact",
-    cic_compensation=False,
-    power_spectrum="eisenstein_hu",
-    cosmology="Planck15",
-    seed=0,
-    batch=1,
-    dtype="float32",
-    device="cpu",
-    threads=0,
-    output="out",
-)
+from .config import SETTINGS, SettingError, defaults, load_config, markdown_table
+
+DEFAULTS = defaults()
+OUTPUT_NAMES = ("config.toml", "power_spectrum.txt", "power_spectrum.png")
 
 
-def load_config(path: str | None) -> dict:
-    """Defaults updated by the TOML file at ``path``; unknown keys are an error."""
-    config = dict(DEFAULTS)
-    if path is None:
-        return config
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ImportError:
-            raise SystemExit("torchpm run: reading a config needs Python >= 3.11 or `pip install tomli`") from None
-
-    try:
-        with open(path, "rb") as handle:
-            user = tomllib.load(handle)
-    except FileNotFoundError:
-        raise SystemExit(f"torchpm run: config file {path!r} not found") from None
-    except tomllib.TOMLDecodeError as error:
-        raise SystemExit(f"torchpm run: {path!r} is not valid TOML: {error}") from None
-    unknown = sorted(set(user) - set(DEFAULTS))
-    if unknown:
-        raise SystemExit(f"torchpm run: unknown keys {unknown} in {path!r}; known keys: {sorted(DEFAULTS)}")
-    config.update(user)
-    return config
+class UserError(Exception):
+    """A mistake in the command line, the config or the environment: one line, exit 2."""
 
 
 def make_cosmology(value):
@@ -96,26 +50,39 @@ def make_cosmology(value):
     if isinstance(value, dict):
         return torchpm.Cosmology(**value)
     presets = {"planck15": torchpm.Planck15, "planck18": torchpm.Planck18}
-    if str(value).lower() not in presets:
-        raise SystemExit(f"torchpm run: `cosmology` must be 'Planck15', 'Planck18' or a table, got {value!r}")
     return presets[str(value).lower()]()
 
 
-def run(config: dict) -> dict:
-    """Run the simulation of ``config`` and write the outputs; returns a summary dict."""
-    import numpy as np
-    from tqdm import tqdm
+def snapshot_name(index: int, member: int, batch: int) -> str:
+    return f"snap_{index:03d}.hdf5" if batch == 1 else f"snap_{index:03d}_member{member}.hdf5"
 
+
+def build_simulation(config: dict):
+    """The :class:`torchpm.Simulation` of a validated config (on its device)."""
     import torchpm
-    from torchpm.analysis import power_spectrum
 
-    if config["threads"]:
-        torch.set_num_threads(int(config["threads"]))
-    dtype = {"float32": torch.float32, "float64": torch.float64}.get(config["dtype"])
-    if dtype is None:
-        raise SystemExit(f"torchpm run: `dtype` must be 'float32' or 'float64', got {config['dtype']!r}")
-    device = torch.device(config["device"])
-    cosmology = make_cosmology(config["cosmology"])
+    dtype = {"float32": torch.float32, "float64": torch.float64}[config["dtype"]]
+    options = {}
+    parameters = inspect.signature(torchpm.Simulation).parameters
+    # Settings another part of torchpm wires: passed once Simulation takes them.
+    if "lpt_normalisation" in parameters:
+        options["lpt_normalisation"] = config["lpt_normalisation"]
+    elif config["lpt_normalisation"] != "fastpm":
+        raise UserError(f"`lpt_normalisation` = {config['lpt_normalisation']!r} is not available in this build")
+    if "paint_order" in parameters:
+        options["paint_order"] = config["paint_order"]
+    elif config["paint_order"] != "cic":
+        raise UserError(f"`paint_order` = {config['paint_order']!r} is not available in this build (only 'cic')")
+    if "grid" in parameters:
+        # [] = a balanced grid over the initialised world (one device when there is none).
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if config["grid"]:
+            options["grid"] = tuple(config["grid"])
+        elif distributed and torch.distributed.get_world_size() > 1:
+            options["grid"] = "auto"
+    elif config["grid"] not in ([], [1, 1]):
+        raise UserError(f"`grid` = {config['grid']} needs a distributed run, which this build does not have")
+    # `collective_timeout` is for torch.distributed.init_process_group, by whoever launches the ranks.
     try:
         simulation = torchpm.Simulation(
             n_particles=config["n_particles"],
@@ -124,7 +91,7 @@ def run(config: dict) -> dict:
             a_start=config["a_start"],
             steps=config["steps"],
             a_end=config["a_end"],
-            cosmology=cosmology,
+            cosmology=make_cosmology(config["cosmology"]),
             power_spectrum=config["power_spectrum"],
             lpt_order=config["lpt_order"],
             integrator=config["integrator"],
@@ -132,14 +99,163 @@ def run(config: dict) -> dict:
             laplacian=config["laplacian"],
             cic_compensation=config["cic_compensation"],
             dtype=dtype,
-        ).to(device)
-    except ValueError as error:
-        raise SystemExit(f"torchpm run: {error}") from None
-    print(simulation, flush=True)
+            # Checked below on the run's device with the run's batch, not on the CPU with batch 1.
+            memory_check="off",
+            **options,
+        )
+    except (ValueError, TypeError, MemoryError) as error:
+        raise UserError(str(error)) from None
+    device = torch.device(config["device"])
+    simulation.memory_check = config["memory_check"]
+    try:
+        simulation._check_memory(device, config["batch"])
+    except MemoryError as error:
+        raise UserError(str(error)) from None
+    return simulation.to(device)
 
-    noise = simulation.white_noise(batch=int(config["batch"]), seed=int(config["seed"]))
+
+def prepare_output(folder: str, overwrite: bool) -> None:
+    """Create ``folder``, prove it writable, and refuse to replace outputs without ``overwrite``."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise UserError(f"output {folder!r} exists and is not a folder")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"cannot create the output folder {folder!r}: {error.strerror}") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".torchpm-write-test-"):
+            pass
+    except OSError as error:
+        raise UserError(f"output folder {folder!r} is not writable: {error.strerror}") from None
+    existing = [name for name in OUTPUT_NAMES if os.path.exists(os.path.join(folder, name))]
+    existing += sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "snap_*.hdf5")))
+    if existing and not overwrite:
+        shown = ", ".join(existing[:4]) + (", ..." if len(existing) > 4 else "")
+        raise UserError(
+            f"output folder {folder!r} already holds outputs ({shown}); choose another folder "
+            "(--output) or pass --overwrite to replace them"
+        )
+
+
+def _read_for_resume(path, context, read_snapshot):
+    """The snapshot for this rank: the whole of it on one process; on a process grid the
+    rank's own file when the set has one file per rank (same order as the run: bit-exact),
+    else a contiguous share (the particles then migrate to their owners)."""
+    if context.world_size == 1:
+        return read_snapshot(path)
+    from .io import _resolve_files
+
+    if len(_resolve_files(path)) == context.world_size:
+        return read_snapshot(path, file_index=context.rank)
+    return read_snapshot(path, share=(context.rank, context.world_size))
+
+
+def describe(config: dict, simulation) -> str:
+    """The resolved settings (TOML) and the memory estimate, for ``run --check``."""
+    from .io import to_toml
+    from .resources import available_memory
+
+    estimate = simulation.memory_estimate(config["batch"])
+    available = available_memory(config["device"])
+    grid = simulation.scale_factors
+    lines = ["# resolved settings", to_toml(config).rstrip(), "", "# run"]
+    lines.append(f"# particles {simulation.particle_shape} = {simulation.n_total}, force mesh {simulation.mesh_shape}")
+    lines.append(f"# {simulation.steps} steps, a = {grid[0]:.6g} -> {grid[-1]:.6g}")
+    lines.append(f"# memory estimate: {estimate.describe()}")
+    if available is not None:
+        lines.append(f"# available on {config['device']}: {available / 2**30:.2f} GiB")
+    return "\n".join(lines)
+
+
+def run(config: dict, *, overwrite: bool = False, resume: str | None = None, check: bool = False) -> dict:
+    """Run the simulation of ``config`` and write the outputs; returns a summary dict.
+
+    Raises :class:`UserError` for every mistake found before the run starts.
+    """
+    import torchpm
+    from torchpm.analysis import power_spectrum
+    from torchpm.distributed.launch import finish, gather_blocks, init_from_environment
+    from torchpm.io import read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot
+
+    # Under torchrun (WORLD_SIZE > 1): join the process group; `grid = []` then means a
+    # balanced grid over the ranks. Rank 0 prints and writes the shared outputs.
+    try:
+        context = init_from_environment(config["device"], config["collective_timeout"])
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    try:
+        return _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gather_blocks,
+                    read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot)
+    finally:
+        finish(context)
+
+
+def _agree(context, error: str | None) -> None:
+    """Raise UserError on every rank when rank 0 found ``error`` (the others wait for its word)."""
+    if context.world_size > 1:
+        import torch.distributed as dist
+
+        message = [error]
+        dist.broadcast_object_list(message, src=0)
+        error = message[0]
+    if error:
+        raise UserError(error)
+
+
+def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gather_blocks,
+         read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot):
+    import numpy as np
+
+    main_rank = context.is_main
+    if context.device.type == "cuda":
+        config = dict(config, device=str(context.device))
+    simulation = build_simulation(config)
+    device = simulation.device
+    batch = config["batch"]
+    snapshots = [simulation.scale_factors[scale_factor_index(simulation, a)] for a in config["snapshots"]]
+    if snapshots:
+        try:
+            import h5py  # noqa: F401
+        except ImportError:
+            raise UserError("`snapshots` needs h5py: pip install h5py") from None
+
+    start_state = None
+    if resume is not None:
+        if batch != 1:
+            raise UserError(f"--resume continues one simulation; set batch = 1 (got {batch})")
+        try:
+            snapshot = _read_for_resume(resume, context, read_snapshot)
+            start_state = restart_state(snapshot, simulation)
+        except (OSError, ValueError, KeyError) as error:
+            raise UserError(f"cannot resume from {resume!r}: {error}") from None
+    if check:
+        if main_rank:
+            print(describe(config, simulation), flush=True)
+            if start_state is not None:
+                print(f"# resumes from {resume} at a = {start_state.a:.6g}", flush=True)
+        return {}
+
+    output = config["output"]
+    problem = None
+    if main_rank:
+        try:
+            prepare_output(output, overwrite)
+            with open(os.path.join(output, "config.toml"), "w", encoding="utf-8") as handle:
+                handle.write(to_toml(config))
+        except UserError as error:
+            problem = str(error)
+    _agree(context, problem)
+    if config["threads"]:
+        torch.set_num_threads(config["threads"])
+    if main_rank:
+        print(simulation, flush=True)
+
+    from tqdm import tqdm
+
     step_times = []
-    bar = tqdm(total=simulation.steps, desc="PM steps", unit="step", disable=simulation.steps == 0)
+    first = 0 if start_state is None else scale_factor_index(simulation, start_state.a)
+    bar = tqdm(total=simulation.steps - first, desc="PM steps", unit="step",
+               disable=simulation.steps == first or not main_rank)
     marks = {}
 
     def callback(step, a):
@@ -149,34 +265,66 @@ def run(config: dict) -> dict:
         if step == 0:
             marks["lpt"] = now
         else:
-            step_times.append(now - marks["last"])
+            if "last" in marks:
+                step_times.append(now - marks["last"])
             bar.update(1)
             bar.set_postfix(a=f"{a:.3f}")
         marks["last"] = now
 
+    written = []
     start = time.perf_counter()
+    marks["last"] = start
     with torch.no_grad():
-        state = simulation(noise, callback=callback)
+        # Run in segments that end at each snapshot; resuming at a step end recomputes
+        # the force there, which is what the uninterrupted run does bit for bit.
+        state = start_state
+        for index, a in enumerate(snapshots + [simulation.scale_factors[-1]]):
+            if state is None:
+                noise = simulation.white_noise(batch=batch, seed=config["seed"])
+                state = simulation(noise, callback=callback, until=a, return_mesh_units=True)
+            elif a <= state.a:
+                continue  # reached already (or the snapshot resumed from, which is not rewritten)
+            else:
+                state = simulation.resume(state, mesh_units=True, until=a, callback=callback, return_mesh_units=True)
+            if index < len(snapshots):
+                for member in range(batch):
+                    path = os.path.join(output, snapshot_name(index, member, batch))
+                    write_snapshot(path, state, simulation, mesh_units=True, member=member, config=config,
+                                   overwrite=overwrite)
+                    written.append(path)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         total = time.perf_counter() - start
         bar.close()
-        density = simulation.density(state)
+        state = simulation.to_physical(state.positions, state.momenta, state.a, state.ids)
+        density = simulation.density(state)  # this rank's block of the force mesh
 
     box = simulation.box_size
     n_particles = simulation.n_total
-    spectrum = power_spectrum(density[0] - 1.0, box, compensate_cic=True, n_particles=n_particles)
+    cosmology = simulation.cosmology
+    mesh = simulation.force_mesh
+    spectrum = power_spectrum(density[0] - 1.0, box, compensate_cic=True, n_particles=n_particles, mesh=mesh)
     growth = cosmology.growth(state.a)
     linear = simulation.linear_power(spectrum.k) * growth.D1**2
+    # Statistics of the whole mesh, and a slab a few cells thick for the figure (z is whole on every rank).
+    sums = torch.stack([density.sum(), (density**2).sum()]).to(torch.float64)
+    sums = mesh.all_reduce(sums)
+    count = density.shape[0] * math.prod(simulation.mesh_shape)
+    density_std = float(torch.sqrt(sums[1] / count - (sums[0] / count) ** 2))
+    density_max = float(mesh.all_reduce(density.max().reshape(1), "max")[0])
+    thickness = max(1, simulation.mesh_shape[2] // 8)
+    slab = gather_blocks(density[0, :, :, :thickness].mean(-1), mesh.local_real_offset[:2],
+                         simulation.mesh_shape[:2], mesh)
+    summary = dict(steps=simulation.steps, snapshots=written)
+    if not main_rank:
+        return summary
 
-    output = config["output"]
-    os.makedirs(output, exist_ok=True)
     table_path = os.path.join(output, "power_spectrum.txt")
     header = (
         f"torchpm {torchpm.__version__}: matter power spectrum at a = {state.a:.4f}\n"
         f"{simulation.particle_shape} particles, mesh {simulation.mesh_shape}, box {box} Mpc/h, "
         f"{simulation.steps} {simulation.integrator} steps from a = {simulation.a_start}, "
-        f"{cosmology!r}, seed {config['seed']}\n"
+        f"{cosmology!r}, seed {config['seed']}" + (f", resumed from {resume}" if resume else "") + "\n"
         "P(k): CIC-compensated, Poisson shot noise V/N_particles subtracted\n"
         "columns: k [h/Mpc]  P(k) [(Mpc/h)^3]  modes  P_linear(k) [(Mpc/h)^3]"
     )
@@ -187,30 +335,31 @@ def run(config: dict) -> dict:
         fmt=["%.6e", "%.6e", "%d", "%.6e"],
     )
     figure_path = os.path.join(output, "power_spectrum.png")
-    plot(spectrum, linear, density[0], simulation, state.a, figure_path)
+    plot(spectrum, linear, slab, thickness, simulation, state.a, figure_path)
 
     per_step = float(np.median(step_times)) if step_times else float("nan")
-    lpt_time = marks["lpt"] - start
-    summary = dict(
-        total_s=total, lpt_s=lpt_time, step_s=per_step, steps=simulation.steps, table=table_path, figure=figure_path
-    )
+    lpt_time = marks["lpt"] - start if "lpt" in marks else 0.0
+    summary.update(total_s=total, lpt_s=lpt_time, step_s=per_step, table=table_path, figure=figure_path)
     low = spectrum.k < 0.1
     ratio = float((spectrum.power[low] / linear[low]).mean()) if bool(low.any()) else float("nan")
     threads = torch.get_num_threads()
     print(
         f"torchpm run: {n_particles} particles, mesh {'x'.join(map(str, simulation.mesh_shape))}, "
-        f"{simulation.steps} steps a = {simulation.a_start} -> {state.a:.3f} on {device} ({threads} threads)\n"
-        f"  initial conditions (linear field + {simulation.lpt_order}LPT): {lpt_time:.2f} s\n"
-        f"  time per step (median): {per_step * 1e3:.1f} ms; total {total:.2f} s\n"
-        f"  density: std {float(density.std()):.3f}, max {float(density.max()):.1f}; "
+        f"{simulation.steps} steps a = {simulation.a_start} -> {state.a:.3f} on {device} ({threads} threads"
+        + (f", {context.world_size} ranks" if context.world_size > 1 else "") + ")\n"
+        + (f"  resumed from {resume} at a = {start_state.a:.4g}\n" if start_state is not None else
+           f"  initial conditions (linear field + {simulation.lpt_order}LPT): {lpt_time:.2f} s\n")
+        + f"  time per step (median): {per_step * 1e3:.1f} ms; total {total:.2f} s\n"
+        f"  density: std {density_std:.3f}, max {density_max:.1f}; "
         f"P/P_linear at k < 0.1 h/Mpc: {ratio:.3f}\n"
-        f"  wrote {table_path} and {figure_path}",
+        f"  wrote {table_path} and {figure_path}" + (f" and {len(written)} snapshot(s)" if written else ""),
         flush=True,
     )
     return summary
 
 
-def plot(spectrum, linear, density, simulation, a, path):
+def plot(spectrum, linear, slab, thickness, simulation, a, path):
+    """P(k) against linear theory, and ``slab`` (the density averaged over ``thickness`` cells in z)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -226,8 +375,7 @@ def plot(spectrum, linear, density, simulation, a, path):
     left.legend()
     left.set_title("matter power spectrum")
     # A slice a few cells thick: a single plane of a CIC mesh is noisy.
-    thickness = max(1, density.shape[2] // 8)
-    slab = density[:, :, :thickness].mean(-1).cpu().numpy()
+    slab = slab.cpu().numpy()
     box = simulation.box_size
     image = right.imshow(
         np.log10(np.maximum(slab, 0.1)).T, origin="lower", extent=(0, box[0], 0, box[1]), cmap="magma"
@@ -241,19 +389,86 @@ def plot(spectrum, linear, density, simulation, a, path):
     plt.close(figure)
 
 
+def info() -> str:
+    """torch, torchpm, devices, threads and the optional dependencies, as text."""
+    from importlib import metadata
+
+    import torchpm
+
+    lines = [
+        f"torchpm {torchpm.__version__} ({os.path.dirname(torchpm.__file__)})",
+        f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
+        f"torchpm CUDA kernels built: {'yes' if torchpm.has_cuda_kernels() else 'no'}",
+        f"threads: {torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op; "
+        f"{os.cpu_count()} CPUs",
+    ]
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            properties = torch.cuda.get_device_properties(index)
+            lines.append(f"cuda:{index}: {properties.name}, {properties.total_memory / 2**30:.1f} GiB")
+    else:
+        lines.append("CUDA devices: none")
+    lines.append(f"distributed: gloo {'yes' if torch.distributed.is_gloo_available() else 'no'}, "
+                 f"nccl {'yes' if torch.distributed.is_nccl_available() else 'no'}")
+    for package in ("numpy", "h5py", "tqdm", "matplotlib", "psutil", "scipy", "tomli", "pynbody", "hypothesis",
+                    "astropy", "colossus", "jax", "jaxpm"):
+        try:
+            version = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            version = "not installed"
+        lines.append(f"{package}: {version}")
+    return "\n".join(lines)
+
+
+def update_readme(path: str) -> int:
+    """Replace the text between ``<!-- config-table:begin -->`` and ``<!-- config-table:end -->``."""
+    import re
+
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    pattern = re.compile(r"(<!-- config-table:begin -->\n).*?(<!-- config-table:end -->)", re.S)
+    if not pattern.search(text):
+        print(f"torchpm config-table: {path!r} has no config-table markers", file=sys.stderr)
+        return 2
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(pattern.sub(lambda m: m.group(1) + markdown_table() + m.group(2), text))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchpm", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    run_parser = commands.add_parser("run", help="run a simulation and write P(k) and a figure")
+    run_parser = commands.add_parser("run", help="run a simulation and write P(k), a figure and snapshots")
     run_parser.add_argument("config", nargs="?", help="TOML config file (optional)")
     run_parser.add_argument("--output", help="output folder (overrides the config)")
+    run_parser.add_argument("--overwrite", action="store_true", help="replace the outputs of an earlier run")
+    run_parser.add_argument("--resume", metavar="SNAPSHOT", help="continue the run from one of its snapshots")
+    run_parser.add_argument("--check", action="store_true",
+                            help="validate the config, print the resolved settings and memory estimate, do not run")
+    commands.add_parser("info", help="torch, CUDA kernels, devices, threads, optional dependencies")
+    table_parser = commands.add_parser("config-table", help="the README table of every config key (markdown)")
+    table_parser.add_argument("--readme", metavar="PATH",
+                              help="replace the table between the config-table markers of this file instead of printing")
     arguments = parser.parse_args(argv)
-    config = load_config(arguments.config)
-    if arguments.output:
-        config["output"] = arguments.output
-    run(config)
+    if arguments.command == "info":
+        print(info())
+        return 0
+    if arguments.command == "config-table":
+        if arguments.readme is None:
+            print(markdown_table(), end="")
+            return 0
+        return update_readme(arguments.readme)
+    overrides = {} if arguments.output is None else {"output": arguments.output}
+    try:
+        config = load_config(arguments.config, overrides)
+        run(config, overwrite=arguments.overwrite, resume=arguments.resume, check=arguments.check)
+    except (SettingError, UserError) as error:
+        print(f"torchpm run: {error}", file=sys.stderr)
+        return 2
     return 0
 
+
+__all__ = ["main", "run", "info", "load_config", "DEFAULTS", "SETTINGS"]
 
 if __name__ == "__main__":
     sys.exit(main())

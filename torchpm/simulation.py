@@ -9,6 +9,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from .config import as_bool, as_int, simulation_arguments
 from .cosmology import Cosmology, Planck15, growth_table, resolve_power, PowerTable
 from .ic import (
     check_lpt_normalisation,
@@ -21,9 +22,10 @@ from .ic import (
 )
 from .distributed.decomposition import PencilDecomposition
 from .distributed.layout import balanced_grid
-from .mesh import LocalMesh, as_box_size, as_shape
+from .mesh import LocalMesh
 from .fourier import FourierKernels
 from .pm import StepFactors, compute_forces, step_factors
+from .resources import check_memory, estimate_memory
 from .adjoint import adjoint_integrate
 from .ops._arguments import ORDER_NAMES, order_number
 
@@ -46,39 +48,6 @@ class SimulationState(NamedTuple):
     momenta: torch.Tensor
     a: float
     ids: torch.Tensor | None = None
-
-
-def _scale_factors(a_start, steps, a_end) -> list[float]:
-    a_start = float(a_start)
-    if not (0 < a_start <= 1):
-        raise ValueError(f"`a_start` must be in (0, 1], got {a_start}")
-    if isinstance(steps, bool):
-        raise ValueError(f"`steps` must be a number of steps or a list of scale factors, got {steps!r}")
-    if isinstance(steps, numbers.Integral) or (isinstance(steps, numbers.Real) and float(steps).is_integer()):
-        steps = int(steps)
-        if steps < 0:
-            raise ValueError(f"`steps` must not be negative, got {steps}")
-        a_end = float(a_end)
-        if not (0 < a_end <= 1):
-            raise ValueError(f"`a_end` must be in (0, 1], got {a_end}")
-        if steps > 0 and a_end <= a_start:
-            raise ValueError(f"`a_end` ({a_end}) must be larger than `a_start` ({a_start})")
-        if steps == 0:
-            return [a_start]
-        # Steps linear in a, the FastPM default.
-        return [a_start + (a_end - a_start) * i / steps for i in range(steps + 1)]
-    try:
-        values = [float(s) for s in steps]
-    except (TypeError, ValueError):
-        raise ValueError(f"`steps` must be a number of steps or a list of scale factors, got {steps!r}") from None
-    if not all(0 < s <= 1 for s in values):
-        raise ValueError(f"every scale factor in `steps` must be in (0, 1], got {values}")
-    grid = [a_start] + values
-    if any(b <= a for a, b in zip(grid, grid[1:])):
-        raise ValueError(
-            f"`steps` must be strictly increasing scale factors after `a_start` = {a_start}, got {values}"
-        )
-    return grid
 
 
 def _resolve_groups(grid, mesh):
@@ -177,6 +146,10 @@ class Simulation(nn.Module):
             tensors and an ``nn.Module`` force correction's parameters. Works on a
             process grid too: particles migrate in the backward pass as well, and the
             gradients return to the ranks and slots the particles started from.
+        memory_check: ``"error"`` (default) refuses a run whose estimated peak memory per
+            rank (:func:`torchpm.resources.estimate_memory`) exceeds what the device has
+            available — at construction (CPU, batch 1) and before each run on the
+            module's device with the actual batch; ``"warn"`` warns; ``"off"`` skips.
         grid: ``(P0, P1)`` process grid to run on, over the default
             ``torch.distributed`` process group (``P0 * P1`` must equal its world
             size); ``"auto"`` for :func:`torchpm.distributed.balanced_grid` of the
@@ -229,22 +202,26 @@ class Simulation(nn.Module):
         grid=None,
         mesh=None,
         particle_capacity: int | None = None,
+        memory_check: str = "error",
     ):
         super().__init__()
-        self.particle_shape = as_shape(n_particles, "n_particles")
-        self.box_size = as_box_size(box_size)
-        if isinstance(mesh_factor, bool) or not float(mesh_factor).is_integer() or int(mesh_factor) < 1:
-            raise ValueError(f"`mesh_factor` must be a positive integer, got {mesh_factor!r}")
-        self.mesh_factor = int(mesh_factor)
-        self.scale_factors = _scale_factors(a_start, steps, a_end)
+        # Plain arguments: checked by the declaration shared with the CLI (torchpm.config).
+        checked = simulation_arguments(
+            n_particles=n_particles, box_size=box_size, mesh_factor=mesh_factor, a_start=a_start, steps=steps,
+            a_end=a_end, lpt_order=lpt_order, integrator=integrator, gradient=gradient, laplacian=laplacian,
+            cic_compensation=cic_compensation, checkpoint=checkpoint,
+        )
+        self.particle_shape = checked["particle_shape"]
+        self.box_size = checked["box_size"]
+        self.mesh_factor = checked["mesh_factor"]
+        self.scale_factors = checked["scale_factors"]
         self.a_start = self.scale_factors[0]
-        if lpt_order not in (1, 2):
-            raise ValueError(f"`lpt_order` must be 1 or 2, got {lpt_order!r}")
-        self.lpt_order = lpt_order
+        self.lpt_order = checked["lpt_order"]
         self.lpt_normalisation = check_lpt_normalisation(lpt_normalisation)
-        if integrator not in ("fastpm", "leapfrog"):
-            raise ValueError(f"`integrator` must be 'fastpm' or 'leapfrog', got {integrator!r}")
-        self.integrator = integrator
+        self.integrator = checked["integrator"]
+        if memory_check not in ("error", "warn", "off"):
+            raise ValueError(f"`memory_check` must be 'error', 'warn' or 'off', got {memory_check!r}")
+        self.memory_check = memory_check
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype}")
         self.dtype = dtype
@@ -253,24 +230,25 @@ class Simulation(nn.Module):
         if not isinstance(cosmology, Cosmology):
             raise ValueError(f"`cosmology` must be a torchpm.Cosmology, got {type(cosmology).__name__}")
         self.cosmology = cosmology
-        self.power = resolve_power(power_spectrum)
+        try:
+            self.power = resolve_power(power_spectrum)
+        except UnicodeDecodeError:
+            raise ValueError(f"`power_spectrum`: {power_spectrum!r} is not a UTF-8 text table (a binary file?)") from None
         if force_correction is not None and not callable(force_correction):
             raise ValueError("`force_correction` must be a callable (k, a) -> filter, e.g. an nn.Module")
         # An nn.Module correction becomes a submodule: .to() moves it, .parameters() lists it.
         self.force_correction = force_correction
-        self.checkpoint = bool(checkpoint)
-        self.adjoint = bool(adjoint)
-        self.kernel_options = dict(gradient=gradient, laplacian=laplacian)
-        for name, value in (("cic_compensation", cic_compensation), ("window_compensation", window_compensation)):
-            if not isinstance(value, bool):
-                raise TypeError(f"`{name}` must be a bool, got {value!r}")
+        self.checkpoint = checked["checkpoint"]
+        self.adjoint = as_bool("adjoint", adjoint)
+        self.kernel_options = dict(gradient=checked["gradient"], laplacian=checked["laplacian"])
+        window_compensation = as_bool("window_compensation", window_compensation)
         self.paint_order = ORDER_NAMES[order_number(paint_order, "Simulation", "paint_order")]
-        if cic_compensation and (window_compensation or self.paint_order != "cic"):
+        if checked["cic_compensation"] and (window_compensation or self.paint_order != "cic"):
             raise ValueError(
                 "`cic_compensation` is the CIC-only older switch; with `paint_order` or "
                 "`window_compensation` use `window_compensation=True` alone"
             )
-        self.cic_compensation = cic_compensation
+        self.cic_compensation = checked["cic_compensation"]
         self.window_compensation = window_compensation
 
         if particle_capacity is not None and (
@@ -288,6 +266,10 @@ class Simulation(nn.Module):
         else:
             self.particle_mesh = PencilDecomposition(self.particle_shape, groups)
             self.force_mesh = PencilDecomposition(self.mesh_shape, groups)
+        # Before any particle or mesh is allocated: refuse a run that cannot fit (the
+        # module starts on the CPU; forward checks again on its device with its batch).
+        self._memory_checked: set = set()
+        self._check_memory(torch.device("cpu"), 1)
         self.particle_cell = tuple(b / n for b, n in zip(self.box_size, self.particle_shape))
         self.cell_size = tuple(b / n for b, n in zip(self.box_size, self.mesh_shape))
         self.n_total = math.prod(self.particle_shape)
@@ -306,6 +288,20 @@ class Simulation(nn.Module):
         k_min = min(2 * math.pi / b for b in self.box_size)
         k_max = math.sqrt(sum((math.pi * n / b) ** 2 for n, b in zip(self.particle_shape, self.box_size)))
         return k_min, k_max
+
+    def memory_estimate(self, batch: int = 1, ranks: int | None = None):
+        """Estimated peak memory per rank, a :class:`torchpm.resources.MemoryEstimate` (bytes);
+        ``ranks`` defaults to the size of the process grid (1 on one device)."""
+        if ranks is None:
+            ranks = getattr(getattr(getattr(self, "force_mesh", None), "grid", None), "size", 1)
+        return estimate_memory(self.particle_shape, self.mesh_factor, self.dtype, batch=batch, ranks=ranks)
+
+    def _check_memory(self, device: torch.device, batch: int) -> None:
+        key = (str(device), int(batch))
+        if self.memory_check == "off" or key in self._memory_checked:
+            return
+        check_memory(self.memory_estimate(batch), device, self.memory_check, what=f"this Simulation (batch {batch})")
+        self._memory_checked.add(key)
 
     @property
     def device(self) -> torch.device:
@@ -338,6 +334,9 @@ class Simulation(nn.Module):
     def white_noise(self, batch: int = 1, seed: int = 0) -> torch.Tensor:
         """Seeded white noise ``(batch, *local block of the particle grid)`` on this module's
         device and dtype; the global field is the same on every process grid."""
+        batch = as_int("batch", batch, 1)
+        seed = as_int("seed", seed, 0, 2**63 - 1)
+        self._check_memory(self.device, batch)
         return make_white_noise(
             self.particle_shape, batch=batch, seed=seed, dtype=self.dtype, device=self.device, mesh=self.particle_mesh
         )
@@ -439,6 +438,9 @@ class Simulation(nn.Module):
         if (white_noise is None) == (linear_field is None):
             raise ValueError("pass exactly one of `white_noise` and `linear_field`")
         stop = self._step_index(until, "until")
+        field = white_noise if linear_field is None else linear_field
+        if isinstance(field, torch.Tensor):
+            self._check_memory(self.device, field.shape[0] if field.dim() == 4 else 1)
         cosmology = self._replicated(self.cosmology)
         table = self.growth_table(cosmology)
         if linear_field is None:
@@ -446,6 +448,13 @@ class Simulation(nn.Module):
         else:
             delta = self._check_field(linear_field, "linear_field")
         positions, momenta, ids = self.lpt(delta, table)
+        finite = bool(torch.isfinite(positions).all() & torch.isfinite(momenta).all())
+        self.force_mesh.raise_together(
+            None if finite else
+            "the LPT initial conditions are not finite: the linear power (`power_spectrum`, "
+            f"`box_size` = {self.box_size}) is too large for {self.dtype}; check the power table's units "
+            "((Mpc/h)^3) and the box size (Mpc/h)"
+        )
         if callback is not None:
             callback(0, self.a_start)
         if stop:

@@ -1,0 +1,636 @@
+"""Snapshots in the Gadget-4 / SWIFT HDF5 layout, and what an exact restart needs.
+
+A snapshot file holds
+
+* ``Header`` attributes as Gadget writes them: ``BoxSize`` (Mpc/h), ``Time`` (= a),
+  ``Redshift``, ``NumPart_ThisFile``, ``NumPart_Total`` / ``NumPart_Total_HighWord``
+  (low and high 32 bits of the count over all files), ``MassTable``,
+  ``NumFilesPerSnapshot``, ``Omega0``, ``OmegaLambda``, ``OmegaBaryon``,
+  ``HubbleParam``, ``Flag_*``; the same cosmology and the unit system in
+  ``Parameters`` (Gadget-4 keeps them there): length Mpc, mass 1e10 Msun,
+  velocity km/s, all with Gadget's factors of h.
+* ``PartType1`` (dark matter): ``Coordinates`` (comoving, Mpc/h, wrapped into the
+  box), ``Velocities`` in Gadget's convention — the peculiar velocity in km/s
+  divided by sqrt(a), i.e. ``100 p / a^1.5`` for the momentum ``p = a^3 E dx/da``
+  in Mpc/h — and ``ParticleIDs`` (uint64, the Lagrangian index
+  ``(i ny + j) nz + k``). Every particle has the mass ``MassTable[1] =
+  27.7536627 Omega_m V / N`` (1e10 Msun/h; ``27.7536627`` is the critical density
+  in 1e10 h^2 Msun / Mpc^3).
+* ``torchpm``: the configuration as TOML text (``config``), the cosmology, the
+  scale factor and step index (float64, exact), the simulation's shape and dtype,
+  and the raw particles in force-mesh units (``MeshPositions``, unwrapped, and
+  ``MeshMomenta``, with the exact bits of the run) from which
+  :meth:`torchpm.Simulation.resume` continues bit for bit.
+
+Padding slots (``ids < 0``) are not written. A distributed run (``torch.distributed``
+initialised with world size > 1) writes one file per rank in Gadget's multi-file
+convention, ``snap_005.0.hdf5``, ``snap_005.1.hdf5``, ..., with the total count
+all-reduced; :func:`read_snapshot` reads a single file or a whole set, whole or a
+contiguous share per reader. Writing streams: one chunk of particles at a time is
+copied to the host. A write goes to a temporary name and is renamed at the end,
+so a failed write leaves nothing under the final name.
+
+h5py is needed by this module only (``pip install h5py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import torch
+
+__all__ = [
+    "Snapshot",
+    "write_snapshot",
+    "read_snapshot",
+    "check_restart",
+    "restart_state",
+    "simulation_config",
+    "scale_factor_index",
+    "snapshot_files",
+    "to_toml",
+    "CRITICAL_DENSITY",
+]
+
+# Critical density in 1e10 h^2 Msun / Mpc^3 (Gadget's unit of mass per (Mpc/h)^3 for Omega = 1).
+CRITICAL_DENSITY = 27.7536627
+FORMAT_VERSION = 1
+CHUNK = 1 << 20  # particles per chunk copied to the host
+_UNITS = dict(UnitLength_in_cm=3.085678e24, UnitMass_in_g=1.989e43, UnitVelocity_in_cm_per_s=1e5)
+_COSMOLOGY_KEYS = ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa")
+
+
+def _h5py():
+    try:
+        import h5py
+    except ImportError:
+        raise ImportError("torchpm snapshots need h5py: `pip install h5py` (or `make deps`)") from None
+    return h5py
+
+
+# ----------------------------------------------------------------------------------
+# Configuration as TOML text.
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        text = repr(value)  # shortest text that round-trips exactly
+        return text if any(c in text for c in ".en") else text + ".0"
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{_toml_key(key)} = {_toml_value(item)}" for key, item in value.items()) + " }"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quote, backslash and control characters (DEL included) escaped,
+    everything else (non-BMP characters too) written as itself."""
+    out = []
+    for character in text:
+        code = ord(character)
+        if character in '"\\':
+            out.append("\\" + character)
+        elif code < 0x20 or code == 0x7F:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(character)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_string(key)
+
+
+def to_toml(config: dict) -> str:
+    """A flat config dict (scalars, lists, one-level tables) as TOML text."""
+    return "".join(f"{_toml_key(key)} = {_toml_value(value)}\n" for key, value in config.items())
+
+
+def simulation_config(sim) -> dict:
+    """The settings of ``sim`` as a config dict (steps as the exact list of scale factors)."""
+    cosmology = {key: float(value.detach()) for key, value in sim.cosmology.parameters().items()}
+    power = getattr(sim.power, "path", None)
+    return dict(
+        n_particles=list(sim.particle_shape),
+        box_size=list(sim.box_size),
+        mesh_factor=sim.mesh_factor,
+        a_start=sim.scale_factors[0],
+        steps=list(sim.scale_factors[1:]) if sim.steps else 0,
+        lpt_order=sim.lpt_order,
+        **({"lpt_normalisation": sim.lpt_normalisation} if hasattr(sim, "lpt_normalisation") else {}),
+        integrator=sim.integrator,
+        gradient=sim.kernel_options["gradient"],
+        laplacian=sim.kernel_options["laplacian"],
+        cic_compensation=sim.cic_compensation,
+        cosmology=cosmology,
+        dtype=str(sim.dtype).replace("torch.", ""),
+        **({"power_spectrum": power} if power else {}),
+    )
+
+
+def scale_factor_index(sim, a: float) -> int:
+    """The index of ``a`` in ``sim.scale_factors`` (0: ``a_start``), or a ValueError:
+    a run stops, writes and resumes only at the end of a step."""
+    a = float(a)
+    for index, value in enumerate(sim.scale_factors):
+        if abs(a - value) <= 1e-9 * value:
+            return index
+    raise ValueError(
+        f"scale factor {a} is not one of this simulation's scale factors "
+        f"({sim.scale_factors[0]:.6g} to {sim.scale_factors[-1]:.6g}, {len(sim.scale_factors) - 1} steps): "
+        "a run can stop and resume only at the end of a step"
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Writing.
+
+
+def snapshot_files(path: str, num_files: int) -> list[str]:
+    """The file names of a snapshot: ``path`` itself for one file, else Gadget's
+    ``<base>.<i>.hdf5`` with ``<base>`` = ``path`` less its ``.hdf5``."""
+    path = os.fspath(path)
+    if num_files == 1:
+        return [path]
+    base = path[: -len(".hdf5")] if path.endswith(".hdf5") else path
+    return [f"{base}.{i}.hdf5" for i in range(num_files)]
+
+
+def _distributed():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+def write_snapshot(
+    path,
+    state,
+    sim,
+    *,
+    mesh_units: bool = False,
+    member: int = 0,
+    step: int | None = None,
+    config: dict | None = None,
+    file_index: int | None = None,
+    num_files: int | None = None,
+    num_part_total: int | None = None,
+    overwrite: bool = False,
+    chunk_size: int = CHUNK,
+) -> str:
+    """Write one member of a batch of particles as a Gadget-4 HDF5 snapshot.
+
+    Args:
+        path: ``.../snap_005.hdf5``; a multi-file snapshot writes ``.../snap_005.<i>.hdf5``.
+        state: a :class:`torchpm.SimulationState` in Mpc/h, or in force-mesh units
+            with ``mesh_units=True`` (as returned with ``return_mesh_units=True``;
+            only then does the snapshot hold the exact bits a restart needs).
+            ``(B, N, 3)`` positions and momenta; ``ids`` ``(B, N)`` (default: the
+            Lagrangian order ``0 .. N-1``, valid on a single device); ``-1`` ids are skipped.
+        sim: the :class:`torchpm.Simulation` that produced ``state``.
+        member: which batch member to write.
+        step: the index of ``state.a`` in ``sim.scale_factors`` (found when omitted).
+        config: the run's configuration, stored as TOML (default: :func:`simulation_config`).
+        file_index, num_files: this file's place in a multi-file snapshot (default:
+            the rank and world size of an initialised ``torch.distributed``, else 0 and 1).
+        num_part_total: particles in all files (default: all-reduced over the ranks,
+            or this file's count for a single file).
+        overwrite: replace an existing file (default: refuse).
+        chunk_size: particles copied to the host at a time.
+
+    Returns:
+        The name of the file written.
+    """
+    h5py = _h5py()
+    from .simulation import SimulationState
+
+    if not isinstance(state, SimulationState):
+        raise TypeError(f"`state` must be a torchpm.SimulationState, got {type(state).__name__}")
+    positions, momenta = state.positions, state.momenta
+    if positions.dim() != 3 or positions.shape[-1] != 3 or momenta.shape != positions.shape:
+        raise ValueError(
+            f"`state` positions and momenta must both be (B, N, 3), got {tuple(positions.shape)} and {tuple(momenta.shape)}"
+        )
+    batch, count, _ = positions.shape
+    if isinstance(member, bool) or not isinstance(member, int) or not 0 <= member < batch:
+        raise ValueError(f"`member` must be an int in [0, {batch}), got {member!r}")
+    dist = _distributed()
+    if num_files is None and file_index is None:
+        file_index, num_files = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+    if num_files is None or file_index is None or not (0 <= file_index < num_files):
+        raise ValueError(f"`file_index` and `num_files` must be given together with 0 <= file_index < num_files, "
+                         f"got {file_index!r} and {num_files!r}")
+    ids = state.ids
+    if ids is None:
+        if num_files > 1 or count != sim.n_total:
+            raise ValueError("`state.ids` is needed for a multi-file snapshot or a partial particle set")
+        ids = torch.arange(count, device=positions.device).expand(batch, count)
+    if ids.shape != positions.shape[:2]:
+        raise ValueError(f"`state.ids` must be (B, N) = {tuple(positions.shape[:2])}, got {tuple(ids.shape)}")
+    ids = ids[member]
+    positions, momenta = positions[member], momenta[member]
+    valid = int((ids >= 0).sum())
+    if num_part_total is None:
+        if dist is not None and num_files > 1:
+            total = torch.tensor([valid], dtype=torch.int64)
+            if dist.get_backend() == "nccl":
+                total = total.cuda()
+            dist.all_reduce(total)
+            num_part_total = int(total.item())
+        elif num_files == 1:
+            num_part_total = valid
+        else:
+            raise ValueError("`num_part_total` is needed for a multi-file snapshot written without torch.distributed")
+    a = float(state.a)
+    if step is None:
+        step = scale_factor_index(sim, a)
+    final = snapshot_files(path, num_files)[file_index]
+    directory = os.path.dirname(os.path.abspath(final))
+    temporary = os.path.join(directory, f".{os.path.basename(final)}.{os.getpid()}.tmp")
+
+    cell = torch.tensor(sim.cell_size, dtype=positions.dtype, device=positions.device)
+    box = sim.box_size
+    volume = math.prod(box)
+    omega_m = float(sim.cosmology.Omega_m.detach())
+    mass = CRITICAL_DENSITY * omega_m * volume / sim.n_total
+    cosmology = {key: float(value.detach()) for key, value in sim.cosmology.parameters().items()}
+    hubble = cosmology["h"]
+    omega_lambda = 1.0 - omega_m - cosmology["Omega_k"]
+    dtype = positions.dtype
+    numpy_dtype = "f8" if dtype == torch.float64 else "f4"
+    failed = None
+    try:
+        if os.path.exists(final) and not overwrite:
+            raise FileExistsError(f"snapshot {final!r} exists; pass overwrite=True (CLI: --overwrite) to replace it")
+        with h5py.File(temporary, "w") as handle:
+            header = handle.create_group("Header")
+            counts = [0, valid, 0, 0, 0, 0]
+            totals = [0, num_part_total, 0, 0, 0, 0]
+            cubic = box[0] == box[1] == box[2]
+            header.attrs["BoxSize"] = box[0] if cubic else list(box)
+            header.attrs["Time"] = a
+            header.attrs["Redshift"] = 1.0 / a - 1.0
+            header.attrs["NumPart_ThisFile"] = _uint(counts, "u8")
+            header.attrs["NumPart_Total"] = _uint([n & 0xFFFFFFFF for n in totals], "u4")
+            header.attrs["NumPart_Total_HighWord"] = _uint([n >> 32 for n in totals], "u4")
+            header.attrs["MassTable"] = [0.0, mass, 0.0, 0.0, 0.0, 0.0]
+            header.attrs["NumFilesPerSnapshot"] = num_files
+            header.attrs["Omega0"] = omega_m
+            header.attrs["OmegaBaryon"] = cosmology["Omega_b"]
+            header.attrs["OmegaLambda"] = omega_lambda
+            header.attrs["HubbleParam"] = hubble
+            header.attrs["Flag_DoublePrecision"] = int(dtype == torch.float64)
+            for flag in ("Flag_Sfr", "Flag_Cooling", "Flag_StellarAge", "Flag_Metals", "Flag_Feedback", "Flag_Entropy_ICs"):
+                header.attrs[flag] = 0
+            parameters = handle.create_group("Parameters")
+            for key, value in _UNITS.items():
+                parameters.attrs[key] = value
+            parameters.attrs["ComovingIntegrationOn"] = 1
+            for key in ("BoxSize", "Omega0", "OmegaBaryon", "OmegaLambda", "HubbleParam"):
+                parameters.attrs[key] = header.attrs[key]
+
+            particles = handle.create_group("PartType1")
+            datasets = dict(
+                Coordinates=particles.create_dataset("Coordinates", (valid, 3), dtype=numpy_dtype),
+                Velocities=particles.create_dataset("Velocities", (valid, 3), dtype=numpy_dtype),
+                ParticleIDs=particles.create_dataset("ParticleIDs", (valid,), dtype="u8"),
+            )
+            datasets["Coordinates"].attrs["unit"] = "Mpc/h, comoving"
+            datasets["Velocities"].attrs["unit"] = "km/s / sqrt(a): peculiar velocity divided by sqrt(a) (Gadget)"
+            # Gadget-4's per-dataset unit attributes: value * to_cgs * a^a_scaling * h^h_scaling is in cgs.
+            for name, (a_scaling, h_scaling, length, velocity, to_cgs) in dict(
+                Coordinates=(1.0, -1.0, 1.0, 0.0, _UNITS["UnitLength_in_cm"]),
+                Velocities=(0.5, 0.0, 0.0, 1.0, _UNITS["UnitVelocity_in_cm_per_s"]),
+                ParticleIDs=(0.0, 0.0, 0.0, 0.0, 0.0),
+            ).items():
+                attributes = datasets[name].attrs
+                attributes["a_scaling"], attributes["h_scaling"] = a_scaling, h_scaling
+                attributes["length_scaling"], attributes["velocity_scaling"] = length, velocity
+                attributes["mass_scaling"], attributes["to_cgs"] = 0.0, to_cgs
+            ours = handle.create_group("torchpm")
+            raw_positions = ours.create_dataset("MeshPositions", (valid, 3), dtype=numpy_dtype)
+            raw_momenta = ours.create_dataset("MeshMomenta", (valid, 3), dtype=numpy_dtype)
+            raw_positions.attrs["unit"] = "force-mesh cells, unwrapped"
+            raw_momenta.attrs["unit"] = "force-mesh cells (p = a^3 E dx/da)"
+
+            written = 0
+            velocity_factor = 100.0 / a**1.5
+            for begin in range(0, count, chunk_size):
+                end = min(begin + chunk_size, count)
+                keep = ids[begin:end] >= 0
+                x, p = positions[begin:end][keep], momenta[begin:end][keep]
+                if mesh_units:
+                    mesh_x, mesh_p = x, p
+                    physical = sim.to_physical(x.unsqueeze(0), p.unsqueeze(0), a)
+                    x, p = physical.positions[0], physical.momenta[0]
+                else:
+                    mesh_x, mesh_p = x / cell, p / cell
+                rows = slice(written, written + x.shape[0])
+                datasets["Coordinates"][rows] = x.detach().cpu().numpy()
+                datasets["Velocities"][rows] = (p.detach() * velocity_factor).cpu().numpy()
+                datasets["ParticleIDs"][rows] = ids[begin:end][keep].cpu().numpy().astype("u8")
+                raw_positions[rows] = mesh_x.detach().cpu().numpy()
+                raw_momenta[rows] = mesh_p.detach().cpu().numpy()
+                written += x.shape[0]
+
+            ours.attrs["format_version"] = FORMAT_VERSION
+            ours.attrs["config"] = to_toml(config if config is not None else simulation_config(sim))
+            ours.attrs["a"] = a
+            ours.attrs["step"] = int(step)
+            ours.attrs["scale_factors"] = list(map(float, sim.scale_factors))
+            ours.attrs["n_particles"] = list(sim.particle_shape)
+            ours.attrs["box_size"] = list(box)
+            ours.attrs["mesh_factor"] = sim.mesh_factor
+            ours.attrs["dtype"] = str(dtype).replace("torch.", "")
+            ours.attrs["exact_restart"] = bool(mesh_units)
+            ours.attrs["member"] = member
+            ours.attrs["file_index"] = file_index
+            ours.attrs["integrator"] = sim.integrator
+            ours.attrs["gradient"] = sim.kernel_options["gradient"]
+            ours.attrs["laplacian"] = sim.kernel_options["laplacian"]
+            ours.attrs["cic_compensation"] = sim.cic_compensation
+            for key in ("paint_order", "window_compensation"):
+                if hasattr(sim, key):
+                    ours.attrs[key] = getattr(sim, key)
+            for key, value in cosmology.items():
+                ours.attrs[f"cosmology_{key}"] = value
+            from . import __version__
+
+            ours.attrs["torchpm_version"] = __version__
+    except BaseException as error:  # noqa: BLE001 - cleaned up, reported below
+        failed = error
+    # Every file of a set is renamed only when every rank wrote its own.
+    ok = torch.tensor([0 if failed else 1], dtype=torch.int64)
+    if dist is not None and num_files > 1:
+        if dist.get_backend() == "nccl":
+            ok = ok.cuda()
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if failed is not None or int(ok.item()) == 0:
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+        if failed is not None:
+            raise failed
+        raise RuntimeError(f"snapshot {path!r}: another rank failed to write its file; this rank's file was removed")
+    os.replace(temporary, final)
+    return final
+
+
+def _uint(values, kind):
+    import numpy as np
+
+    return np.asarray(values, dtype=kind)
+
+
+# ----------------------------------------------------------------------------------
+# Reading.
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A snapshot read back (whole or a contiguous share of its particles).
+
+    Attributes:
+        a: the scale factor (float64, as written).
+        step: its index in the run's scale factors.
+        header: the ``Header`` attributes of the first file (Python values).
+        config: the run's configuration (parsed from ``config_text``).
+        config_text: the TOML text stored in the snapshot.
+        attributes: the ``torchpm`` group's attributes.
+        positions: ``(N, 3)`` Mpc/h; velocities: ``(N, 3)`` km/s / sqrt(a) (Gadget);
+        ids: ``(N,)`` int64; mesh_positions, mesh_momenta: ``(N, 3)`` in force-mesh
+        units with the bits of the run; momenta: ``(N, 3)`` ``p`` in Mpc/h.
+        files: the files read.
+        total: particles in the whole snapshot (all files), of which these are a share or all.
+    """
+
+    a: float
+    step: int
+    header: dict
+    config: dict
+    config_text: str
+    attributes: dict
+    positions: torch.Tensor
+    velocities: torch.Tensor
+    momenta: torch.Tensor
+    ids: torch.Tensor
+    mesh_positions: torch.Tensor | None
+    mesh_momenta: torch.Tensor | None
+    files: list
+    total: int = 0
+
+    def state(self):
+        """The particles as a :class:`torchpm.SimulationState` in Mpc/h, batch of 1."""
+        from .simulation import SimulationState
+
+        return SimulationState(self.positions[None], self.momenta[None], self.a, self.ids[None])
+
+
+def _python(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, bytes):
+        return value.decode()
+    return value
+
+
+def _resolve_files(path) -> list[str]:
+    h5py = _h5py()
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        with h5py.File(path, "r") as handle:
+            if "Header" not in handle:
+                raise ValueError(f"{path!r} is not a Gadget HDF5 snapshot (no Header group)")
+            num_files = int(_python(handle["Header"].attrs.get("NumFilesPerSnapshot", 1)))
+        if num_files == 1:
+            return [path]
+        match = re.fullmatch(r"(.*)\.(\d+)\.hdf5", path)
+        if not match:
+            raise ValueError(f"{path!r} declares {num_files} files but is not named <base>.<i>.hdf5")
+        files = snapshot_files(match.group(1), num_files)
+        missing = [name for name in files if not os.path.isfile(name)]
+        if missing:
+            raise FileNotFoundError(f"snapshot {path!r} is one of {num_files} files, but {missing} are missing")
+        return files
+    base = path[: -len(".hdf5")] if path.endswith(".hdf5") else path
+    for candidate in (base + ".hdf5", base + ".0.hdf5"):
+        if os.path.isfile(candidate):
+            return _resolve_files(candidate)
+    raise FileNotFoundError(f"no snapshot at {path!r} (looked for {base}.hdf5 and {base}.0.hdf5)")
+
+
+def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int | None = None) -> Snapshot:
+    """Read a snapshot written by :func:`write_snapshot` (or any Gadget-4 HDF5 file
+    with ``PartType1`` and, for the restart fields, the ``torchpm`` group).
+
+    Args:
+        path: one file, any file of a multi-file set, or the set's base name.
+        share: ``(index, count)``: read only the ``index``-th of ``count`` contiguous,
+            near-equal shares of the particles (in file order), e.g. ``(rank, world_size)``.
+            Default: all.
+        file_index: read only this file of a multi-file set (e.g. a rank its own file,
+            which keeps the particles in the order the run held them: what a bit-exact
+            restart on the same process grid needs).
+    """
+    h5py = _h5py()
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    files = _resolve_files(path)
+    if file_index is not None:
+        if isinstance(file_index, bool) or not isinstance(file_index, int) or not 0 <= file_index < len(files):
+            raise ValueError(f"`file_index` must be an int in [0, {len(files)}) for {path!r}, got {file_index!r}")
+        files = [files[file_index]]
+    counts = []
+    for name in files:
+        with h5py.File(name, "r") as handle:
+            counts.append(int(_python(handle["Header"].attrs["NumPart_ThisFile"])[1]))
+    total = sum(counts)
+    if share is not None and file_index is not None:
+        raise ValueError("pass at most one of `share` and `file_index`")
+    if share is None:
+        begin, end = 0, total
+    else:
+        index, parts = share
+        if not (isinstance(index, int) and isinstance(parts, int) and parts >= 1 and 0 <= index < parts):
+            raise ValueError(f"`share` must be (index, count) with 0 <= index < count, got {share!r}")
+        begin, end = total * index // parts, total * (index + 1) // parts
+
+    with h5py.File(files[0], "r") as handle:
+        header = {key: _python(value) for key, value in handle["Header"].attrs.items()}
+        attributes = {key: _python(value) for key, value in handle["torchpm"].attrs.items()} if "torchpm" in handle else {}
+        has_raw = "torchpm" in handle and "MeshPositions" in handle["torchpm"]
+        float_dtype = handle["PartType1/Coordinates"].dtype if "PartType1" in handle else "f4"
+    torch_dtype = torch.float64 if str(float_dtype) == "float64" else torch.float32
+    n = end - begin
+    arrays = dict(
+        positions=torch.empty(n, 3, dtype=torch_dtype),
+        velocities=torch.empty(n, 3, dtype=torch_dtype),
+        ids=torch.empty(n, dtype=torch.int64),
+    )
+    sources = dict(positions="PartType1/Coordinates", velocities="PartType1/Velocities", ids="PartType1/ParticleIDs")
+    if has_raw:
+        arrays.update(mesh_positions=torch.empty(n, 3, dtype=torch_dtype), mesh_momenta=torch.empty(n, 3, dtype=torch_dtype))
+        sources.update(mesh_positions="torchpm/MeshPositions", mesh_momenta="torchpm/MeshMomenta")
+    offset = 0
+    for name, file_count in zip(files, counts):
+        low, high = max(begin - offset, 0), min(end - offset, file_count)
+        if low < high:
+            with h5py.File(name, "r") as handle:
+                for key, source in sources.items():
+                    data = handle[source][low:high]
+                    if key == "ids":
+                        data = data.astype("i8")
+                    arrays[key][offset + low - begin: offset + high - begin] = torch.from_numpy(data)
+        offset += file_count
+    a = float(header["Time"])
+    config_text = attributes.get("config", "")
+    config = tomllib.loads(config_text) if config_text else {}
+    momenta = arrays["velocities"] * (a**1.5 / 100.0)
+    return Snapshot(
+        a=float(attributes.get("a", a)),
+        step=int(attributes.get("step", -1)),
+        header=header,
+        config=config,
+        config_text=config_text,
+        attributes=attributes,
+        positions=arrays["positions"],
+        velocities=arrays["velocities"],
+        momenta=momenta,
+        ids=arrays["ids"],
+        mesh_positions=arrays.get("mesh_positions"),
+        mesh_momenta=arrays.get("mesh_momenta"),
+        files=files,
+        total=int(header["NumPart_Total"][1]) + (int(header.get("NumPart_Total_HighWord", [0, 0])[1]) << 32),
+    )
+
+
+# ----------------------------------------------------------------------------------
+# Restart.
+
+
+def check_restart(snapshot: Snapshot, sim) -> None:
+    """Raise a ValueError naming every setting in which ``sim`` differs from the run
+    that wrote ``snapshot`` (particles, box, mesh factor, dtype, cosmology, force
+    kernels, integrator), or when the snapshot's ``a`` is not on ``sim``'s step grid."""
+    attributes = snapshot.attributes
+    if not attributes or not attributes.get("exact_restart", False) or snapshot.mesh_positions is None:
+        raise ValueError(
+            f"snapshot {snapshot.files[0]!r} holds no exact restart data (the torchpm group with mesh-unit "
+            "particles, written with mesh_units=True); it cannot be resumed"
+        )
+    ours = dict(
+        n_particles=list(sim.particle_shape),
+        box_size=list(sim.box_size),
+        mesh_factor=sim.mesh_factor,
+        dtype=str(sim.dtype).replace("torch.", ""),
+        integrator=sim.integrator,
+        gradient=sim.kernel_options["gradient"],
+        laplacian=sim.kernel_options["laplacian"],
+        cic_compensation=sim.cic_compensation,
+    )
+    # Settings of the force that not every build has (mass-assignment order, window).
+    for key in ("paint_order", "window_compensation"):
+        if hasattr(sim, key):
+            ours[key] = getattr(sim, key)
+    for key, value in sim.cosmology.parameters().items():
+        ours[f"cosmology_{key}"] = float(value.detach())
+    differences = []
+    for key, value in ours.items():
+        theirs = attributes.get(key)
+        if isinstance(value, float):
+            same = theirs is not None and math.isclose(value, float(theirs), rel_tol=1e-12, abs_tol=1e-15)
+        else:
+            same = _python(theirs) == value
+        if not same:
+            differences.append(f"{key}: snapshot {theirs!r}, config {value!r}")
+    if differences:
+        raise ValueError(
+            f"snapshot {snapshot.files[0]!r} is incompatible with this configuration ("
+            + "; ".join(differences) + "); resume with the configuration that wrote it"
+        )
+    scale_factor_index(sim, snapshot.a)  # raises when a is not on the step grid
+
+
+def restart_state(snapshot: Snapshot, sim):
+    """The snapshot's particles in force-mesh units, in the order the file holds them (the
+    run's own order, which a bit-exact restart needs), as a batch-of-1
+    :class:`torchpm.SimulationState` for ``sim.resume(state, mesh_units=True)``.
+
+    Checks compatibility first (:func:`check_restart`). A whole snapshot must hold every
+    particle exactly once; a part of one (``read_snapshot(..., file_index=rank)`` or
+    ``share=(rank, world)``, for a process grid whose ``resume`` sends the particles to
+    their owners) must hold ids in ``[0, N)`` without repeats.
+    """
+    from .simulation import SimulationState
+
+    check_restart(snapshot, sim)
+    ids = snapshot.ids
+    n = sim.n_total
+    if snapshot.total and snapshot.total != n:
+        raise ValueError(f"snapshot holds {snapshot.total} particles, the simulation has {n}")
+    ordered = torch.sort(ids).values
+    if ids.numel() == n:
+        if not torch.equal(ordered, torch.arange(n)):
+            raise ValueError("snapshot particle ids are not exactly 0 .. N-1 (missing or repeated particles)")
+    elif ids.numel() and (int(ordered[0]) < 0 or int(ordered[-1]) >= n or bool((ordered[1:] == ordered[:-1]).any())):
+        raise ValueError(f"snapshot part holds ids outside [0, {n}) or repeated ids")
+    # The snapshot's float64 a, snapped to the grid value the run uses.
+    a = sim.scale_factors[scale_factor_index(sim, snapshot.a)]
+    return SimulationState(snapshot.mesh_positions[None], snapshot.mesh_momenta[None], a, ids[None])
