@@ -201,7 +201,8 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         valid = ids >= 0
         plane = torch.floor(positions[..., axis].detach())
         finite = torch.isfinite(plane)
-        bad = int((valid & ~torch.isfinite(positions.detach()).all(-1)).sum()) if first else 0
+        # A non-finite coordinate makes the sum of the three non-finite (one pass, not three).
+        bad = int((valid & ~torch.isfinite(positions.detach().sum(-1))).sum()) if first else 0
         plane = torch.where(finite, plane, torch.zeros_like(plane)).to(torch.int64)
         plane = plane.clamp_(0, layout.global_shape[axis] - 1)  # only non-finite positions are affected
         if destination is None:
