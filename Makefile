@@ -13,7 +13,7 @@ CU_OBJECTS := $(patsubst csrc/%.cu,.cuda-check/%.o,$(CU_SOURCES))
 
 CPP_BUILD ?= build/cpp
 
-.PHONY: run test deps test-deps build cpp cuda-check bench bench-dfft example-dfft test-distributed clean
+.PHONY: run test deps test-deps build cpp cuda-check bench bench-dfft bench-distributed example-dfft test-distributed clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
@@ -87,11 +87,15 @@ bench: build
 bench-dfft: build
 	$(PYTHON) benchmarks/bench_dfft.py
 
+bench-distributed: build
+	$(PYTHON) benchmarks/bench_distributed.py
+	$(PYTHON) benchmarks/model_distributed.py
+
 example-dfft: build
 	torchrun --nproc-per-node=4 examples/distributed_fft.py
 
 test-distributed: build
-	$(PYTHON) -m pytest tests/test_distributed_fft.py tests/test_distributed_ops.py
+	$(PYTHON) -m pytest tests/test_distributed_fft.py tests/test_distributed_ops.py tests/test_distributed_simulation.py tests/test_cli_distributed.py
 
 clean:
 	rm -rf build .cuda-check torchpm/_C*.so torchpm/libtorchpm_ops.so *.egg-info
