@@ -82,7 +82,6 @@ def _worker(rank, world, size, repeats, threads, store, result_path):
                             timeout=datetime.timedelta(seconds=600))
     import torchpm
     from bench_pm import PeakMemory
-    from torchpm import ops
     from torchpm.distributed import balanced_grid, decomposition, fft, halo
     from torchpm.pm import step_factors
 
@@ -98,8 +97,8 @@ def _worker(rank, world, size, repeats, threads, store, result_path):
             forces = sim.forces(positions, factors[0].a_start, ids)
             positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factors[0])
         timer = PhaseTimer()
-        timer.wrap(ops, "cic_paint", "paint")
-        timer.wrap(ops, "cic_readout", "readout")
+        timer.wrap(decomposition, "_paint", "paint")
+        timer.wrap(decomposition, "_readout", "readout")
         timer.wrap(halo, "add_halo", "halo")
         timer.wrap(halo, "fill_halo", "halo")
         timer.wrap(fft, "transpose", "transposes")

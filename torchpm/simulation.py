@@ -579,7 +579,8 @@ class Simulation(nn.Module):
         (``ids`` marks empty slots, which get no mass)."""
         cosmology = cosmology or self.cosmology
         weights = None
-        if ids is not None and bool((ids < 0).any()):
+        # Only migration pads, and one device never migrates: no host sync per step there.
+        if ids is not None and not self.force_mesh.is_local and bool((ids < 0).any()):
             weights = (ids >= 0).to(positions.dtype)
         return compute_forces(
             positions,

@@ -25,6 +25,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..ops import halo_widths
+from ..ops import paint as _paint
+from ..ops import readout as _readout
 from . import fft as _fft
 from . import halo as _halo
 from . import particles as _particles
@@ -32,28 +35,6 @@ from .groups import GridGroups, process_grid_groups
 from .layout import BlockLayout, split_sizes
 
 __all__ = ["PencilDecomposition", "split_sizes", "process_grid_groups"]
-
-# Stencil reach of each mass-assignment order: a particle whose coordinate lies in
-# the owned interval [o, o + n) touches nodes in [o - below, o + n - 1 + above].
-_CIC_REACH = (0, 1)
-
-
-def _reach(order: str) -> tuple[int, int]:
-    from .. import ops
-
-    widths = getattr(ops, "halo_widths", None)
-    if widths is not None:
-        return tuple(widths(order))
-    if order != "cic":
-        raise ValueError(f"`order` must be 'cic', got {order!r}")
-    return _CIC_REACH
-
-
-def _assign(name: str):
-    from .. import ops
-
-    return getattr(ops, name)
-
 
 class PencilDecomposition:
     """A 3-D mesh split over a ``(P0, P1)`` process grid along x and y.
@@ -350,7 +331,7 @@ class PencilDecomposition:
     def stencil_halo(self, order: str = "cic"):
         """Halo widths ``((lo_x, hi_x), (lo_y, hi_y))`` that painting with ``order`` needs
         for particles owned by this rank: the stencil's reach on split axes, 0 elsewhere."""
-        below, above = _reach(order)
+        below, above = halo_widths(order)
         return tuple((below, above) if self.grid_shape[axis] > 1 else (0, 0) for axis in (0, 1))
 
     def _block_geometry(self, order):
@@ -374,31 +355,22 @@ class PencilDecomposition:
         into the neighbours. Returns ``(B, *local_real_shape)`` (or
         ``(B, C, ...)`` for ``(B, N, C)`` weights). Collective on a grid.
         """
-        if self.is_local:
-            return _assign("paint")(positions, weights, self.local_real_shape, order=order,
-                                    offset=self.local_real_offset, periodic=True) if order != "cic" else \
-                _assign("cic_paint")(positions, weights, self.local_real_shape, offset=self.local_real_offset,
-                                     periodic=True)
+        # Unsplit axes are periodic with no halo, so on a 1 x 1 grid this is the plain
+        # periodic paint: no halo exchange and no copy.
         widths, shape, offset, periodic = self._block_geometry(order)
-        if order == "cic":
-            block = _assign("cic_paint")(positions, weights, shape, offset=offset, periodic=periodic)
-        else:
-            block = _assign("paint")(positions, weights, shape, order=order, offset=offset, periodic=periodic)
+        block = _paint(positions, weights, shape, order=order, offset=offset, periodic=periodic)
+        if not _has_halo(widths):
+            return block
         return self.strip_halo(self.add_halo(block, widths), widths)
 
     def readout(self, field: torch.Tensor, positions: torch.Tensor, *, order: str = "cic") -> torch.Tensor:
         """Read the local block ``(B, [C,] *local_real_shape)`` at ``(B, N, 3)`` owned
         particles: ``(B, N)`` or ``(B, N, C)``. Fills the stencil's halo from the
         neighbours first. Collective on a grid."""
-        if self.is_local:
-            if order == "cic":
-                return _assign("cic_readout")(field, positions, offset=self.local_real_offset, periodic=True)
-            return _assign("readout")(field, positions, order=order, offset=self.local_real_offset, periodic=True)
         widths, _, offset, periodic = self._block_geometry(order)
-        haloed = self.fill_halo(self.pad_halo(field, widths), widths)
-        if order == "cic":
-            return _assign("cic_readout")(haloed, positions, offset=offset, periodic=periodic)
-        return _assign("readout")(haloed, positions, order=order, offset=offset, periodic=periodic)
+        if _has_halo(widths):
+            field = self.fill_halo(self.pad_halo(field, widths), widths)
+        return _readout(field, positions, order=order, offset=offset, periodic=periodic)
 
     # -------------------------------------------------------------- particles
 
@@ -483,3 +455,7 @@ class PencilDecomposition:
             f"coords={self.grid_coords}, real={self.local_real_shape}@{self.local_real_offset}, "
             f"fourier={self.local_fourier_shape}@{self.local_fourier_offset})"
         )
+
+
+def _has_halo(widths) -> bool:
+    return any(lo or hi for lo, hi in widths)
