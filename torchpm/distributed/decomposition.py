@@ -402,10 +402,10 @@ class PencilDecomposition:
                   for axis, o in enumerate(self.local_real_offset[:2])] + [0.0]
         debug = _particles.debug_checks()
         before = (ids >= 0).sum(1) if debug else None
-        plan, positions, ids = _particles.migrate(
-            self.layout, self.grid, positions, ids, capacity=capacity, corner=corner, destination=destination
+        plan, positions, ids, *moved = _particles.migrate(
+            self.layout, self.grid, positions, ids, *attributes, capacity=capacity, corner=corner,
+            destination=destination,
         )
-        moved = [plan.exchange(a) for a in attributes]
         if debug:
             self.check_conservation(before, ids)
         return (plan, positions, ids, *moved)
