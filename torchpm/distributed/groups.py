@@ -266,7 +266,16 @@ class GridGroups:
             descriptor = descriptor[: AGREEMENT_SLOTS - 1] + [zlib.crc32(repr(tail).encode())]
         descriptor += [0] * (AGREEMENT_SLOTS - len(descriptor))
         both = torch.tensor(descriptor + [-d for d in descriptor], dtype=torch.int64, device=device)
-        reduced = self.all_reduce(both, "max").tolist()
+        try:
+            reduced = self.all_reduce(both, "max").tolist()
+        except RuntimeError as failure:
+            # Most often the group's timeout: another rank failed or never called this.
+            import torch.distributed as dist
+
+            raise dist.DistBackendError(
+                f"{operation}: the agreement check before the collective failed (gloo/NCCL timeout or a lost "
+                f"peer: another rank raised, died or never called {operation}): {failure}"
+            ) from failure
         if reduced[:AGREEMENT_SLOTS] == [-d for d in reduced[AGREEMENT_SLOTS:]] and reduced[1] == 0:
             return
         self._raise_disagreement(operation, values, error, exception)
