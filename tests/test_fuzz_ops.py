@@ -728,6 +728,45 @@ def property_paint_density_every_wrong_argument():
         positions=4, weights=5, order=len(ORDER_MUTATIONS), interlacing=3, shape=3, mesh=2))
 
 
+def property_issue_cic_cases():
+    """The cic_paint / cic_readout defects of issue 11, one by one (regressions): each is
+    now the documented error naming the argument, and the NaN cases raise by default."""
+    import torchpm
+
+    x = torch.rand(1, 6, 3) * 4
+    w = torch.ones(1, 6)
+    mesh = torch.rand(1, 4, 4, 4)
+    meta = torch.device("meta")
+    cases = [
+        (lambda: torchpm.cic_paint(x, w, (4, 4, 4), offset=(0.5, 0, 0)), TypeError, "offset"),
+        (lambda: torchpm.cic_paint(x, w, (4.7, 4, 4)), TypeError, "shape"),
+        (lambda: torchpm.cic_paint(x, w, (4, 4, 4), periodic="FFF"), TypeError, "periodic"),
+        (lambda: torchpm.cic_paint(x, w.clone().fill_(float("nan")), (4, 4, 4)), ValueError, "weights"),
+        (lambda: torchpm.cic_paint(x, w.clone().fill_(float("inf")), (4, 4, 4)), ValueError, "weights"),
+        (lambda: torchpm.cic_readout(mesh.clone().fill_(float("nan")), x), ValueError, "mesh"),
+        (lambda: torchpm.cic_paint(x.numpy(), w, (4, 4, 4)), TypeError, "positions"),
+        (lambda: torchpm.cic_paint(x.tolist(), w, (4, 4, 4)), TypeError, "positions"),
+        (lambda: torchpm.cic_readout(mesh, x.numpy()), TypeError, "positions"),
+        (lambda: torchpm.cic_paint(x, w, (4, 4, 4), offset=0), TypeError, "offset"),
+        (lambda: torchpm.cic_paint(x, w, (4, 4, 4), periodic=None), TypeError, "periodic"),
+        (lambda: torchpm.cic_paint(x, w, (4, 4, 4), offset=(float("inf"), 0, 0)), TypeError, "offset"),
+        (lambda: torchpm.cic_paint(x, w, (4, 4, 4), offset=(float("nan"), 0, 0)), TypeError, "offset"),
+        (lambda: torchpm.cic_paint(x, w, (2**31,) * 3), ValueError, "shape"),
+        (lambda: torchpm.cic_paint(x.to(meta, torch.float16), None, (4, 4, 4)), ValueError, "positions"),
+        (lambda: torchpm.cic_readout(torch.empty(1, 4, 4, 0, device=meta), x.to(meta)), ValueError, "mesh"),
+        (lambda: torchpm.cic_readout(torch.empty(4, 4, 4, device=meta), x.to(meta)), ValueError, "mesh"),
+    ]
+    for index, (call, exception, argument) in enumerate(cases):
+        try:
+            call()
+        except exception as error:
+            assert f"`{argument}`" in str(error), f"case {index}: {error}"
+        else:
+            raise AssertionError(f"case {index} ({argument}) was accepted")
+    # The fixed cases still compute: check_finite=False propagates NaN instead of raising.
+    assert torch.isnan(torchpm.cic_paint(x, w.clone().fill_(float("nan")), (4, 4, 4), check_finite=False)).any()
+
+
 PROPERTIES = {name: obj for name, obj in dict(globals()).items() if name.startswith("property_")}
 
 
@@ -747,6 +786,61 @@ def run_properties(names_to_run, report_path):
         with open(report_path + ".tmp", "w") as f:
             json.dump(report, f)
         os.replace(report_path + ".tmp", report_path)
+
+
+# ----------------------------------------------------------------------------
+# Simulation's constructor (pure Python until the first forward: run in-process).
+
+SIMULATION_KEYWORDS = {
+    "a_end": "float", "cosmology": "object", "power_spectrum": "string", "lpt_order": "int",
+    "lpt_normalisation": "string", "integrator": "string", "gradient": "string", "laplacian": "string",
+    "force_correction": "object", "paint_order": "string", "window_compensation": "bool", "dtype": "object",
+    "checkpoint": "bool", "adjoint": "bool", "grid": "object", "mesh": "object", "particle_capacity": "int",
+    "memory_check": "string",
+}
+ANY_VALUE = st.one_of(
+    st.sampled_from([None, True, False, 0, 1, 2, -1, 1.5, 2.0, float("nan"), float("inf"), "", "1", "abc", "float32",
+                     "Planck15", "cic", "exact", "fastpm", "off", [1], (1, 2), {}, np.float64(0.5), np.int64(2),
+                     np.bool_(True), torch.tensor(1.0), torch.float64, object()]),
+    st.floats(allow_nan=True, allow_infinity=True), st.integers(-(2**40), 2**40), st.text(max_size=6),
+)
+
+
+def accepted_kind(kind, value) -> bool:
+    """Whether an accepted ``value`` is of a kind the argument documents (no string read
+    as a number, no bool as a number, no non-integer float as an int, nothing non-finite)."""
+    is_bool = isinstance(value, (bool, np.bool_))
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    if kind == "bool":
+        return is_bool
+    if is_bool:
+        return False
+    if kind == "string":
+        return isinstance(value, str) or (value in (1, 2, 3, 4) and not isinstance(value, float))  # paint orders
+    if isinstance(value, str):
+        return False
+    if kind == "int":
+        return value is None or isinstance(value, (int, np.integer))
+    if kind == "float":
+        return isinstance(value, (int, float, np.integer, np.floating)) and 0 < float(value) <= 1
+    return True
+
+
+@settings(max_examples=150 * EXAMPLES, deadline=None, derandomize=PROFILE == "ci", database=None,
+          suppress_health_check=list(HealthCheck))
+@given(keyword=st.sampled_from(sorted(SIMULATION_KEYWORDS)), value=ANY_VALUE)
+def test_simulation_keyword_arguments(keyword, value):
+    """Any value of any keyword argument of Simulation either builds a simulation (and is
+    of the documented kind) or raises ValueError/TypeError naming the keyword."""
+    import torchpm
+
+    try:
+        torchpm.Simulation(n_particles=4, box_size=32.0, steps=2, **dict({"memory_check": "off"}, **{keyword: value}))
+    except (ValueError, TypeError) as error:
+        assert f"`{keyword}`" in str(error), f"{type(error).__name__} does not name `{keyword}`: {error}"
+        return
+    assert accepted_kind(SIMULATION_KEYWORDS[keyword], value), f"`{keyword}` accepted {value!r}"
 
 
 # ----------------------------------------------------------------------------
