@@ -851,21 +851,26 @@ _REPORT: dict = {}
 
 @pytest.fixture(scope="module")
 def subprocess_report(tmp_path_factory):
+    """Run the properties in a subprocess; after a crash, the one that crashed is reported
+    as such and a new subprocess runs the rest."""
     if not _REPORT:
-        path = str(tmp_path_factory.mktemp("fuzz_ops") / "report.json")
+        folder = tmp_path_factory.mktemp("fuzz_ops")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(_HERE), _HERE,
                                                            os.environ.get("PYTHONPATH", "")]))
-        try:
-            completed = subprocess.run(
-                [sys.executable, os.path.abspath(__file__), path, *PROPERTIES], env=env, capture_output=True,
-                text=True, timeout=600 * EXAMPLES,
-            )
-            tail = f"exit status {completed.returncode}\n{completed.stderr[-4000:]}"
-        except subprocess.TimeoutExpired as expired:
-            tail = f"timed out after {expired.timeout} s"
-        report = json.load(open(path)) if os.path.exists(path) else {}
-        _REPORT.update({name: report.get(name, f"the subprocess never reported {name} (crash?): {tail}")
-                        for name in PROPERTIES})
+        remaining = list(PROPERTIES)
+        while remaining:
+            path = str(folder / f"report{len(PROPERTIES) - len(remaining)}.json")
+            try:
+                completed = subprocess.run([sys.executable, os.path.abspath(__file__), path, *remaining], env=env,
+                                           capture_output=True, text=True, timeout=600 * EXAMPLES)
+                tail = f"exit status {completed.returncode}\n{completed.stderr[-4000:]}"
+            except subprocess.TimeoutExpired as expired:
+                tail = f"timed out after {expired.timeout} s"
+            report = json.load(open(path)) if os.path.exists(path) else {}
+            _REPORT.update(report)
+            remaining = [name for name in remaining if name not in report]
+            if remaining:  # the first unreported one crashed (or hung) the subprocess
+                _REPORT[remaining.pop(0)] = f"the subprocess crashed or hung in this property: {tail}"
     return _REPORT
 
 
