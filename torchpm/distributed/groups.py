@@ -298,7 +298,7 @@ class GridGroups:
                          "same operations in the same order")
         else:
             names = [name for name, _ in reports[0][2]]
-            for index, name in enumerate(names):
+            for name in names:
                 seen = [dict(report[2]).get(name) for report in reports]
                 if len(set(seen)) > 1:
                     ranks = ", ".join(f"{where(report[0])}: {value}" for report, value in zip(reports, seen))
