@@ -24,7 +24,8 @@ GRIDS = {2: [(2, 1), (1, 2)], 3: [(3, 1), (1, 3)]}
 SHAPE = (8, 7, 6)  # uneven over 2 and 3 ranks
 PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch_irfftn", "halo_fill",
             "halo_add", "halo_paint", "operation", "local_error", "transpose_axis", "migrate_attribute_dtype",
-            "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "setting", "check_off"]
+            "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
+            "paint_density_batch", "setting", "check_off"]
 PER_WORLD = ["grid_axis"]
 
 
@@ -221,6 +222,32 @@ def case_migrate_positions_dtype(grid, ctx):
     positions, ids = particles(mesh, dtype=torch.float32 if ctx["odd"] else torch.float64)
     expect_error(lambda: mesh.migrate(positions, ids), ctx, "dtype of `positions`", "torch.float32",
                  "torch.float64")
+
+
+def case_spectrum_bins(grid, ctx):
+    """The shell sums are all-reduced: another number of bins would mismatch them."""
+    from torchpm.analysis import power_spectrum
+
+    mesh = decomposition(grid, ctx)
+    bins = 3 if ctx["odd"] else 4
+    expect_error(lambda: power_spectrum(field(mesh), 100.0, bins=bins, mesh=mesh), ctx, "`bins`", ": 3", ": 4")
+
+
+def case_spectrum_box(grid, ctx):
+    """Another box gives another default number of shells."""
+    from torchpm.analysis import cross_power
+
+    mesh = decomposition(grid, ctx)
+    box = 50.0 if ctx["odd"] else 100.0
+    expect_error(lambda: cross_power(field(mesh), field(mesh), box, mesh=mesh), ctx, "`box_size`", "50.0", "100.0")
+
+
+def case_paint_density_batch(grid, ctx):
+    from torchpm.analysis import paint_density
+
+    mesh = decomposition(grid, ctx)
+    positions, _ = particles(mesh, batch=1 if ctx["odd"] else 2)
+    expect_error(lambda: paint_density(positions, mesh), ctx, "batch size", "paint_density")
 
 
 def case_setting(grid, ctx):

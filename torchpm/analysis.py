@@ -147,6 +147,18 @@ def _binned(
     return k_sum[keep] / modes, sums[:, keep] / modes, modes
 
 
+def _bins_key(bins):
+    """``bins`` in a form equal on every rank that passes the same bins (ints, edges)."""
+    if bins is None or isinstance(bins, (bool, str, bytes)):
+        return repr(bins)
+    if isinstance(bins, numbers.Integral):
+        return int(bins)
+    try:
+        return repr(tuple(float(edge) for edge in torch.as_tensor(bins, dtype=torch.float64).reshape(-1)))
+    except (TypeError, ValueError, RuntimeError):
+        return repr(bins)
+
+
 def cross_power(
     field_a: torch.Tensor,
     field_b: torch.Tensor,
@@ -181,13 +193,20 @@ def cross_power(
     if error is None and field_a.shape != field_b.shape:
         error = (f"`field_a` and `field_b` must have the same shape, got {tuple(field_a.shape)} and "
                  f"{tuple(field_b.shape)}")
-    if mesh is not None:
+    try:
+        box = as_box_size(box_size)
+    except ValueError as exc:
+        box, error = None, error or str(exc)
+    if hasattr(mesh, "agree"):
+        # The shell sums are all-reduced: their number depends on the bins and the box,
+        # so the ranks must agree on those before any collective.
+        mesh.agree("cross_power", [("`box_size`", box), ("`bins`", _bins_key(bins)), ("`window`", window)], error)
+    elif mesh is not None:
         mesh.raise_together(error)
     elif error:
         raise ValueError(error)
     a, single = _fields(field_a, "field_a")
     b, _ = _fields(field_b, "field_b")
-    box = as_box_size(box_size)
     mesh = mesh or LocalMesh(a.shape[-3:])
     a_k = mesh.rfftn(a.to(torch.float64))
     b_k = a_k if field_b is field_a else mesh.rfftn(b.to(torch.float64))
@@ -319,6 +338,10 @@ def paint_density(
         total = torch.full((positions.shape[0],), float(positions.shape[1]), dtype=torch.float64, device=positions.device)
     else:
         total = weights.detach().to(torch.float64).sum(1)
+    if hasattr(mesh, "agree"):  # the all-reduce below and the paint's halo exchange depend on these
+        mesh.agree("paint_density", [("batch size (dim 0 of `positions`)", int(positions.shape[0])),
+                                     ("`order`", name), ("`interlacing`", interlacing),
+                                     ("`weights` given", weights is not None)])
     if hasattr(mesh, "all_reduce"):  # a process grid: every rank's particles count
         total = mesh.all_reduce(total)
     if not bool((total > 0).all()):

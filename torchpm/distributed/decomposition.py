@@ -528,6 +528,16 @@ class PencilDecomposition:
         """Raise ``exception`` on every rank when any rank has an ``error`` (collective)."""
         self.grid.raise_together(error, exception)
 
+    def agree(self, operation: str, values, error: str | None = None) -> None:
+        """Raise the same ValueError on every rank when any rank has an ``error`` or the ranks'
+        ``values`` (``(name, value)`` pairs) differ: for callers about to run collectives
+        whose sizes depend on those values. One small all-reduce (collective); with
+        ``check_agreement`` off only the errors are exchanged, as :meth:`raise_together`."""
+        if self.check_agreement:
+            self.grid.agree(operation, values, error)
+        else:
+            self.grid.raise_together(error)
+
     # ------------------------------------------------------------------ misc
 
     def _check_trailing(self, tensor, expected, name, method):
