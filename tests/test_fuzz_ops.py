@@ -587,7 +587,7 @@ def spectra_example(case, data, forced):
             allowed.add(mutation.error)
     if target == "field" and allowed:
         allowed |= {"field_a", "field_b", "reference"}
-    if not allowed and not bool(torch.isfinite(field).all()):
+    if not bool(torch.isfinite(field).all()):  # whatever else is wrong, this may be named first
         allowed |= {"field", "field_a", "field_b"}
     options = dict(bins=arguments["bins"], window=arguments["window"], compensate_cic=arguments["compensate_cic"])
     if arguments["noise"] is not None:
@@ -624,8 +624,17 @@ def spectra_example(case, data, forced):
         assert torch.allclose(result.k, k_expected, rtol=1e-12, atol=0), "k of the bins"
         assert torch.equal(result.modes.to(torch.float64), modes_expected), "modes per bin"
         assert result.power.shape == power.shape, f"power shape {tuple(result.power.shape)} != {tuple(power.shape)}"
-        assert torch.allclose(result.power.to(torch.float64), power, rtol=1e-9, atol=1e-12 * float(power.abs().max())
-                              if power.numel() else 0), "power per bin"
+        if not power.numel():
+            return
+        compare = torch.ones_like(power, dtype=torch.bool)
+        if function in ("correlation_coefficient", "transfer_function"):
+            # Ratios of shell powers: only where both are well above rounding (a field that is
+            # constant along an axis, from a stride-0 layout, has shells of zero power).
+            autos = torch.stack([torch.stack([aa[i][2], bb[i][2]]) for i in range(len(aa))], -1)
+            compare = (autos.abs() > 1e-8 * float(autos.abs().max())).all(0)
+        scale = float(power[compare].abs().max()) if bool(compare.any()) else 0.0
+        assert torch.allclose(result.power.to(torch.float64)[compare], power[compare], rtol=1e-9,
+                              atol=1e-12 * scale), "power per bin"
 
     expect_outcome(call, allowed, check)
 
