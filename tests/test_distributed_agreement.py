@@ -25,7 +25,7 @@ SHAPE = (8, 7, 6)  # uneven over 2 and 3 ranks
 PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch_irfftn", "halo_fill",
             "halo_add", "halo_paint", "operation", "local_error", "transpose_axis", "migrate_attribute_dtype",
             "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
-            "paint_density_batch", "setting", "check_off"]
+            "paint_density_batch", "paint_not_owned", "readout_bad_field", "setting", "check_off"]
 PER_WORLD = ["grid_axis"]
 
 
@@ -151,12 +151,13 @@ def case_halo_add(grid, ctx):
 
 
 def case_halo_paint(grid, ctx):
-    """Painting with another stencil on one rank: the halo exchange behind it disagrees."""
+    """Painting with another stencil on one rank: the halo exchanges behind them differ."""
     mesh = decomposition(grid, ctx)
     positions = torch.rand(1, 10, 3, dtype=torch.float64) * torch.tensor(mesh.local_real_shape, dtype=torch.float64)
     positions = positions + torch.tensor(mesh.local_real_offset, dtype=torch.float64)
     order = "pcs" if ctx["odd"] else "cic"
-    expect_error(lambda: mesh.paint(positions, order=order), ctx, "halo `width`", "add_halo")
+    expect_error(lambda: mesh.paint(positions, order=order), ctx, "halo widths of `order`", "paint", "(1, 2)",
+                 "(0, 1)")
 
 
 def case_operation(grid, ctx):
@@ -248,6 +249,24 @@ def case_paint_density_batch(grid, ctx):
     mesh = decomposition(grid, ctx)
     positions, _ = particles(mesh, batch=1 if ctx["odd"] else 2)
     expect_error(lambda: paint_density(positions, mesh), ctx, "batch size", "paint_density")
+
+
+def case_paint_not_owned(grid, ctx):
+    """One rank paints particles it does not own: its local error reaches every rank before
+    the halo exchange (no rank waits for it)."""
+    mesh = decomposition(grid, ctx)
+    (lx, ly, _), (ox, oy, _) = mesh.local_real_shape, mesh.local_real_offset
+    inside = torch.tensor([[[ox + 0.5, oy + 0.5, 0.5]]], dtype=torch.float64)
+    far = torch.tensor([[[(ox + lx + 2.5) % SHAPE[0], (oy + ly + 2.5) % SHAPE[1], 0.5]]], dtype=torch.float64)
+    expect_error(lambda: mesh.paint(far if ctx["odd"] else inside), ctx, "cannot be deposited", "paint")
+
+
+def case_readout_bad_field(grid, ctx):
+    mesh = decomposition(grid, ctx)
+    positions = torch.tensor([[[mesh.local_real_offset[0] + 0.5, mesh.local_real_offset[1] + 0.5, 0.5]]],
+                             dtype=torch.float64)
+    value = torch.ones(1, 2, 2, 2, dtype=torch.float64) if ctx["odd"] else field(mesh)
+    expect_error(lambda: mesh.readout(value, positions), ctx, "`field`", "(1, 2, 2, 2)", "readout")
 
 
 def case_setting(grid, ctx):

@@ -428,19 +428,43 @@ class PencilDecomposition:
         """
         # Unsplit axes are periodic with no halo, so on a 1 x 1 grid this is the plain
         # periodic paint: no halo exchange and no copy.
-        widths, shape, offset, periodic = self._block_geometry(order)
-        block = _paint(positions, weights, shape, order=order, offset=offset, periodic=periodic)
-        if not _has_halo(widths):
-            return block
-        return self.strip_halo(self.add_halo(block, widths), widths)
+        if self.is_local:
+            widths, shape, offset, periodic = self._block_geometry(order)
+            return _paint(positions, weights, shape, order=order, offset=offset, periodic=periodic)
+        painted = []
+
+        def check():
+            widths, shape, offset, periodic = self._block_geometry(order)
+            painted.append((widths, _paint(positions, weights, shape, order=order, offset=offset, periodic=periodic)))
+
+        # A rank whose particles cannot be painted (not owned, NaN) reports it in the
+        # agreement before the halo exchange, so every rank raises instead of waiting.
+        self._checked_collective(
+            "paint", check, positions, "positions",
+            ("halo widths of `order`", lambda: painted[0][0] if painted else str(order)),
+            ("leading shape (batch, channels) of the painted block",
+             lambda: tuple(painted[0][1].shape[:-3]) if painted else ()),
+        )
+        widths, block = painted[0]
+        return self.strip_halo(_halo.add_halo(block, widths, self._axes), widths)
 
     def readout(self, field: torch.Tensor, positions: torch.Tensor, *, order: str = "cic") -> torch.Tensor:
         """Read the local block ``(B, [C,] *local_real_shape)`` at ``(B, N, 3)`` owned
         particles: ``(B, N)`` or ``(B, N, C)``. Fills the stencil's halo from the
         neighbours first. Collective on a grid."""
-        widths, _, offset, periodic = self._block_geometry(order)
-        if _has_halo(widths):
-            field = self.fill_halo(self.pad_halo(field, widths), widths)
+        if self.is_local:
+            _, _, offset, periodic = self._block_geometry(order)
+            return _readout(field, positions, order=order, offset=offset, periodic=periodic)
+        prepared = []
+
+        def check():
+            widths, _, offset, periodic = self._block_geometry(order)
+            prepared.append((widths, offset, periodic, self.pad_halo(field, widths)))
+
+        self._checked_collective("readout", check, field, "field",
+                                 ("halo widths of `order`", lambda: prepared[0][0] if prepared else str(order)))
+        widths, offset, periodic, padded = prepared[0]
+        field = _halo.fill_halo(padded, widths, self._axes)
         return _readout(field, positions, order=order, offset=offset, periodic=periodic)
 
     # -------------------------------------------------------------- particles
