@@ -14,7 +14,10 @@ naming the group once the timeout expires (or as soon as gloo sees the peer's
 socket close). Set it where the groups are made:
 ``torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=60))``
 or ``process_grid_groups(grid, timeout=...)``. Problems the ranks can detect
-(bad particles, capacity) raise on every rank together instead.
+(bad particles, capacity) raise on every rank together instead, and so do ranks
+that disagree about a call: before every collective the ranks all-reduce a small
+descriptor of it (operation, dtype, batch shape, halo widths, ...) and a rank's own
+argument error, so a mismatched all-to-all never runs (``check_agreement``).
 """
 
 from __future__ import annotations
