@@ -572,8 +572,13 @@ def spectra_example(case, data, forced):
     noise = draw(st.sampled_from([None, ("shot_noise", 3.5), ("n_particles", 1000)])) \
         if function == "power_spectrum" else None
     arguments = dict(field=field, box_size=box, bins=bins, window=window, compensate_cic=compensate, noise=noise)
+    from torchpm.mesh import LocalMesh
+
+    arguments["mesh"] = LocalMesh(shape) if draw(st.booleans()) else None
     mutations = {"field": FIELD_MUTATIONS(field, "field"), "box_size": BOX_MUTATIONS, "bins": BINS_MUTATIONS,
-                 "window": WINDOW_MUTATIONS, "compensate_cic": COMPENSATE_MUTATIONS}
+                 "window": WINDOW_MUTATIONS, "compensate_cic": COMPENSATE_MUTATIONS,
+                 "mesh": [Mutation("mesh", "mesh"), Mutation(42, "mesh"),
+                          Mutation(LocalMesh(tuple(n + 1 for n in shape)), "field")]}
     if function == "power_spectrum":
         mutations["noise"] = NOISE_MUTATIONS
     if forced and forced[0] == "noise" and function != "power_spectrum":
@@ -585,11 +590,12 @@ def spectra_example(case, data, forced):
         arguments[target] = mutation.value
         if mutation.error:
             allowed.add(mutation.error)
-    if target == "field" and allowed:
+    if target in ("field", "mesh") and allowed:
         allowed |= {"field_a", "field_b", "reference"}
     if not bool(torch.isfinite(field).all()):  # whatever else is wrong, this may be named first
         allowed |= {"field", "field_a", "field_b"}
-    options = dict(bins=arguments["bins"], window=arguments["window"], compensate_cic=arguments["compensate_cic"])
+    options = dict(bins=arguments["bins"], window=arguments["window"], compensate_cic=arguments["compensate_cic"],
+                   mesh=arguments["mesh"])
     if arguments["noise"] is not None:
         key, value = arguments["noise"]
         options.update({"shot_noise": value, "n_particles": 10} if key == "both" else {key: value})
@@ -729,7 +735,7 @@ property_paint_density = fuzz(40)(given(case=st.none(), data=st.data())(bind(pai
 def property_spectra_every_wrong_argument():
     sweep(spectra_example, st.none(), dict(
         field=8, box_size=len(BOX_MUTATIONS), bins=len(BINS_MUTATIONS), window=len(WINDOW_MUTATIONS),
-        compensate_cic=len(COMPENSATE_MUTATIONS), noise=len(NOISE_MUTATIONS)))
+        compensate_cic=len(COMPENSATE_MUTATIONS), noise=len(NOISE_MUTATIONS), mesh=3))
 
 
 def property_paint_density_every_wrong_argument():

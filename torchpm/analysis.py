@@ -147,6 +147,15 @@ def _binned(
     return k_sum[keep] / modes, sums[:, keep] / modes, modes
 
 
+def _check_mesh_argument(mesh, function):
+    if mesh is not None and not all(hasattr(mesh, name) for name in
+                                    ("paint", "rfftn", "global_shape", "local_real_shape", "all_reduce")):
+        raise TypeError(
+            f"{function}: `mesh` must be None or a mesh object such as torchpm.mesh.LocalMesh or a "
+            f"PencilDecomposition (e.g. sim.force_mesh), got {type(mesh).__name__}"
+        )
+
+
 def _bins_key(bins):
     """``bins`` in a form equal on every rank that passes the same bins (ints, edges)."""
     if bins is None or isinstance(bins, (bool, str, bytes)):
@@ -189,6 +198,7 @@ def cross_power(
         :class:`PowerSpectrum`; ``power`` is ``(B, n_bins)`` for batched input.
     """
     window = _window_argument(window, compensate_cic)
+    _check_mesh_argument(mesh, "cross_power")
     error = _field_error(field_a, "field_a", mesh) or _field_error(field_b, "field_b", mesh)
     if error is None and field_a.shape != field_b.shape:
         error = (f"`field_a` and `field_b` must have the same shape, got {tuple(field_a.shape)} and "
@@ -321,11 +331,7 @@ def paint_density(
             f"paint_density: expected `weights` of shape {tuple(positions.shape[:2])} (B, N) like `positions`, "
             f"got {tuple(weights.shape)}"
         )
-    if mesh is not None and not all(hasattr(mesh, name) for name in ("paint", "rfftn", "global_shape")):
-        raise TypeError(
-            f"paint_density: `mesh` must be a mesh object such as torchpm.mesh.LocalMesh or a "
-            f"PencilDecomposition, got {type(mesh).__name__}"
-        )
+    _check_mesh_argument(mesh, "paint_density")
     if not isinstance(interlacing, bool):
         raise TypeError(f"`interlacing` must be a bool, got {interlacing!r}")
     name = ORDER_NAMES[order_number(order, "paint_density")]
