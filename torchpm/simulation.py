@@ -234,6 +234,11 @@ class Simulation(nn.Module):
             self.power = resolve_power(power_spectrum)
         except UnicodeDecodeError:
             raise ValueError(f"`power_spectrum`: {power_spectrum!r} is not a UTF-8 text table (a binary file?)") from None
+        except ValueError as error:
+            if "`power_spectrum`" in str(error):
+                raise
+            # A table's own errors (missing file, malformed rows) name the argument too.
+            raise ValueError(f"`power_spectrum`: {error}") from None
         if force_correction is not None and not callable(force_correction):
             raise ValueError("`force_correction` must be a callable (k, a) -> filter, e.g. an nn.Module")
         # An nn.Module correction becomes a submodule: .to() moves it, .parameters() lists it.
