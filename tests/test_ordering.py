@@ -90,6 +90,39 @@ def test_sort_and_restore_are_permutations_with_gradients():
     assert torch.autograd.gradcheck(lambda a, b: sort_particles(mesh, a, ids, b)[::2], (positions, momenta))
 
 
+@pytest.mark.parametrize("trailing", [(), (3,), (2, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_row_permutations_match_torch_indexing(trailing, dtype):
+    generator = torch.Generator().manual_seed(2)
+    batch, n = 3, 17
+    values = (torch.randn(batch, n, *trailing, generator=generator, dtype=torch.float64) * 100).to(dtype)
+    order = torch.stack([torch.randperm(n, generator=generator) for _ in range(batch)])
+    gathered = torch.ops.torchpm._gather_rows(values, order)
+    for b in range(batch):
+        assert torch.equal(gathered[b], values[b][order[b]])
+    assert torch.equal(torch.ops.torchpm._scatter_rows(gathered, order), values)
+    if dtype.is_floating_point:
+        torch.library.opcheck(torch.ops.torchpm._gather_rows.default, (values.requires_grad_(True), order))
+        torch.library.opcheck(torch.ops.torchpm._scatter_rows.default, (values, order))
+    assert torch.equal(permute(order, values.expand(batch, *values.shape[1:]))[0], gathered)
+
+
+def test_row_permutations_reject_bad_orders():
+    values = torch.zeros(1, 4, 3)
+    with pytest.raises(ValueError, match=r"`order` must hold slots in \[0, 4\), got 4"):
+        torch.ops.torchpm._gather_rows(values, torch.tensor([[0, 1, 2, 4]]))
+    with pytest.raises(ValueError, match="`order`"):
+        torch.ops.torchpm._scatter_rows(values, torch.tensor([[0, 1, 2]]))
+    with pytest.raises(ValueError, match="`order`"):
+        torch.ops.torchpm._gather_rows(values, torch.tensor([[0, 1, 2, 3]], dtype=torch.int32))
+
+
+def test_spatial_order_opcheck():
+    positions = torch.rand(2, 30, 3, dtype=torch.float64) * 8
+    ids = torch.arange(30).expand(2, 30).contiguous()
+    torch.library.opcheck(torch.ops.torchpm._spatial_order.default, (positions, ids, [4, 8], [0, 0], [8, 8]))
+
+
 def _sim(**options):
     settings = dict(n_particles=(8, 6, 5), box_size=(40.0, 30.0, 25.0), mesh_factor=2, a_start=0.1,
                     steps=[0.3, 0.6, 1.0], dtype=torch.float64)

@@ -84,25 +84,64 @@ torch.library.register_fake("torchpm::_spatial_order")(_spatial_order_fake)
 torch.library.register_kernel("torchpm::_spatial_order", "cuda")(_spatial_order_device)
 
 
-def permute(order: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``tensor[b, order[b]]`` for each ``(B, N, ...)`` tensor (``(B, N)`` order).
+def _rows_fake(input, order):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
 
-    A gather by index: differentiable, its backward scatters the gradients back to
-    the slots they came from. A tensor broadcast along the batch (stride 0, like
-    ``arange(N).expand(B, -1)``) is gathered per member too.
-    """
+
+def _flat_index(order):
     batch, n = order.shape
-    flat = order + (torch.arange(batch, device=order.device) * n).unsqueeze(1)
-    flat = flat.reshape(-1)
-    out = []
+    return (order + (torch.arange(batch, device=order.device) * n).unsqueeze(1)).reshape(-1)
+
+
+def _gather_rows_device(input, order):
+    batch, n = order.shape
+    return input.reshape(batch * n, -1).index_select(0, _flat_index(order)).view(input.shape)
+
+
+def _scatter_rows_device(input, order):
+    batch, n = order.shape
+    rows = input.reshape(batch * n, -1)
+    return torch.zeros_like(rows).index_copy_(0, _flat_index(order), rows).view(input.shape)
+
+
+def _gather_rows_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+def _gather_rows_backward(ctx, grad):
+    (order,) = ctx.saved_tensors
+    return torch.ops.torchpm._scatter_rows(grad, order), None
+
+
+def _scatter_rows_backward(ctx, grad):
+    (order,) = ctx.saved_tensors
+    return torch.ops.torchpm._gather_rows(grad, order), None
+
+
+for _name, _device_kernel, _backward in (
+    ("_gather_rows", _gather_rows_device, _gather_rows_backward),
+    ("_scatter_rows", _scatter_rows_device, _scatter_rows_backward),
+):
+    torch.library.register_fake(f"torchpm::{_name}")(_rows_fake)
+    torch.library.register_kernel(f"torchpm::{_name}", "cuda")(_device_kernel)
+    torch.library.register_autograd(f"torchpm::{_name}", _backward, setup_context=_gather_rows_setup)
+
+
+def permute(order: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensor[b, order[b]]`` for each ``(B, N, ...)`` tensor (``(B, N)`` permutation).
+
+    A gather of whole rows (``torch.ops.torchpm._gather_rows``, a copy per row of
+    the 12 or 24 bytes of a particle instead of a generic index kernel);
+    differentiable, its backward scatters the gradients back to the slots they
+    came from (``_scatter_rows``). A tensor broadcast along the batch (stride 0,
+    like ``arange(N).expand(B, -1)``) is gathered per member too.
+    """
     for tensor in tensors:
         if tensor.shape[:2] != order.shape:
             raise ValueError(
                 f"permute: a per-particle tensor must start with {tuple(order.shape)}, got {tuple(tensor.shape)}"
             )
-        rest = tensor.shape[2:]
-        out.append(tensor.reshape(batch * n, *rest).index_select(0, flat).view(batch, n, *rest))
-    return tuple(out)
+    return tuple(torch.ops.torchpm._gather_rows(tensor, order) for tensor in tensors)
 
 
 def sort_particles(mesh, positions: torch.Tensor, ids: torch.Tensor, *attributes: torch.Tensor):

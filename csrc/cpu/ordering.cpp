@@ -13,7 +13,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "../torchpm.h"
@@ -56,8 +58,10 @@ void order_one(
           break;
         }
         int64_t i = static_cast<int64_t>(std::floor(x)) - offset[d];
-        i %= period[d];
-        i += i < 0 ? period[d] : 0;
+        if (i < 0 || i >= period[d]) {  // only unwrapped coordinates pay a division
+          i %= period[d];
+          i += i < 0 ? period[d] : 0;
+        }
         index[d] = std::min(i, shape[d] - 1);
       }
       bin[p] = ok ? index[0] * shape[1] + index[1] : rows;
@@ -77,7 +81,9 @@ void order_one(
     }
   }
   // Rows by id (index for equal ids, i.e. empty slots). Between two sorts most
-  // particles keep their row, so a row is often sorted already.
+  // particles keep their row and its id order, so a row is usually sorted or
+  // nearly: an insertion sort then costs one pass; rows far from sorted (the
+  // first sort of a scrambled set) go to std::sort.
   const auto before = [ids](int64_t a, int64_t b) {
     return ids[a] < ids[b] || (ids[a] == ids[b] && a < b);
   };
@@ -85,11 +91,112 @@ void order_one(
     for (int64_t r = first; r < last; ++r) {
       int64_t* lo = out + start[r];
       int64_t* hi = out + start[r + 1];
-      if (!std::is_sorted(lo, hi, before)) {
+      int64_t descents = 0;
+      for (int64_t* k = lo; k + 1 < hi; ++k) {
+        descents += before(k[1], k[0]) ? 1 : 0;
+      }
+      if (descents == 0) {
+        continue;
+      }
+      if (descents > 8) {
         std::sort(lo, hi, before);
+        continue;
+      }
+      for (int64_t* k = lo + 1; k < hi; ++k) {
+        const int64_t value = *k;
+        int64_t* j = k;
+        for (; j > lo && before(value, j[-1]); --j) {
+          *j = j[-1];
+        }
+        *j = value;
       }
     }
   });
+}
+
+// (B, N, ...) -> (B, N, row_elements) contiguous, and the row size in bytes.
+at::Tensor as_rows(const char* op, const at::Tensor& input, const at::Tensor& order, int64_t& row_bytes) {
+  TORCH_CHECK_VALUE(
+      order.scalar_type() == at::kLong && order.dim() == 2, op,
+      ": expected an int64 `order` of shape (B, N), got ", order.scalar_type(), " ",
+      format_list(order.sizes()), ".");
+  TORCH_CHECK_VALUE(
+      input.dim() >= 2 && input.size(0) == order.size(0) && input.size(1) == order.size(1), op,
+      ": expected `input` of shape (B, N, ...) with (B, N) = ", format_list(order.sizes()),
+      " from `order`, got ", format_list(input.sizes()), ".");
+  const at::Tensor rows = input.contiguous();
+  row_bytes = order.size(1) == 0 || order.size(0) == 0
+      ? 0 : rows.numel() / (order.size(0) * order.size(1)) * rows.element_size();
+  return rows;
+}
+
+// Copies row `from` of `source` to row `to` of `target` (rows of `bytes` bytes),
+// with the common particle rows (3 floats, 3 doubles, one id) as fixed-size
+// copies the compiler turns into a few moves.
+inline void copy_row(char* target, const char* source, int64_t bytes) {
+  switch (bytes) {
+    case 8:
+      std::memcpy(target, source, 8);
+      break;
+    case 12:
+      std::memcpy(target, source, 12);
+      break;
+    case 24:
+      std::memcpy(target, source, 24);
+      break;
+    default:
+      std::memcpy(target, source, bytes);
+  }
+}
+
+// out[b, k] = input[b, order[b, k]] (gather) or out[b, order[b, k]] = input[b, k]
+// (scatter; the inverse of the gather when `order` is a permutation).
+at::Tensor move_rows(const char* op, const at::Tensor& input, const at::Tensor& order_in, bool scatter) {
+  int64_t row_bytes = 0;
+  const at::Tensor order = order_in.contiguous();
+  const at::Tensor rows = as_rows(op, input, order, row_bytes);
+  auto out = scatter ? at::zeros_like(rows) : at::empty_like(rows);
+  const int64_t batch = order.size(0);
+  const int64_t n = order.size(1);
+  if (out.numel() == 0) {
+    return out;
+  }
+  const int64_t* index = order.data_ptr<int64_t>();
+  const char* source = static_cast<const char*>(rows.data_ptr());
+  char* target = static_cast<char*>(out.data_ptr());
+  std::atomic<int64_t> bad{-1};
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t* member_index = index + b * n;
+    const char* member_source = source + b * n * row_bytes;
+    char* member_target = target + b * n * row_bytes;
+    at::parallel_for(0, n, 8192, [&](int64_t begin, int64_t end) {
+      for (int64_t q = begin; q < end; ++q) {
+        const int64_t k = member_index[q];
+        if (k < 0 || k >= n) {
+          bad = b * n + q;
+          continue;
+        }
+        if (scatter) {
+          copy_row(member_target + k * row_bytes, member_source + q * row_bytes, row_bytes);
+        } else {
+          copy_row(member_target + q * row_bytes, member_source + k * row_bytes, row_bytes);
+        }
+      }
+    });
+  }
+  const int64_t at = bad.load();
+  TORCH_CHECK_VALUE(
+      at < 0, op, ": `order` must hold slots in [0, ", n, "), got ", at < 0 ? 0 : index[at],
+      " at flat position ", at, ".");
+  return out;
+}
+
+at::Tensor gather_rows_cpu(const at::Tensor& input, const at::Tensor& order) {
+  return move_rows("torchpm._gather_rows", input, order, false);
+}
+
+at::Tensor scatter_rows_cpu(const at::Tensor& input, const at::Tensor& order) {
+  return move_rows("torchpm._scatter_rows", input, order, true);
 }
 
 at::Tensor spatial_order_cpu(
@@ -140,6 +247,8 @@ at::Tensor spatial_order_cpu(
 
 TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
   m.impl("_spatial_order", &spatial_order_cpu);
+  m.impl("_gather_rows", &gather_rows_cpu);
+  m.impl("_scatter_rows", &scatter_rows_cpu);
 }
 
 }  // namespace torchpm
