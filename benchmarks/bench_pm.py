@@ -173,9 +173,16 @@ def bench_torchpm(n, device, repeats, memory_only=False, late_steps=10):
         late_x, late_p, late_ids = sim.evolve(x, p, table, ids=ids)
         late_factor = step_factors(table, torch.tensor([0.91, 1.0], dtype=torch.float64))[0]
         mesh, kernels = sim.force_mesh, sim.kernels("force")
+        # The limit of a scrambled order (on a process grid migration appends arrivals):
+        # the late particles in random order.
+        shuffle = torch.randperm(late_x.shape[1], generator=torch.Generator().manual_seed(1)).to(device).unsqueeze(0)
+        random_x, random_p, random_ids = (torch.ops.torchpm._gather_rows(t.contiguous(), shuffle)
+                                          for t in (late_x, late_p, late_ids))
         cases = {}
         for case, (cx, cp, cids, cfactor) in {"lpt": (x, p, ids, factor),
-                                                "late": (late_x, late_p, late_ids, late_factor)}.items():
+                                                "late": (late_x, late_p, late_ids, late_factor),
+                                                "late, random order": (random_x, random_p, random_ids,
+                                                                       late_factor)}.items():
             cforce = sim.forces(cx, cfactor.a_start)
             sx, sids, sp, sforce = sort_particles(mesh, cx, cids, cp, cforce)
             density = mesh.paint(cx)

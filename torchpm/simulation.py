@@ -168,7 +168,11 @@ class Simulation(nn.Module):
             the order of the paint's sums; on one device the particles are returned
             in grid order whatever this is. A resumed run is bit-identical to the
             uninterrupted one when it resumes at a step the latter sorted at (every
-            step for ``sort_every=1``, the default).
+            step for ``sort_every=1``). Default 0: on one device the particles stay
+            in Lagrangian order, which is spatially coherent enough that on the
+            2-core CPU a sort costs about what it saves at 128^3
+            (benchmarks/RESULTS.md, issue 13); sorting pays where the order is
+            scrambled (particles arriving by migration on a process grid).
 
     ``forward(white_noise)`` returns a :class:`SimulationState` in Mpc/h. Shapes on
     one device: white noise ``(B, nx, ny, nz)`` (or without the batch axis),
@@ -212,7 +216,7 @@ class Simulation(nn.Module):
         mesh=None,
         particle_capacity: int | None = None,
         memory_check: str = "error",
-        sort_every: int = 1,
+        sort_every: int = 0,
     ):
         super().__init__()
         # Plain arguments: checked by the declaration shared with the CLI (torchpm.config).
