@@ -104,6 +104,9 @@ def test_row_permutations_match_torch_indexing(trailing, dtype):
     if dtype.is_floating_point:
         torch.library.opcheck(torch.ops.torchpm._gather_rows.default, (values.requires_grad_(True), order))
         torch.library.opcheck(torch.ops.torchpm._scatter_rows.default, (values, order))
+    if dtype == torch.float64:
+        for op in (torch.ops.torchpm._gather_rows, torch.ops.torchpm._scatter_rows):
+            assert torch.autograd.gradcheck(lambda v: op(v, order), (values.detach().requires_grad_(True),))
     assert torch.equal(permute(order, values.expand(batch, *values.shape[1:]))[0], gathered)
 
 
