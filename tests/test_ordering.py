@@ -101,7 +101,7 @@ def test_row_permutations_match_torch_indexing(trailing, dtype):
     for b in range(batch):
         assert torch.equal(gathered[b], values[b][order[b]])
     assert torch.equal(torch.ops.torchpm._scatter_rows(gathered, order), values)
-    if dtype.is_floating_point:
+    if dtype.is_floating_point and trailing == (3,):  # opcheck is slow: the particle layout only
         torch.library.opcheck(torch.ops.torchpm._gather_rows.default, (values.requires_grad_(True), order))
         torch.library.opcheck(torch.ops.torchpm._scatter_rows.default, (values, order))
     if dtype == torch.float64:
