@@ -10,6 +10,7 @@ import torch
 
 import torchpm
 import torchpm.simulation
+from torchpm import ordering
 from torchpm.config import SettingError
 from torchpm.mesh import LocalMesh
 from torchpm.ordering import permute, restore_id_order, sort_particles, spatial_order, spatial_order_reference
@@ -101,6 +102,9 @@ def test_row_permutations_match_torch_indexing(trailing, dtype):
     for b in range(batch):
         assert torch.equal(gathered[b], values[b][order[b]])
     assert torch.equal(torch.ops.torchpm._scatter_rows(gathered, order), values)
+    # The torch twins (the kernels on CUDA) agree.
+    assert torch.equal(ordering._gather_rows_device(values, order), gathered)
+    assert torch.equal(ordering._scatter_rows_device(gathered, order), values)
     if dtype.is_floating_point and trailing == (3,):  # opcheck is slow: the particle layout only
         torch.library.opcheck(torch.ops.torchpm._gather_rows.default, (values.requires_grad_(True), order))
         torch.library.opcheck(torch.ops.torchpm._scatter_rows.default, (values, order))
