@@ -65,3 +65,10 @@ def test_spectrum_options_are_checked_not_truncated(options, match):
 def test_missing_power_table_names_the_argument():
     with pytest.raises(ValueError, match=r"`power_spectrum`: power table: file 'no_such_table.txt' not found"):
         torchpm.Simulation(n_particles=4, steps=1, power_spectrum="no_such_table.txt")
+
+
+@pytest.mark.parametrize("mesh", [(1, 2), ("a", None), (None, None, None)])
+def test_simulation_mesh_pair_must_hold_process_groups(mesh):
+    """A pair that is not process groups was passed on and failed later with AttributeError."""
+    with pytest.raises(ValueError, match="`mesh`"):
+        torchpm.Simulation(n_particles=4, steps=1, mesh=mesh)

@@ -59,8 +59,13 @@ def _resolve_groups(grid, mesh):
         if isinstance(mesh, PencilDecomposition):
             return tuple(mesh.groups)
         if isinstance(mesh, (tuple, list)):
-            if len(mesh) != 2:
-                raise ValueError(f"`mesh` as process groups must be a pair (group_axis0, group_axis1), got {mesh!r}")
+            import torch.distributed as dist
+
+            if len(mesh) != 2 or not all(g is None or isinstance(g, dist.ProcessGroup) for g in mesh):
+                raise ValueError(
+                    f"`mesh` as process groups must be a pair (group_axis0, group_axis1) of ProcessGroups or None, "
+                    f"got {mesh!r}"
+                )
             return tuple(mesh)
         if hasattr(mesh, "get_group") and hasattr(mesh, "ndim"):
             if mesh.ndim not in (1, 2):
