@@ -90,6 +90,23 @@ def test_deferred_paint_is_reported_by_the_next_op(device, mode):
     torchpm.check()
 
 
+def test_deferred_paint_of_many_particles_paints_the_valid_ones(mode):
+    # above the CPU kernel's serial limit: the binned, threaded path
+    mode("deferred")
+    g = torch.Generator().manual_seed(5)
+    x = torch.rand(1, 40000, 3, generator=g, dtype=torch.float64) * torch.tensor([2.9, 8.0, 8.0], dtype=torch.float64)
+    x[..., 0] += 2.05  # inside [2, 5) along the block axis
+    x[0, 12345, 0] = 5.5  # one outside
+    mesh = torchpm.paint(x, None, SHAPE, **GEO)
+    valid = torch.cat([x[:, :12345], x[:, 12346:]], dim=1)
+    expected = paint_reference(valid, None, list(SHAPE), list(OFFSET), list(PERIODIC), 2)
+    assert torch.isnan(mesh[0, 0, 0, 0])
+    mesh[0, 0, 0, 0] = expected[0, 0, 0, 0]
+    torch.testing.assert_close(mesh, expected, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match=r"^torchpm.paint: 1 of 40000 particles.*particle 12345 of batch 0"):
+        torchpm.check()
+
+
 def test_deferred_readout_returns_nan_for_the_bad_particle_and_check_raises(device, mode):
     mode("deferred")
     x = particles(device)
