@@ -272,6 +272,10 @@ void set_device_hooks(DeviceHooks hooks) {
 
 void check_errors() {
   Registry& r = registry();
+  TORCH_CHECK(
+      !(r.hooks.capturing && r.hooks.capturing()),
+      "torchpm.check() waits for the GPU, which is not allowed while a CUDA graph is being "
+      "captured: call it outside the capture (after graph.replay()).");
   if (r.hooks.snapshot_counters) {
     r.hooks.snapshot_counters();
   }
