@@ -12,6 +12,12 @@ with always_transpose=True):
 
     python benchmarks/bench_dfft.py --gpu [--sizes 256 512]
 
+Agreement check (--agreement): the cost of the per-collective check that the
+ranks agree on the call (PencilDecomposition(check_agreement=...)), gloo CPU
+ranks, rfftn / irfftn / fill_halo with the check on and off, alternated:
+
+    python benchmarks/bench_dfft.py --agreement [--sizes 64] [--ranks 2] [--repeats 50]
+
 Prints a table: median of --repeats after warm-up, the slowest rank's median
 for distributed runs, and the ratio against the serial reference.
 """
@@ -124,6 +130,70 @@ def run_cpu(args):
 
 
 # ----------------------------------------------------------------------------
+# Cost of the agreement check: the same calls with check_agreement on and off.
+
+
+def _agreement_worker(rank, world, grid, sizes, repeats, store, queue):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    groups = process_grid_groups(grid)
+    rows = []
+    for n in sizes:
+        checked = PencilDecomposition((n, n, n), groups, check_agreement=True)
+        unchecked = PencilDecomposition((n, n, n), groups, check_agreement=False)
+        field = torch.randn(1, *checked.local_real_shape)
+        field_k = checked.rfftn(field)
+        haloed = checked.pad_halo(field, 1)
+        descriptor = [("dtype", field.dtype), ("batch", (1,)), ("width", (1, 1))]
+        calls = {
+            "rfftn": lambda d: d.rfftn(field),
+            "irfftn": lambda d: d.irfftn(field_k),
+            "fill_halo": lambda d: d.fill_halo(haloed, 1),
+        }
+        for name, call in calls.items():
+            on, off = [], []
+            # Alternate the two so that drift of the shared machine hits both alike.
+            for _ in range(3):
+                on.append(median_time(lambda: call(checked), repeats // 3 + 1, barrier=dist.barrier))
+                off.append(median_time(lambda: call(unchecked), repeats // 3 + 1, barrier=dist.barrier))
+            times = torch.tensor([statistics.median(on), statistics.median(off)], dtype=torch.float64)
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+            rows.append((n, name, *times.tolist()))
+        alone = median_time(lambda: checked.grid.agree("bench", descriptor), repeats, barrier=dist.barrier)
+        alone = torch.tensor([alone], dtype=torch.float64)
+        dist.all_reduce(alone, op=dist.ReduceOp.MAX)
+        rows.append((n, "agree() alone", float(alone), 0.0))
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def run_agreement(args):
+    print(f"# agreement check, CPU, gloo, float32, 1 thread per rank; {os.cpu_count()} cores; torch {torch.__version__}")
+    print(f"{'ranks':>5} {'grid':>5} {'n':>5} {'call':>14} {'check on ms':>12} {'check off ms':>13} {'cost ms':>8} {'cost %':>7}")
+    context = mp.get_context("spawn")
+    for world in args.ranks:
+        grid = (world, 1)
+        queue = context.Queue()
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.start_processes(
+                _agreement_worker,
+                args=(world, grid, args.sizes, args.repeats, os.path.join(tmp, "store"), queue),
+                nprocs=world, start_method="spawn",
+            )
+            rows = queue.get()
+        for n, name, on, off in rows:
+            if name == "agree() alone":
+                print(f"{world:>5} {f'{grid[0]}x{grid[1]}':>5} {n:>5} {name:>14} {1e3 * on:12.3f} {'-':>13} {'-':>8} {'-':>7}")
+                continue
+            print(
+                f"{world:>5} {f'{grid[0]}x{grid[1]}':>5} {n:>5} {name:>14} {1e3 * on:12.3f} {1e3 * off:13.3f} "
+                f"{1e3 * (on - off):8.3f} {100 * (on / off - 1):6.1f}%"
+            )
+
+
+# ----------------------------------------------------------------------------
 # GPU: world size 1, NCCL.
 
 
@@ -164,11 +234,17 @@ def run_gpu(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="world size 1 with NCCL on cuda:0")
+    parser.add_argument("--agreement", action="store_true",
+                        help="cost of the per-collective agreement check (gloo CPU ranks, check on vs off)")
     parser.add_argument("--sizes", type=int, nargs="+", default=None)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-    if args.gpu:
+    if args.agreement:
+        args.sizes = args.sizes or [64]
+        args.ranks = [r for r in args.ranks if r > 1] if args.ranks != [1, 2, 4] else [2]
+        run_agreement(args)
+    elif args.gpu:
         args.sizes = args.sizes or [256, 512]
         run_gpu(args)
     else:

@@ -2,8 +2,9 @@
 
 For n^3 particles painted into an n^3 mesh (float32), times paint, paint
 forward+backward, 3-channel readout and 3-channel readout forward+backward for
-every order, for uniformly random positions and for a lattice plus small
-displacements (the layout of an early N-body step). Reports particles per second
+every order, for uniformly random positions, for a lattice plus small
+displacements (the layout of an early N-body step) and for the particles of an
+evolved run ("late", clustered), each also in spatial order ("-sorted"). Reports particles per second
 (median of repeats after a warm-up, with device synchronisation), the time per
 particle relative to CIC measured in the same run (orders timed round-robin, the
 median of the per-round ratios) (targets: TSC within 3x, PCS
@@ -52,11 +53,36 @@ def median_time(fn, device, repeats, budget):
 
 
 def make_positions(n, layout, device, generator):
-    if layout == "uniform":
-        return (torch.rand(1, n**3, 3, generator=generator) * n).to(device)
-    axis = torch.arange(n, dtype=torch.float32)
-    q = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(1, -1, 3)
-    return ((q + 0.5 * torch.randn(q.shape, generator=generator)) % n).to(device)
+    """``(1, n^3, 3)`` positions in an n^3 mesh.
+
+    ``uniform``: random; ``lattice``: a lattice plus small displacements (an early
+    step); ``late``: the particles of an evolved run (a = 0.1 -> 1 in 10 steps, box
+    2n Mpc/h, as in bench_pm.py), clustered, in the order the simulation leaves them
+    (Lagrangian order on one device). A ``-sorted`` suffix puts them in spatial order
+    (torchpm.ordering, what ``Simulation(sort_every=...)`` does).
+    """
+    base, _, suffix = layout.partition("-")
+    if base == "uniform":
+        x = torch.rand(1, n**3, 3, generator=generator) * n
+    elif base == "lattice":
+        axis = torch.arange(n, dtype=torch.float32)
+        q = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(1, -1, 3)
+        x = (q + 0.5 * torch.randn(q.shape, generator=generator)) % n
+    elif base == "late":
+        sim = torchpm.Simulation(n_particles=n, box_size=float(2 * n), mesh_factor=1, a_start=0.1, steps=10,
+                                 sort_every=0)
+        with torch.no_grad():
+            x = sim(sim.white_noise(seed=0), return_mesh_units=True).positions % n
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    if suffix == "sorted":
+        from torchpm.mesh import LocalMesh
+        from torchpm.ordering import sort_particles
+
+        x = sort_particles(LocalMesh(n), x, torch.arange(x.shape[1]).unsqueeze(0))[0]
+    elif suffix:
+        raise ValueError(f"unknown layout {layout!r}")
+    return x.contiguous().to(device)
 
 
 def cases(n, x, order, device, reference):
@@ -95,7 +121,8 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes", type=int, nargs="*")
     parser.add_argument("--orders", nargs="*", default=["ngp", "cic", "tsc", "pcs"])
-    parser.add_argument("--layouts", nargs="*", default=["uniform", "lattice"])
+    parser.add_argument("--layouts", nargs="*", default=["uniform", "lattice", "late", "late-sorted"],
+                        help="uniform, lattice, late; with -sorted: in spatial order")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=float, default=20.0, help="seconds per measurement before stopping repeats")
     parser.add_argument("--reference", action="store_true", help="also time the pure-torch twin")
@@ -109,7 +136,7 @@ def main():
         else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
     )
     print(f"# torchpm {torchpm.__version__}, torch {torch.__version__}, {name}, float32")
-    header = f"{'n':>5} {'layout':>8} {'order':>5} {'op':<20} {'Mpart/s':>9} {'x CIC time':>10}"
+    header = f"{'n':>5} {'layout':>14} {'order':>5} {'op':<20} {'Mpart/s':>9} {'x CIC time':>10}"
     print(header + (f" {'twin Mpart/s':>13} {'speedup':>8}" if args.reference else ""))
     generator = torch.Generator().manual_seed(0)
     for n in sizes:
@@ -137,7 +164,7 @@ def main():
                 for order in orders:
                     t = statistics.median(times[order])
                     ratio = statistics.median(a / b for a, b in zip(times[order], times["cic"]))
-                    line = f"{n:>5} {layout:>8} {order:>5} {label:<20} {n**3 / t / 1e6:>9.2f} {ratio:>10.2f}"
+                    line = f"{n:>5} {layout:>14} {order:>5} {label:<20} {n**3 / t / 1e6:>9.2f} {ratio:>10.2f}"
                     if args.reference:
                         ref = cases(n, x, order, device, reference=True)[index][1]
                         t_ref = median_time(ref, device, args.repeats, args.budget)

@@ -1,6 +1,8 @@
 """Benchmark of the PM simulation: time per FastPM step, 2LPT time, peak memory, and
-where a step's time goes (paint, FFTs, Fourier kernels, readout), next to JaxPM run in
-the same process on the same device when it is importable.
+where a step's time goes (paint, FFTs, Fourier kernels, readout, kicks and drift) for
+particles in the order the simulation leaves them and in spatial order (issue 13), with
+a STREAM-like bandwidth and the bytes-moved floor of a step, next to JaxPM run in the
+same process on the same device when it is importable.
 
 Usage::
 
@@ -97,12 +99,65 @@ def timed(function, device, repeats, warmup=1):
     return statistics.median(times), result
 
 
-def bench_torchpm(n, device, repeats, memory_only=False):
-    sim = torchpm.Simulation(n_particles=n, box_size=float(2 * n), mesh_factor=1, a_start=0.1, steps=10).to(device)
+def timed_together(functions, device, repeats, warmup=1):
+    """Medians (s) of several functions timed in alternation, so that each sees the same
+    machine load (other processes share the CPU); ``{name: median}``."""
+    sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+    for function in functions.values():
+        for _ in range(warmup):
+            function()
+    sync()
+    times = {name: [] for name in functions}
+    for _ in range(repeats):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def stream_bandwidth(device, repeats, megabytes=256):
+    """STREAM-like copy ``b = a`` and triad ``a = b + s c`` on float32 arrays far larger
+    than the caches: ``{"copy": bytes/s, "triad": bytes/s}`` (bytes read + written)."""
+    n = megabytes * 2**20 // 4
+    a = torch.rand(n, device=device)
+    b, c = torch.empty_like(a), torch.rand(n, device=device)
+    medians = timed_together(
+        {"copy": lambda: b.copy_(a), "triad": lambda: torch.add(b, c, alpha=0.5, out=a)}, device, repeats
+    )
+    return {"copy": 2 * 4 * n / medians["copy"], "triad": 3 * 4 * n / medians["triad"]}
+
+
+# Bytes a step must move at least (float32; N particles, M cells), for the bandwidth floor:
+# per particle: first kick (read p, F, write p: 36 B), drift (read x, p, write x: 36 B),
+# paint (read x: 12 B), readout (read x, write F: 24 B), second kick (36 B);
+# per cell: paint (write the density: 4 B), rfftn (read 4 B, write M/2 complex: 4 B),
+# Fourier kernels (read 4 B, write 3 spectra: 12 B), 3 irfftn (read 12 B, write 12 B),
+# readout (read 3 components: 12 B). Each mesh once, each particle array once per use:
+# no FFT pass counted beyond one read and one write, no cache misses of the stencils.
+FLOOR_BYTES_PER_PARTICLE = 36 + 36 + 12 + 24 + 36
+FLOOR_BYTES_PER_CELL = 4 + 8 + 16 + 24 + 12
+
+
+def bench_torchpm(n, device, repeats, memory_only=False, late_steps=10):
+    """Timings of one 128^3-style PM step (mesh = particles) and its parts.
+
+    Two particle sets: ``lpt`` (the 2LPT particles at a = 0.1, Lagrangian order) and
+    ``late`` (evolved to a = 1 in ``late_steps`` steps without sorting, so in the
+    order the simulation leaves them on one device, clustered). Each is timed as it
+    comes (``unsorted``) and in spatial order (``sorted``); ``step+sort`` is a step
+    of sorted particles that sorts again after its drift (``sort_every=1``, steady
+    state); ``sort`` that sort alone, ``first sort`` the sort of the unsorted set.
+    """
+    from torchpm.ordering import sort_particles
+
+    sim = torchpm.Simulation(n_particles=n, box_size=float(2 * n), mesh_factor=1, a_start=0.1,
+                             steps=late_steps, sort_every=0).to(device)
     noise = sim.white_noise(seed=0)
     out = {}
     with torch.no_grad():
-        out["lpt"], (x, p) = timed(lambda: sim.lpt(sim.linear_field(noise)), device, repeats)
+        out["lpt"], (x, p, ids) = timed(lambda: sim.lpt(sim.linear_field(noise)), device, repeats)
         table = sim.growth_table()
         factor = step_factors(table, torch.tensor([0.1, 0.19], dtype=torch.float64))[0]
         force = sim.forces(x, factor.a_start)
@@ -115,18 +170,48 @@ def bench_torchpm(n, device, repeats, memory_only=False):
             with PeakMemory(device) as memory:
                 step()
             return {"memory": memory.peak}
-        # Breakdown of one force evaluation, each part on its own.
+        late_x, late_p, late_ids = sim.evolve(x, p, table, ids=ids)
+        late_factor = step_factors(table, torch.tensor([0.91, 1.0], dtype=torch.float64))[0]
         mesh, kernels = sim.force_mesh, sim.kernels("force")
-        out["paint"], density = timed(lambda: mesh.paint(x), device, repeats)
-        out["rfftn"], density_k = timed(lambda: mesh.rfftn(density), device, repeats)
-
-        def apply_kernels():
+        # The limit of a scrambled order (on a process grid migration appends arrivals):
+        # the late particles in random order.
+        shuffle = torch.randperm(late_x.shape[1], generator=torch.Generator().manual_seed(1)).to(device).unsqueeze(0)
+        random_x, random_p, random_ids = (torch.ops.torchpm._gather_rows(t.contiguous(), shuffle)
+                                          for t in (late_x, late_p, late_ids))
+        cases = {}
+        for case, (cx, cp, cids, cfactor) in {"lpt": (x, p, ids, factor),
+                                                "late": (late_x, late_p, late_ids, late_factor),
+                                                "late, random order": (random_x, random_p, random_ids,
+                                                                       late_factor)}.items():
+            cforce = sim.forces(cx, cfactor.a_start)
+            sx, sids, sp, sforce = sort_particles(mesh, cx, cids, cp, cforce)
+            density = mesh.paint(cx)
+            density_k = mesh.rfftn(density)
             potential = multiply_real(density_k, kernels.inverse_laplacian_pair, paired=True)
-            return stack_products(potential, kernels.gradient)
-
-        out["kernels"], gradient = timed(apply_kernels, device, repeats)
-        out["irfftn x3"], field = timed(lambda: mesh.irfftn(gradient), device, repeats)
-        out["readout x3"], _ = timed(lambda: mesh.readout(field, x), device, repeats)
+            gradient = stack_products(potential, kernels.gradient)
+            field = mesh.irfftn(gradient)
+            drift = cfactor.drift.to(cx.dtype)
+            kick = cfactor.first_kick.to(cx.dtype)
+            functions = {
+                "step unsorted": lambda: sim._step(cx, cp, cforce, cids, cfactor),
+                "step sorted": lambda: sim._step(sx, sp, sforce, sids, cfactor),
+                # sort_every=1 in its steady state: the particles were sorted one step ago.
+                "step+sort": lambda: sim._step(sx, sp, sforce, sids, cfactor, sort=True),
+                "sort": lambda: sort_particles(mesh, sx, sids, sp),
+                "first sort": lambda: sort_particles(mesh, cx, cids, cp),
+                "paint unsorted": lambda: mesh.paint(cx),
+                "paint sorted": lambda: mesh.paint(sx),
+                "readout x3 unsorted": lambda: mesh.readout(field, cx),
+                "readout x3 sorted": lambda: mesh.readout(field, sx),
+                "rfftn": lambda: mesh.rfftn(density),
+                "kernels": lambda: stack_products(
+                    multiply_real(density_k, kernels.inverse_laplacian_pair, paired=True), kernels.gradient),
+                "irfftn x3": lambda: mesh.irfftn(gradient),
+                "kicks+drift": lambda: (cp + cforce * kick, cx + cp * drift, cp + cforce * kick),
+            }
+            cases[case] = timed_together(functions, device, repeats)
+        out["cases"] = cases
+        out["stream"] = stream_bandwidth(device, repeats)
     return out
 
 
@@ -297,15 +382,28 @@ def main():
     print()
     print("ratio = JaxPM time / torchpm time (above 1: torchpm faster).")
     print()
-    print("torchpm step breakdown (each part timed alone, ms):")
+    print("torchpm step by particle order (each part timed alone, medians of interleaved repeats, ms):")
     print()
-    parts = ["paint", "rfftn", "kernels", "irfftn x3", "readout x3"]
-    print("| N^3 | " + " | ".join(parts) + " | sum | step |")
-    print("|---" * (len(parts) + 3) + "|")
+    parts = ["step unsorted", "step sorted", "step+sort", "sort", "first sort", "paint unsorted", "paint sorted",
+             "readout x3 unsorted", "readout x3 sorted", "rfftn", "kernels", "irfftn x3", "kicks+drift"]
+    print("| N^3 | particles | " + " | ".join(parts) + " |")
+    print("|---|---" + "|---" * len(parts) + "|")
     for n, ours in breakdowns:
-        values = [ours[p] * 1e3 for p in parts]
-        print(f"| {n} | " + " | ".join(f"{v:.1f}" for v in values) + f" | {sum(values):.1f} | {ours['step'] * 1e3:.1f} |")
-
+        for case, values in ours["cases"].items():
+            print(f"| {n} | {case} | " + " | ".join(f"{values[p] * 1e3:.1f}" for p in parts) + " |")
+    print()
+    for n, ours in breakdowns:
+        stream = ours["stream"]
+        bandwidth = max(stream.values())
+        floor = (FLOOR_BYTES_PER_PARTICLE + FLOOR_BYTES_PER_CELL) * n**3 / bandwidth
+        print(f"{n}^3: STREAM copy {stream['copy'] / 1e9:.1f} GB/s, triad {stream['triad'] / 1e9:.1f} GB/s; "
+              f"floor = ({FLOOR_BYTES_PER_PARTICLE} B/particle + {FLOOR_BYTES_PER_CELL} B/cell) x {n}^3 / "
+              f"{bandwidth / 1e9:.1f} GB/s = {floor * 1e3:.1f} ms")
+        for case, values in ours["cases"].items():
+            print(f"  {case}: unsorted/step+sort {values['step unsorted'] / values['step+sort']:.2f}x, "
+                  f"unsorted/sorted {values['step unsorted'] / values['step sorted']:.2f}x; "
+                  f"step+sort / floor {values['step+sort'] / floor:.2f}, sorted / floor "
+                  f"{values['step sorted'] / floor:.2f}")
 
 if __name__ == "__main__":
     main()

@@ -54,6 +54,18 @@ TORCH_LIBRARY(torchpm, m) {
   m.def(
       "_position_gradient(Tensor mesh, Tensor positions, Tensor? values, "
       "int[] offset, bool[3] periodic, int order=2) -> Tensor");
+  // Spatial order of particles (torchpm/ordering.py): the permutation (B, N)
+  // int64 that sorts each batch member's particles by the (x, y) row of the
+  // block (shape, offset; coordinates wrapped with period) they lie in, and by
+  // id within a row; empty slots (id < 0) and non-finite positions last.
+  m.def(
+      "_spatial_order(Tensor positions, Tensor ids, int[] shape, int[] offset, "
+      "int[] period) -> Tensor");
+  // Permutation of per-particle rows: _gather_rows: out[b, k, ...] = input[b,
+  // order[b, k], ...]; _scatter_rows: out[b, order[b, k], ...] = input[b, k, ...]
+  // (for a permutation, each is the inverse and the adjoint of the other).
+  m.def("_gather_rows(Tensor input, Tensor order) -> Tensor");
+  m.def("_scatter_rows(Tensor input, Tensor order) -> Tensor");
   // Block transposer. pack_blocks splits `input` along `dim` into consecutive
   // chunks of `sizes` (summing to input.size(dim)) and lays them out one after
   // another as a 1-D buffer, chunk p being input.narrow(dim, sum(sizes[:p]),

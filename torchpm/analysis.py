@@ -28,6 +28,7 @@ differentiable (every rank then holds the same result and computes the same loss
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple, Sequence
 
 import torch
@@ -110,16 +111,24 @@ def _binned(
         k_nyquist = min(math.pi * n / b for n, b in zip(mesh.global_shape, box))
         count = max(1, int(math.floor(k_nyquist / k_fundamental - 0.5)))
         edges = k_fundamental * (torch.arange(count + 1, dtype=torch.float64, device=device) + 0.5)
-    elif isinstance(bins, int) and not isinstance(bins, bool):
+    elif isinstance(bins, numbers.Integral) and not isinstance(bins, bool):
+        bins = int(bins)
         if bins < 1:
             raise ValueError(f"`bins` must be a positive number of bins or increasing bin edges, got {bins}")
         local_max = k.max() if k.numel() else torch.zeros((), dtype=k.dtype, device=device)
         k_max = float(mesh.all_reduce(local_max.reshape(1), "max")[0])
         edges = torch.linspace(0.5 * k_fundamental, k_max * (1 + 1e-12), bins + 1, dtype=torch.float64, device=device)
     else:
-        edges = torch.as_tensor(bins, dtype=torch.float64, device=device)
-        if edges.dim() != 1 or edges.numel() < 2 or bool((edges[1:] <= edges[:-1]).any()):
-            raise ValueError("`bins` must be an int or increasing bin edges in h/Mpc")
+        message = f"`bins` must be None, a positive int or at least 2 finite increasing bin edges in h/Mpc, got {bins!r}"
+        if isinstance(bins, (str, bytes, bool, numbers.Real)):
+            raise ValueError(message)
+        try:
+            edges = torch.as_tensor(bins, dtype=torch.float64, device=device)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(message) from None
+        if edges.dim() != 1 or edges.numel() < 2 or not bool(torch.isfinite(edges).all()) \
+                or bool((edges[1:] <= edges[:-1]).any()):
+            raise ValueError(message)
     n_bins = edges.numel() - 1
     index = torch.bucketize(k.reshape(-1), edges, right=True) - 1
     valid = (index >= 0) & (index < n_bins) & (k.reshape(-1) > 0)
@@ -136,6 +145,27 @@ def _binned(
     keep = modes > 0
     modes = modes[keep]
     return k_sum[keep] / modes, sums[:, keep] / modes, modes
+
+
+def _check_mesh_argument(mesh, function):
+    if mesh is not None and not all(hasattr(mesh, name) for name in
+                                    ("paint", "rfftn", "global_shape", "local_real_shape", "all_reduce")):
+        raise TypeError(
+            f"{function}: `mesh` must be None or a mesh object such as torchpm.mesh.LocalMesh or a "
+            f"PencilDecomposition (e.g. sim.force_mesh), got {type(mesh).__name__}"
+        )
+
+
+def _bins_key(bins):
+    """``bins`` in a form equal on every rank that passes the same bins (ints, edges)."""
+    if bins is None or isinstance(bins, (bool, str, bytes)):
+        return repr(bins)
+    if isinstance(bins, numbers.Integral):
+        return int(bins)
+    try:
+        return repr(tuple(float(edge) for edge in torch.as_tensor(bins, dtype=torch.float64).reshape(-1)))
+    except (TypeError, ValueError, RuntimeError):
+        return repr(bins)
 
 
 def cross_power(
@@ -168,17 +198,25 @@ def cross_power(
         :class:`PowerSpectrum`; ``power`` is ``(B, n_bins)`` for batched input.
     """
     window = _window_argument(window, compensate_cic)
+    _check_mesh_argument(mesh, "cross_power")
     error = _field_error(field_a, "field_a", mesh) or _field_error(field_b, "field_b", mesh)
     if error is None and field_a.shape != field_b.shape:
         error = (f"`field_a` and `field_b` must have the same shape, got {tuple(field_a.shape)} and "
                  f"{tuple(field_b.shape)}")
-    if mesh is not None:
+    try:
+        box = as_box_size(box_size)
+    except ValueError as exc:
+        box, error = None, error or str(exc)
+    if hasattr(mesh, "agree"):
+        # The shell sums are all-reduced: their number depends on the bins and the box,
+        # so the ranks must agree on those before any collective.
+        mesh.agree("cross_power", [("`box_size`", box), ("`bins`", _bins_key(bins)), ("`window`", window)], error)
+    elif mesh is not None:
         mesh.raise_together(error)
     elif error:
         raise ValueError(error)
     a, single = _fields(field_a, "field_a")
     b, _ = _fields(field_b, "field_b")
-    box = as_box_size(box_size)
     mesh = mesh or LocalMesh(a.shape[-3:])
     a_k = mesh.rfftn(a.to(torch.float64))
     b_k = a_k if field_b is field_a else mesh.rfftn(b.to(torch.float64))
@@ -206,11 +244,15 @@ def power_spectrum(
     """
     if shot_noise is not None and n_particles is not None:
         raise ValueError("pass at most one of `shot_noise` and `n_particles`")
+    if n_particles is not None and (isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral)
+                                    or n_particles <= 0):
+        raise ValueError(f"`n_particles` must be a positive integer, got {n_particles!r}")
+    if shot_noise is not None and (isinstance(shot_noise, bool) or not isinstance(shot_noise, numbers.Real)
+                                   or not math.isfinite(shot_noise)):
+        raise ValueError(f"`shot_noise` must be a finite number in (Mpc/h)^3, got {shot_noise!r}")
     result = cross_power(field, field, box_size, bins=bins, compensate_cic=compensate_cic, window=window, mesh=mesh)
     noise = 0.0
     if n_particles is not None:
-        if int(n_particles) <= 0:
-            raise ValueError(f"`n_particles` must be positive, got {n_particles}")
         noise = math.prod(as_box_size(box_size)) / int(n_particles)
     elif shot_noise is not None:
         noise = float(shot_noise)
@@ -281,6 +323,15 @@ def paint_density(
         contains shot noise ``V / N``.
     """
     positions = tensor_argument(positions, "positions", "paint_density")
+    weights = tensor_argument(weights, "weights", "paint_density", optional=True)
+    if positions.dim() != 3 or positions.shape[-1] != 3:
+        raise ValueError(f"paint_density: expected `positions` of shape (B, N, 3), got {tuple(positions.shape)}")
+    if weights is not None and (weights.dim() < 2 or tuple(weights.shape[:2]) != tuple(positions.shape[:2])):
+        raise ValueError(
+            f"paint_density: expected `weights` of shape {tuple(positions.shape[:2])} (B, N) like `positions`, "
+            f"got {tuple(weights.shape)}"
+        )
+    _check_mesh_argument(mesh, "paint_density")
     if not isinstance(interlacing, bool):
         raise TypeError(f"`interlacing` must be a bool, got {interlacing!r}")
     name = ORDER_NAMES[order_number(order, "paint_density")]
@@ -293,10 +344,17 @@ def paint_density(
         total = torch.full((positions.shape[0],), float(positions.shape[1]), dtype=torch.float64, device=positions.device)
     else:
         total = weights.detach().to(torch.float64).sum(1)
+    if hasattr(mesh, "agree"):  # the all-reduce below and the paint's halo exchange depend on these
+        mesh.agree("paint_density", [("batch size (dim 0 of `positions`)", int(positions.shape[0])),
+                                     ("`order`", name), ("`interlacing`", interlacing),
+                                     ("`weights` given", weights is not None)])
     if hasattr(mesh, "all_reduce"):  # a process grid: every rank's particles count
         total = mesh.all_reduce(total)
     if not bool((total > 0).all()):
-        raise ValueError("paint_density: no particles (or zero total weight); the overdensity is undefined")
+        raise ValueError(
+            f"paint_density: the total mass per batch member is {total.tolist()}: `positions` holds no particles "
+            "or `weights` sum to zero (or less) for a batch member; the overdensity is undefined"
+        )
     # mean-1 normalisation (a constant: gradients flow through the painted field)
     scale = (cells / total).to(positions.dtype).view(-1, 1, 1, 1)
     rho = mesh.paint(*_owned(mesh, positions, weights), order=name)

@@ -468,6 +468,11 @@ SETTINGS: tuple[Setting, ...] = (
         check=lambda n, v: as_scale_factors(n, v),
     ),
     Setting(
+        "sort_every", "int", default=0, unit="steps", allowed=f"0 to {MAX_STEPS}",
+        help="sort the particles into spatial order after the LPT and every this many steps (0: never)",
+        check=_int(0, MAX_STEPS),
+    ),
+    Setting(
         "memory_check", "string", default="error", unit="", allowed="error, warn, off",
         help="what to do when the estimated peak memory exceeds the device's",
         check=_choice("error", "warn", "off"),

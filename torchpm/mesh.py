@@ -28,7 +28,8 @@ __all__ = ["Mesh", "LocalMesh", "as_box_size", "as_shape"]
 
 def as_shape(value, name: str) -> tuple[int, int, int]:
     """``value`` (int or 3 ints) as a 3-tuple of positive ints, or a ValueError naming ``name``."""
-    if isinstance(value, bool):
+    # A string is iterable: "444" would read as (4, 4, 4).
+    if isinstance(value, (bool, str, bytes)):
         raise ValueError(f"`{name}` must be a positive integer or 3 positive integers, got {value!r}")
     if isinstance(value, numbers.Integral) or (isinstance(value, numbers.Real) and float(value).is_integer()):
         value = (int(value),) * 3
@@ -42,7 +43,11 @@ def as_shape(value, name: str) -> tuple[int, int, int]:
         raise ValueError(f"`{name}` must have 3 entries, got {value!r}")
     result = []
     for item in items:
-        if isinstance(item, bool) or not float(item).is_integer() or int(item) <= 0:
+        try:
+            integral = not isinstance(item, (bool, str, bytes)) and float(item).is_integer()
+        except (TypeError, ValueError):
+            integral = False
+        if not integral or int(item) <= 0:
             raise ValueError(f"`{name}` must be positive integers, got {value!r}")
         result.append(int(item))
     return tuple(result)
@@ -51,11 +56,14 @@ def as_shape(value, name: str) -> tuple[int, int, int]:
 def as_box_size(box_size) -> tuple[float, float, float]:
     """``box_size`` (a number or 3 numbers, Mpc/h) as 3 positive finite floats, or a
     ValueError naming ``box_size``."""
-    if isinstance(box_size, bool):
+    # A string is iterable: "256" would read as (2.0, 5.0, 6.0).
+    if isinstance(box_size, (bool, str, bytes)):
         raise ValueError(f"`box_size` must be a positive number or 3 positive numbers, got {box_size!r}")
     if isinstance(box_size, numbers.Real):
         box_size = (box_size,) * 3
     try:
+        if any(isinstance(b, (bool, str, bytes)) for b in box_size):
+            raise TypeError
         box = tuple(float(b) for b in box_size)
     except (TypeError, ValueError):
         raise ValueError(f"`box_size` must be a positive number or 3 positive numbers, got {box_size!r}") from None

@@ -9,7 +9,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from .config import as_bool, as_int, simulation_arguments
+from .config import BY_NAME, as_bool, as_int, simulation_arguments
 from .cosmology import Cosmology, Planck15, growth_table, resolve_power, PowerTable
 from .ic import (
     check_lpt_normalisation,
@@ -27,6 +27,7 @@ from .fourier import FourierKernels
 from .pm import StepFactors, compute_forces, step_factors
 from .resources import check_memory, estimate_memory
 from .adjoint import adjoint_integrate
+from .ordering import restore_id_order, sort_particles
 from .ops._arguments import ORDER_NAMES, order_number
 
 __all__ = ["Simulation", "SimulationState"]
@@ -160,6 +161,18 @@ class Simulation(nn.Module):
         particle_capacity: most particle slots per batch member one rank may hold
             (None, the default: buffers grow as needed). Exceeding it raises on
             every rank.
+        sort_every: sort the particles into spatial order (:mod:`torchpm.ordering`)
+            at the start of each integration and after the migration of every step
+            whose number is a multiple of ``sort_every`` (0: never), so paint and
+            readout find each particle's mesh lines in cache. Results change only by
+            the order of the paint's sums; on one device the particles are returned
+            in grid order whatever this is. A resumed run is bit-identical to the
+            uninterrupted one when it resumes at a step the latter sorted at (every
+            step for ``sort_every=1``). Default 0: on one device the particles stay
+            in Lagrangian order, which is spatially coherent enough that on the
+            2-core CPU a sort costs about what it saves at 128^3
+            (benchmarks/RESULTS.md, issue 13); sorting pays where the order is
+            scrambled (particles arriving by migration on a process grid).
 
     ``forward(white_noise)`` returns a :class:`SimulationState` in Mpc/h. Shapes on
     one device: white noise ``(B, nx, ny, nz)`` (or without the batch axis),
@@ -203,6 +216,7 @@ class Simulation(nn.Module):
         mesh=None,
         particle_capacity: int | None = None,
         memory_check: str = "error",
+        sort_every: int = 0,
     ):
         super().__init__()
         # Plain arguments: checked by the declaration shared with the CLI (torchpm.config).
@@ -222,6 +236,7 @@ class Simulation(nn.Module):
         if memory_check not in ("error", "warn", "off"):
             raise ValueError(f"`memory_check` must be 'error', 'warn' or 'off', got {memory_check!r}")
         self.memory_check = memory_check
+        self.sort_every = BY_NAME["sort_every"].validate(sort_every)
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype}")
         self.dtype = dtype
@@ -234,6 +249,11 @@ class Simulation(nn.Module):
             self.power = resolve_power(power_spectrum)
         except UnicodeDecodeError:
             raise ValueError(f"`power_spectrum`: {power_spectrum!r} is not a UTF-8 text table (a binary file?)") from None
+        except ValueError as error:
+            if "`power_spectrum`" in str(error):
+                raise
+            # A table's own errors (missing file, malformed rows) name the argument too.
+            raise ValueError(f"`power_spectrum`: {error}") from None
         if force_correction is not None and not callable(force_correction):
             raise ValueError("`force_correction` must be a callable (k, a) -> filter, e.g. an nn.Module")
         # An nn.Module correction becomes a submodule: .to() moves it, .parameters() lists it.
@@ -593,14 +613,17 @@ class Simulation(nn.Module):
             order=self.paint_order,
         )
 
-    def _step(self, positions, momenta, forces, ids, factor: StepFactors, cosmology=None):
-        """One kick-drift-kick step with the migration after the drift."""
+    def _step(self, positions, momenta, forces, ids, factor: StepFactors, cosmology=None, sort=False):
+        """One kick-drift-kick step with the migration after the drift (and the sort
+        into spatial order after it when ``sort``)."""
         dtype = positions.dtype
         momenta = momenta + forces * factor.first_kick.to(dtype)
         positions = positions + momenta * factor.drift.to(dtype)
         _, positions, ids, momenta = self.force_mesh.migrate(
             positions, ids, momenta, capacity=self.particle_capacity
         )
+        if sort:
+            positions, ids, momenta = sort_particles(self.force_mesh, positions, ids, momenta)
         forces = self.forces(positions, factor.a_end, ids, cosmology)
         momenta = momenta + forces * factor.second_kick.to(dtype)
         return positions, momenta, forces, ids
@@ -617,18 +640,43 @@ class Simulation(nn.Module):
         )[start:stop]
         if not factors:
             return positions, momenta, ids
+        sort_every = self._sort_cadence(ids)
+        if sort_every:
+            positions, ids, momenta = sort_particles(self.force_mesh, positions, ids, momenta)
         if self.adjoint and torch.is_grad_enabled():
-            return self._evolve_adjoint(positions, momenta, ids, factors, cosmology, callback, start)
+            positions, momenta, ids = self._evolve_adjoint(positions, momenta, ids, factors, cosmology, callback, start)
+            return self._id_order(positions, momenta, ids, sort_every)
         forces = self.forces(positions, factors[0].a_start, ids, cosmology)
         for number, factor in enumerate(factors, start=start + 1):
+            sort = bool(sort_every) and number % sort_every == 0
             if self.checkpoint and torch.is_grad_enabled():
                 positions, momenta, forces, ids = torch.utils.checkpoint.checkpoint(
-                    self._step, positions, momenta, forces, ids, factor, cosmology, use_reentrant=False
+                    self._step, positions, momenta, forces, ids, factor, cosmology, sort, use_reentrant=False
                 )
             else:
-                positions, momenta, forces, ids = self._step(positions, momenta, forces, ids, factor, cosmology)
+                positions, momenta, forces, ids = self._step(
+                    positions, momenta, forces, ids, factor, cosmology, sort
+                )
             if callback is not None:
                 callback(number, float(factor.a_end))
+        return self._id_order(positions, momenta, ids, sort_every)
+
+    def _sort_cadence(self, ids) -> int:
+        """``sort_every`` for this integration. On one device the particles come back in
+        the order they came in, which :func:`restore_id_order` rebuilds from the ids when
+        they are the grid's ``0 .. N-1`` in order (always, unless a caller passes its own
+        ids: then the particles are left unsorted)."""
+        if not self.sort_every or not self.force_mesh.is_local:
+            return self.sort_every
+        grid_order = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        return self.sort_every if torch.equal(ids, grid_order) else 0
+
+    def _id_order(self, positions, momenta, ids, sort_every):
+        """On one device, sorted particles back in grid (id) order; on a grid the
+        order is the run's own and ``ids`` say which particle is where."""
+        if not sort_every or not self.force_mesh.is_local:
+            return positions, momenta, ids
+        positions, ids, momenta = restore_id_order(positions, ids, momenta)
         return positions, momenta, ids
 
     def _evolve_adjoint(self, positions, momenta, ids, factors, cosmology, callback, start):

@@ -14,7 +14,10 @@ naming the group once the timeout expires (or as soon as gloo sees the peer's
 socket close). Set it where the groups are made:
 ``torch.distributed.init_process_group(backend, timeout=datetime.timedelta(seconds=60))``
 or ``process_grid_groups(grid, timeout=...)``. Problems the ranks can detect
-(bad particles, capacity) raise on every rank together instead.
+(bad particles, capacity) raise on every rank together instead, and so do ranks
+that disagree about a call: before every collective the ranks all-reduce a small
+descriptor of it (operation, dtype, batch shape, halo widths, ...) and a rank's own
+argument error, so a mismatched all-to-all never runs (``check_agreement``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from ..ops import readout as _readout
 from . import fft as _fft
 from . import halo as _halo
 from . import particles as _particles
-from .groups import GridGroups, process_grid_groups
+from .groups import GridGroups, agreement_checks, process_grid_groups
 from .layout import BlockLayout, split_sizes
 
 __all__ = ["PencilDecomposition", "split_sizes", "process_grid_groups"]
@@ -50,6 +53,14 @@ class PencilDecomposition:
         always_transpose: run the staged FFT pipeline (1-D FFTs, pack, all-to-all,
             unpack) even on grid axes of size 1 that have a group. Only for
             measuring or testing the transposer on one process.
+        check_agreement: before every collective (FFT, transpose, halo exchange,
+            migration), check that all ranks pass the same dtype, leading (batch)
+            shape, halo widths and operation, and raise the same clear error on every
+            rank if not, instead of reaching a mismatched all-to-all (which gloo
+            answers by aborting a process or returning wrong numbers). One small
+            all-reduce per call (see benchmarks/RESULTS.md, section 4). ``None``: on
+            unless ``TORCHPM_CHECK_AGREEMENT=0``. Turn it off for benchmarks only. The
+            ranks agree on this setting when the decomposition is built.
 
     Attributes (all plain tuples of ints):
         global_shape, grid_shape ``(P0, P1)``, grid_coords ``(r0, r1)``,
@@ -62,7 +73,8 @@ class PencilDecomposition:
     ranks must call it in the same order with tensors of the same leading shape.
     """
 
-    def __init__(self, global_shape: Sequence[int], groups=None, *, mesh=None, always_transpose: bool = False):
+    def __init__(self, global_shape: Sequence[int], groups=None, *, mesh=None, always_transpose: bool = False,
+                 check_agreement: bool | None = None):
         try:
             shape = tuple(int(n) for n in global_shape)
         except TypeError:
@@ -94,6 +106,11 @@ class PencilDecomposition:
         self.fourier_shape = self.layout.fourier_shape
         self.local_real_shape, self.local_real_offset = self.real_block(self.grid_coords)
         self.local_fourier_shape, self.local_fourier_offset = self.fourier_block(self.grid_coords)
+        if check_agreement is None:
+            check_agreement = agreement_checks()
+        elif not isinstance(check_agreement, bool):
+            raise TypeError(f"PencilDecomposition: `check_agreement` must be None, True or False, got {check_agreement!r}")
+        self.check_agreement = check_agreement
         self._check_agreement()
 
     def _check_agreement(self):
@@ -103,16 +120,17 @@ class PencilDecomposition:
         rank raises the same error."""
         if self.is_local:
             return
-        mine = [*self.global_shape, *self.grid_shape]
+        mine = [*self.global_shape, *self.grid_shape, int(self.check_agreement)]
         table = self.grid.all_gather_counts(mine)
         if bool((table != table[0]).any()):
             rows = "; ".join(
-                f"rank {rank}: global shape {tuple(row[:3])}, grid {tuple(row[3:])}"
+                f"rank {rank}: global shape {tuple(row[:3])}, grid {tuple(row[3:5])}, check_agreement {bool(row[5])}"
                 for rank, row in enumerate(table.tolist())
             )
             raise ValueError(
                 f"PencilDecomposition: the ranks disagree on the mesh ({rows}); every rank must build the "
-                "decomposition with the same `global_shape` on the same process grid"
+                "decomposition with the same `global_shape` on the same process grid (and the same "
+                "`check_agreement` / TORCHPM_CHECK_AGREEMENT)"
             )
 
     # ------------------------------------------------------------------ layout
@@ -202,9 +220,12 @@ class PencilDecomposition:
         ``torch.fft.rfftn(whole_field, dim=(-3, -2, -1))`` in the transposed
         layout. Differentiable; the backward is collective.
         """
-        self._check_trailing(field, self.local_real_shape, "field", "rfftn")
-        if field.is_complex() or not field.is_floating_point():
-            raise ValueError(f"PencilDecomposition.rfftn: expected a real floating `field`, got {field.dtype}")
+        def check():
+            self._check_trailing(field, self.local_real_shape, "field", "rfftn")
+            if field.is_complex() or not field.is_floating_point():
+                raise ValueError(f"PencilDecomposition.rfftn: expected a real floating `field`, got {field.dtype}")
+
+        self._checked_collective("rfftn", check, field, "field")
         return _fft.rfftn(field, self.layout, self._axes, self._staged)
 
     def irfftn(self, field_k: torch.Tensor) -> torch.Tensor:
@@ -214,9 +235,12 @@ class PencilDecomposition:
         layout. Returns real ``(..., *local_real_shape)``: this rank's block of
         ``torch.fft.irfftn(whole_field_k, s=global_shape)``. Differentiable.
         """
-        self._check_trailing(field_k, self.local_fourier_shape, "field_k", "irfftn")
-        if not field_k.is_complex():
-            raise ValueError(f"PencilDecomposition.irfftn: expected a complex `field_k`, got {field_k.dtype}")
+        def check():
+            self._check_trailing(field_k, self.local_fourier_shape, "field_k", "irfftn")
+            if not field_k.is_complex():
+                raise ValueError(f"PencilDecomposition.irfftn: expected a complex `field_k`, got {field_k.dtype}")
+
+        self._checked_collective("irfftn", check, field_k, "field_k")
         return _fft.irfftn(field_k, self.layout, self._axes, self._staged)
 
     def transpose(self, t: torch.Tensor, axis: int, inverse: bool = False) -> torch.Tensor:
@@ -228,21 +252,31 @@ class PencilDecomposition:
         Works on any dtype.
         """
         layout = self.layout
-        if axis == 1:
-            pair = ((-2, layout.real_y), (-1, layout.fourier_z))
-        elif axis == 0:
-            pair = ((-3, layout.real_x), (-2, layout.fourier_y))
-        else:
-            raise ValueError(f"PencilDecomposition.transpose: `axis` must be 0 or 1, got {axis!r}")
-        (gd, gs), (sd, ss) = reversed(pair) if inverse else pair
-        if t.dim() < 3:
-            raise ValueError(f"PencilDecomposition.transpose: expected at least 3 dimensions, got {tuple(t.shape)}")
-        if t.shape[gd] != gs[self._axes[axis].rank] or t.shape[sd] != sum(ss):
-            raise ValueError(
-                f"PencilDecomposition.transpose: tensor of shape {tuple(t.shape)} does not match the layout "
-                f"expected before {'inverse ' if inverse else ''}transpose {axis} (dim {gd} = "
-                f"{gs[self._axes[axis].rank]}, dim {sd} = {sum(ss)})"
-            )
+        geometry = {}
+
+        def check():
+            if axis == 1:
+                pair = ((-2, layout.real_y), (-1, layout.fourier_z))
+            elif axis == 0:
+                pair = ((-3, layout.real_x), (-2, layout.fourier_y))
+            else:
+                raise ValueError(f"PencilDecomposition.transpose: `axis` must be 0 or 1, got {axis!r}")
+            (gd, gs), (sd, ss) = reversed(pair) if inverse else pair
+            if not isinstance(t, torch.Tensor) or t.dim() < 3:
+                raise ValueError(
+                    f"PencilDecomposition.transpose: expected a tensor of at least 3 dimensions, got "
+                    f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                )
+            if t.shape[gd] != gs[self._axes[axis].rank] or t.shape[sd] != sum(ss):
+                raise ValueError(
+                    f"PencilDecomposition.transpose: tensor of shape {tuple(t.shape)} does not match the layout "
+                    f"expected before {'inverse ' if inverse else ''}transpose {axis} (dim {gd} = "
+                    f"{gs[self._axes[axis].rank]}, dim {sd} = {sum(ss)})"
+                )
+            geometry.update(gd=gd, gs=gs, sd=sd, ss=ss)
+
+        self._checked_collective("transpose", check, t, "t", ("`axis`", str(axis)), ("`inverse`", str(bool(inverse))))
+        gd, gs, sd, ss = geometry["gd"], geometry["gs"], geometry["sd"], geometry["ss"]
         return _fft.transpose(t, self._axes[axis], gather_dim=gd, gather_sizes=gs, split_dim=sd, split_sizes=ss,
                               staged=self._staged)
 
@@ -280,8 +314,7 @@ class PencilDecomposition:
         Needs every width ``<=`` every block's size. Differentiable; its adjoint is
         :meth:`add_halo`.
         """
-        widths = self._check_width(width)
-        self._check_trailing(field, self.halo_shape(width), "field", "fill_halo")
+        widths = self._checked_halo("fill_halo", field, width)
         return _halo.fill_halo(field, widths, self._axes)
 
     def add_halo(self, field: torch.Tensor, width) -> torch.Tensor:
@@ -293,9 +326,50 @@ class PencilDecomposition:
         Painting into a haloed block then calling this gives the painted local
         block. Differentiable; its adjoint is :meth:`fill_halo`.
         """
-        widths = self._check_width(width)
-        self._check_trailing(field, self.halo_shape(width), "field", "add_halo")
+        widths = self._checked_halo("add_halo", field, width)
         return _halo.add_halo(field, widths, self._axes)
+
+    def _checked_halo(self, method, field, width):
+        """The local checks of a halo exchange and the ranks' agreement on it; returns the widths."""
+        found = []
+
+        def check():
+            found.append(self._check_width(width))
+            self._check_trailing(field, self.halo_shape(width), "field", method)
+
+        self._checked_collective(method, check, field, "field",
+                                 ("halo `width` ((lo_x, hi_x), (lo_y, hi_y))", lambda: found[0] if found else str(width)))
+        return found[0]
+
+    # ------------------------------------------------------------- agreement
+
+    def _checked_collective(self, method, check, tensor, name, *extra):
+        """Run the local argument checks ``check()`` of a collective ``method``, then (on a grid
+        with ``check_agreement``) make every rank agree on the call before any message moves.
+
+        A rank whose own check failed still joins the agreement all-reduce and reports its
+        error there, so every rank raises together instead of the others waiting in the
+        all-to-all for it. The descriptor: operation, global shape, grid, dtype and leading
+        (batch) shape of ``tensor``, and ``extra`` ``(name, value or callable)`` pairs.
+        """
+        if self.is_local or not self.check_agreement:
+            check()
+            return
+        error = None
+        try:
+            check()
+        except (ValueError, TypeError) as exc:
+            error = exc
+        is_tensor = isinstance(tensor, torch.Tensor)
+        values = [
+            ("`global_shape` of the decomposition", self.global_shape),
+            ("process grid", self.grid_shape),
+            (f"dtype of `{name}`", tensor.dtype if is_tensor else type(tensor).__name__),
+            (f"leading (batch) shape of `{name}`", tuple(tensor.shape[:-3]) if is_tensor and tensor.dim() >= 3 else ()),
+        ]
+        values += [(key, value() if callable(value) else value) for key, value in extra]
+        self.grid.agree(f"PencilDecomposition.{method}", values, error,
+                        device=tensor.device if is_tensor else None)
 
     def _check_width(self, width):
         def pair(value):
@@ -357,19 +431,43 @@ class PencilDecomposition:
         """
         # Unsplit axes are periodic with no halo, so on a 1 x 1 grid this is the plain
         # periodic paint: no halo exchange and no copy.
-        widths, shape, offset, periodic = self._block_geometry(order)
-        block = _paint(positions, weights, shape, order=order, offset=offset, periodic=periodic)
-        if not _has_halo(widths):
-            return block
-        return self.strip_halo(self.add_halo(block, widths), widths)
+        if self.is_local:
+            widths, shape, offset, periodic = self._block_geometry(order)
+            return _paint(positions, weights, shape, order=order, offset=offset, periodic=periodic)
+        painted = []
+
+        def check():
+            widths, shape, offset, periodic = self._block_geometry(order)
+            painted.append((widths, _paint(positions, weights, shape, order=order, offset=offset, periodic=periodic)))
+
+        # A rank whose particles cannot be painted (not owned, NaN) reports it in the
+        # agreement before the halo exchange, so every rank raises instead of waiting.
+        self._checked_collective(
+            "paint", check, positions, "positions",
+            ("halo widths of `order`", lambda: painted[0][0] if painted else str(order)),
+            ("leading shape (batch, channels) of the painted block",
+             lambda: tuple(painted[0][1].shape[:-3]) if painted else ()),
+        )
+        widths, block = painted[0]
+        return self.strip_halo(_halo.add_halo(block, widths, self._axes), widths)
 
     def readout(self, field: torch.Tensor, positions: torch.Tensor, *, order: str = "cic") -> torch.Tensor:
         """Read the local block ``(B, [C,] *local_real_shape)`` at ``(B, N, 3)`` owned
         particles: ``(B, N)`` or ``(B, N, C)``. Fills the stencil's halo from the
         neighbours first. Collective on a grid."""
-        widths, _, offset, periodic = self._block_geometry(order)
-        if _has_halo(widths):
-            field = self.fill_halo(self.pad_halo(field, widths), widths)
+        if self.is_local:
+            _, _, offset, periodic = self._block_geometry(order)
+            return _readout(field, positions, order=order, offset=offset, periodic=periodic)
+        prepared = []
+
+        def check():
+            widths, _, offset, periodic = self._block_geometry(order)
+            prepared.append((widths, offset, periodic, self.pad_halo(field, widths)))
+
+        self._checked_collective("readout", check, field, "field",
+                                 ("halo widths of `order`", lambda: prepared[0][0] if prepared else str(order)))
+        widths, offset, periodic, padded = prepared[0]
+        field = _halo.fill_halo(padded, widths, self._axes)
         return _readout(field, positions, order=order, offset=offset, periodic=periodic)
 
     # -------------------------------------------------------------- particles
@@ -392,20 +490,40 @@ class PencilDecomposition:
             back. On a 1 x 1 grid nothing moves and nothing is copied.
             Collective; differentiable in positions and attributes.
         """
-        if positions.dim() != 3 or positions.shape[-1] != 3:
-            raise ValueError(f"migrate: expected `positions` of shape (B, n, 3), got {tuple(positions.shape)}")
-        if ids.shape != positions.shape[:2] or ids.dtype != torch.int64:
-            raise ValueError(
-                f"migrate: expected int64 `ids` of shape {tuple(positions.shape[:2])}, got {ids.dtype} {tuple(ids.shape)}"
-            )
+        def check():
+            if not isinstance(positions, torch.Tensor) or positions.dim() != 3 or positions.shape[-1] != 3:
+                raise ValueError(f"migrate: expected `positions` of shape (B, n, 3), got {_describe(positions)}")
+            if not isinstance(ids, torch.Tensor) or ids.shape != positions.shape[:2] or ids.dtype != torch.int64:
+                raise ValueError(
+                    f"migrate: expected int64 `ids` of shape {tuple(positions.shape[:2])}, got {_describe(ids)}"
+                )
+            for index, attribute in enumerate(attributes):
+                if not isinstance(attribute, torch.Tensor) or attribute.shape[:2] != positions.shape[:2]:
+                    raise ValueError(
+                        f"migrate: expected attribute {index} of shape {tuple(positions.shape[:2])} + (...), "
+                        f"got {_describe(attribute)}"
+                    )
+
+        # Batch, dtypes and per-particle trailing shapes set the message sizes of every
+        # stage; the slot count n may differ between ranks.
+        self._checked_collective(
+            "migrate", check, positions, "positions",
+            ("batch size (dim 0 of `positions`)",
+             int(positions.shape[0]) if isinstance(positions, torch.Tensor) and positions.dim() else -1),
+            ("`destination` given", destination is not None),
+            ("number of attributes", len(attributes)),
+            ("attributes (dtype, per-particle shape)",
+             tuple((str(a.dtype), tuple(a.shape[2:])) if isinstance(a, torch.Tensor) else type(a).__name__
+                   for a in attributes)),
+        )
         corner = [float(o) if self.grid_shape[axis] > 1 else 0.0
                   for axis, o in enumerate(self.local_real_offset[:2])] + [0.0]
         debug = _particles.debug_checks()
         before = (ids >= 0).sum(1) if debug else None
-        plan, positions, ids = _particles.migrate(
-            self.layout, self.grid, positions, ids, capacity=capacity, corner=corner, destination=destination
+        plan, positions, ids, *moved = _particles.migrate(
+            self.layout, self.grid, positions, ids, *attributes, capacity=capacity, corner=corner,
+            destination=destination,
         )
-        moved = [plan.exchange(a) for a in attributes]
         if debug:
             self.check_conservation(before, ids)
         return (plan, positions, ids, *moved)
@@ -437,6 +555,16 @@ class PencilDecomposition:
         """Raise ``exception`` on every rank when any rank has an ``error`` (collective)."""
         self.grid.raise_together(error, exception)
 
+    def agree(self, operation: str, values, error: str | None = None) -> None:
+        """Raise the same ValueError on every rank when any rank has an ``error`` or the ranks'
+        ``values`` (``(name, value)`` pairs) differ: for callers about to run collectives
+        whose sizes depend on those values. One small all-reduce (collective); with
+        ``check_agreement`` off only the errors are exchanged, as :meth:`raise_together`."""
+        if self.check_agreement:
+            self.grid.agree(operation, values, error)
+        else:
+            self.grid.raise_together(error)
+
     # ------------------------------------------------------------------ misc
 
     def _check_trailing(self, tensor, expected, name, method):
@@ -455,6 +583,12 @@ class PencilDecomposition:
             f"coords={self.grid_coords}, real={self.local_real_shape}@{self.local_real_offset}, "
             f"fourier={self.local_fourier_shape}@{self.local_fourier_offset})"
         )
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return type(value).__name__
 
 
 def _has_halo(widths) -> bool:

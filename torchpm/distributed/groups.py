@@ -12,11 +12,39 @@ call it in the same order.
 from __future__ import annotations
 
 import datetime
+import os
+import zlib
 from typing import Sequence
 
 import torch
 
-__all__ = ["process_grid_groups", "GridAxis", "GridGroups"]
+__all__ = ["process_grid_groups", "GridAxis", "GridGroups", "agreement_checks"]
+
+# Length of the descriptor every rank sends before a collective (see GridGroups.agree):
+# fixed, so that ranks calling different operations still run a matching all-reduce.
+AGREEMENT_SLOTS = 16
+
+
+def agreement_checks() -> bool:
+    """Whether decompositions built from now on check, before every collective, that the
+    ranks agree on the call (``TORCHPM_CHECK_AGREEMENT``, default on; ``0`` turns it off,
+    for benchmarks only). Read when a :class:`PencilDecomposition` is built, whose ranks
+    then agree on it."""
+    value = os.environ.get("TORCHPM_CHECK_AGREEMENT", "1").strip().lower()
+    return value not in ("0", "false", "no", "off")
+
+
+def _encode(value) -> list[int]:
+    """A value of an agreement descriptor as integers: ints as themselves, tuples of ints
+    with their length first, anything else (dtypes, strings) by a CRC-32 of its text,
+    which is the same in every process."""
+    if isinstance(value, bool):
+        return [int(value)]
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [len(value), *value]
+    return [zlib.crc32(str(value).encode())]
 
 
 def process_grid_groups(
@@ -194,6 +222,95 @@ class GridGroups:
         table = torch.zeros(self.size, len(values), dtype=torch.int64, device=device)
         table[self.rank] = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
         return self.all_reduce(table, "sum")
+
+    def _gather_objects(self, items: list) -> list:
+        """Every rank's list ``items`` concatenated, on every rank (one ``all_gather_object``
+        per grid axis; for the rare failure path only)."""
+        import torch.distributed as dist
+
+        for group in self._groups():
+            parts = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, items, group=group)
+            items = [item for part in parts for item in part]
+        return items
+
+    def agree(self, operation: str, values: Sequence[tuple[str, object]], error: str | BaseException | None = None,
+              exception=ValueError, *, device=None) -> None:
+        """Check that every rank of the grid calls ``operation`` with the same ``values``,
+        before a collective whose message sizes depend on them.
+
+        ``values``: ``(name, value)`` pairs (ints, tuples of ints, dtypes, strings), the
+        same names in the same order on every rank for one ``operation``. ``error``: this
+        rank's own argument error (a message or the exception), if any, so that a rank
+        with a bad argument makes the others raise instead of leaving them waiting in the
+        collective.
+
+        One all-reduce (max) of a fixed-length int64 vector ``[d, -d]``, ``d`` the encoded
+        descriptor: the ranks agree when max equals min everywhere. Otherwise the ranks
+        exchange their descriptors and every rank raises ``exception`` (``TypeError`` if
+        every failing rank's own error was one) naming each disagreeing value and each
+        rank's value. A 1 x 1 grid only raises its own ``error``.
+        """
+        if not self._groups():
+            if isinstance(error, BaseException):
+                raise error
+            if error:
+                raise exception(error)
+            return
+        descriptor = _encode(operation) + [1 if error else 0]
+        for _, value in values:
+            descriptor += _encode(value)
+        if len(descriptor) > AGREEMENT_SLOTS:
+            # Fold the tail into one checksum: same length on every rank, whatever it carries.
+            tail = descriptor[AGREEMENT_SLOTS - 1 :]
+            descriptor = descriptor[: AGREEMENT_SLOTS - 1] + [zlib.crc32(repr(tail).encode())]
+        descriptor += [0] * (AGREEMENT_SLOTS - len(descriptor))
+        both = torch.tensor(descriptor + [-d for d in descriptor], dtype=torch.int64, device=device)
+        try:
+            reduced = self.all_reduce(both, "max").tolist()
+        except RuntimeError as failure:
+            # Most often the group's timeout: another rank failed or never called this.
+            import torch.distributed as dist
+
+            raise dist.DistBackendError(
+                f"{operation}: the agreement check before the collective failed (gloo/NCCL timeout or a lost "
+                f"peer: another rank raised, died or never called {operation}): {failure}"
+            ) from failure
+        if reduced[:AGREEMENT_SLOTS] == [-d for d in reduced[AGREEMENT_SLOTS:]] and reduced[1] == 0:
+            return
+        self._raise_disagreement(operation, values, error, exception)
+
+    def _raise_disagreement(self, operation, values, error, exception):
+        kind = type(error).__name__ if isinstance(error, BaseException) else exception.__name__
+        mine = (self.rank, operation, [(name, str(value)) for name, value in values], str(error) if error else None,
+                kind)
+        reports = sorted(self._gather_objects([mine]))
+        p0, p1 = self.shape
+
+        def where(rank):
+            return f"rank {rank} (grid {divmod(rank, p1)})"
+
+        parts = []
+        operations = {report[1] for report in reports}
+        if len(operations) > 1:
+            calls = ", ".join(f"{where(report[0])}: {report[1]}" for report in reports)
+            parts.append(f"the ranks called different collective operations ({calls}); every rank must call the "
+                         "same operations in the same order")
+        else:
+            names = [name for name, _ in reports[0][2]]
+            for name in names:
+                seen = [dict(report[2]).get(name) for report in reports]
+                if len(set(seen)) > 1:
+                    ranks = ", ".join(f"{where(report[0])}: {value}" for report, value in zip(reports, seen))
+                    parts.append(f"the ranks disagree on {name} ({ranks})")
+            if parts:
+                parts[-1] += "; every rank must pass the same values"
+        failures = [(report[0], report[3], report[4]) for report in reports if report[3]]
+        parts += [f"{where(rank)}: {message}" for rank, message, _ in failures]
+        if failures and all(kind == "TypeError" for _, _, kind in failures):
+            exception = TypeError
+        text = "; ".join(parts) or "the ranks' descriptors differ"
+        raise exception(f"{operation}: {text} [every rank of the {p0} x {p1} grid raises this error together]")
 
     def raise_together(self, error: str | None, exception=ValueError, *, device=None) -> None:
         """Raise ``exception`` on every rank when any rank passes a non-empty ``error``.

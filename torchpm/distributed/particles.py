@@ -7,6 +7,15 @@ every member to its largest count ``n`` (padding positions sit at the block's
 lower corner, padding momenta and attributes are 0, and painting gives padding
 zero mass). A single device never pads.
 
+Particles that stay keep their slot: only the particles that leave are selected,
+sent and written into the slots that are free after the exchange (the slots of the
+particles that left and earlier padding, then new slots at the end). Per split grid
+axis this is one exchange of counts and one uneven all-to-all carrying every
+per-particle tensor at once (positions, momenta, ids and any attribute, packed side
+by side), so a step costs O(particles that move) in selection and communication and
+one copy of each per-particle tensor. When more than a quarter of the slots end up
+empty, the particles are compacted to the front.
+
 A :class:`MigrationPlan` is computed once from positions and ids (who goes where)
 and then moves any number of per-particle tensors (momenta, user attributes) with
 :meth:`MigrationPlan.exchange`; :meth:`MigrationPlan.gather` is the reverse path
@@ -26,16 +35,20 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Sequence
 
 import torch
 
 from ._ops import all_to_all
 from .groups import GridAxis, GridGroups
-from .layout import BlockLayout
+from .layout import BlockLayout, split_offsets
 
 __all__ = ["MigrationPlan", "migrate", "debug_checks"]
 
 _DEBUG = os.environ.get("TORCHPM_DEBUG_MIGRATION", "0").lower() not in ("", "0", "false", "no")
+
+# Compact the slots when more than this fraction of them is empty after a migration.
+_COMPACT_FRACTION = 0.25
 
 
 def debug_checks(enabled: bool | None = None) -> bool:
@@ -47,43 +60,160 @@ def debug_checks(enabled: bool | None = None) -> bool:
     return _DEBUG
 
 
-class _Stage:
-    """One uneven all-to-all of particles over one grid axis."""
+# ------------------------------------------------------------------ packing
 
-    def __init__(self, grid_axis: GridAxis, batch, count_in, count_out, send_index, target,
+def _carrier(tensors: Sequence[torch.Tensor]):
+    """Groups of tensors sent in one all-to-all each: ``[(carrier dtype, [indices])]``.
+
+    Floating tensors of one dtype share a buffer (so the exchange stays differentiable);
+    int64 tensors ride along in the first floating buffer, bit for bit (``view(dtype)``),
+    which moves only bytes and never does arithmetic on them. Anything else gets its own."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        groups.setdefault(tensor.dtype, []).append(index)
+    floating = [d for d in groups if d.is_floating_point and d.itemsize in (4, 8)]
+    if floating and torch.int64 in groups:
+        groups[floating[0]] = groups[floating[0]] + groups.pop(torch.int64)
+    return list(groups.items())
+
+
+def _rows_as(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(S, w)`` rows reinterpreted as ``dtype`` (same bytes): ``(S, w * itemsize / new itemsize)``."""
+    if rows.dtype == dtype:
+        return rows
+    return rows.detach().contiguous().view(dtype)
+
+
+def _rows_from(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if rows.dtype == dtype:
+        return rows
+    return rows.detach().contiguous().view(dtype)
+
+
+def _fill_rows(count: int, template: torch.Tensor, width: int, fill) -> torch.Tensor:
+    """``(count, width)`` rows of ``fill`` (a scalar, or a tensor of ``width`` values)."""
+    if isinstance(fill, torch.Tensor):
+        return fill.to(dtype=template.dtype, device=template.device).reshape(1, width).expand(count, width)
+    return template.new_full((count, width), fill)
+
+
+def _exchange_rows(rows: list[torch.Tensor], send_counts, receive_counts, group_name) -> list[torch.Tensor]:
+    """All-to-all of per-particle rows ``(S, w_i)``: as few collectives as the dtypes allow."""
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    for dtype, members in _carrier(rows):
+        parts = [_rows_as(rows[i], dtype) for i in members]
+        widths = [p.shape[1] for p in parts]
+        packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        width = sum(widths)
+        received = all_to_all(
+            packed.reshape(-1), [c * width for c in send_counts], [c * width for c in receive_counts], group_name
+        ).view(-1, width)
+        start = 0
+        for i, w in zip(members, widths):
+            out[i] = _rows_from(received[:, start:start + w], rows[i].dtype)
+            start += w
+    return out
+
+
+# ------------------------------------------------------------------ stages
+
+def _flat(tensor: torch.Tensor, batch: int, count: int) -> tuple[torch.Tensor, tuple, int]:
+    features = tuple(tensor.shape[2:])
+    width = math.prod(features)
+    return tensor.reshape(batch * count, width), features, width
+
+
+def _resized(tensor: torch.Tensor, batch: int, count: int, new_count: int, width: int, fill) -> torch.Tensor:
+    """``(B * new_count, w)``: the first ``min`` slots of each member, ``fill`` after."""
+    view = tensor.reshape(batch, count, width)
+    if new_count <= count:
+        view = view[:, :new_count]
+    else:
+        extra = _fill_rows(new_count - count, view, width, fill).unsqueeze(0).expand(batch, -1, -1)
+        view = torch.cat([view, extra], dim=1)
+    return view.reshape(batch * new_count, width)
+
+
+class _Stage:
+    """One uneven all-to-all of the particles that leave, over one grid axis.
+
+    Slots are flat indices ``b * count + i``. Staying particles keep their slot."""
+
+    def __init__(self, grid_axis: GridAxis, batch, count_in, count_out, send_index, target, clear_out, clear_in,
                  send_counts, receive_counts):
         self.grid_axis = grid_axis
         self.batch = batch
         self.count_in = count_in  # slots per member before
-        self.count_out = count_out  # slots per member after
-        self.send_index = send_index  # flat (b * count_in + i) of every particle sent, in send order
-        self.target = target  # flat (b * count_out + j) of every particle received, in receive order
+        self.count_out = count_out  # slots per member after (>= count_in)
+        self.send_index = send_index  # input slot of every particle sent, in send order
+        self.target = target  # output slot of every particle received, in receive order
+        self.clear_out = clear_out  # output slots left empty that held data before (set to fill)
+        self.clear_in = clear_in  # input slots that were empty (given fill on the way back)
         self.send_counts = send_counts  # particles to each peer
         self.receive_counts = receive_counts  # particles from each peer
 
-    def forward(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:
-        features = tuple(tensor.shape[2:])
-        width = math.prod(features)
-        flat = tensor.reshape(self.batch * self.count_in, width).index_select(0, self.send_index)
-        received = all_to_all(
-            flat.reshape(-1), [c * width for c in self.send_counts], [c * width for c in self.receive_counts],
-            self.grid_axis.name,
-        ).view(-1, width)
-        out = tensor.new_full((self.batch * self.count_out, width), fill)
-        out = out.index_copy(0, self.target, received)
-        return out.view(self.batch, self.count_out, *features)
+    def forward_many(self, tensors: Sequence[torch.Tensor], fills: Sequence, wrap=None) -> list[torch.Tensor]:
+        """Move ``(B, count_in, ...)`` tensors; ``wrap = (axis, n)`` wraps the first tensor's
+        (the positions') column ``axis`` of the particles that leave into ``[0, n)``."""
+        flats = [_flat(t, self.batch, self.count_in) for t in tensors]
+        rows = [flat.index_select(0, self.send_index) for flat, _, _ in flats]
+        if wrap is not None:
+            rows[0] = _wrap_rows(rows[0], *wrap)
+        received = _exchange_rows(rows, self.send_counts, self.receive_counts, self.grid_axis.name)
+        out = []
+        for tensor, (flat, features, width), rows_in, fill in zip(tensors, flats, received, fills):
+            base = flat if self.count_out == self.count_in else _resized(
+                tensor, self.batch, self.count_in, self.count_out, width, fill)
+            index, values = self.target, rows_in
+            if self.clear_out.numel():
+                index = torch.cat([index, self.clear_out])
+                values = torch.cat([values, _fill_rows(self.clear_out.numel(), values, width, fill)])
+            out.append(base.index_copy(0, index, values).view(self.batch, self.count_out, *features))
+        return out
 
-    def backward(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:
-        features = tuple(tensor.shape[2:])
-        width = math.prod(features)
-        flat = tensor.reshape(self.batch * self.count_out, width).index_select(0, self.target)
-        received = all_to_all(
-            flat.reshape(-1), [c * width for c in self.receive_counts], [c * width for c in self.send_counts],
-            self.grid_axis.name,
-        ).view(-1, width)
-        out = tensor.new_full((self.batch * self.count_in, width), fill)
-        out = out.index_copy(0, self.send_index, received)
-        return out.view(self.batch, self.count_in, *features)
+    def backward_many(self, tensors: Sequence[torch.Tensor], fills: Sequence) -> list[torch.Tensor]:
+        flats = [_flat(t, self.batch, self.count_out) for t in tensors]
+        rows = [flat.index_select(0, self.target) for flat, _, _ in flats]
+        returned = _exchange_rows(rows, self.receive_counts, self.send_counts, self.grid_axis.name)
+        out = []
+        for tensor, (flat, features, width), rows_back, fill in zip(tensors, flats, returned, fills):
+            base = flat if self.count_out == self.count_in else _resized(
+                tensor, self.batch, self.count_out, self.count_in, width, fill)
+            index, values = self.send_index, rows_back
+            if self.clear_in.numel():
+                index = torch.cat([index, self.clear_in])
+                values = torch.cat([values, _fill_rows(self.clear_in.numel(), values, width, fill)])
+            out.append(base.index_copy(0, index, values).view(self.batch, self.count_in, *features))
+        return out
+
+
+class _Compaction:
+    """Local: the occupied slots ``keep`` (in order) move to the front of each member."""
+
+    def __init__(self, batch, count_in, count_out, keep, place):
+        self.batch = batch
+        self.count_in = count_in
+        self.count_out = count_out
+        self.keep = keep  # input slots of the particles, in order
+        self.place = place  # their output slots
+
+    def forward_many(self, tensors, fills):
+        out = []
+        for tensor, fill in zip(tensors, fills):
+            flat, features, width = _flat(tensor, self.batch, self.count_in)
+            base = _fill_rows(self.batch * self.count_out, flat, width, fill).contiguous()
+            out.append(base.index_copy(0, self.place, flat.index_select(0, self.keep))
+                       .view(self.batch, self.count_out, *features))
+        return out
+
+    def backward_many(self, tensors, fills):
+        out = []
+        for tensor, fill in zip(tensors, fills):
+            flat, features, width = _flat(tensor, self.batch, self.count_out)
+            base = _fill_rows(self.batch * self.count_in, flat, width, fill).contiguous()
+            out.append(base.index_copy(0, self.keep, flat.index_select(0, self.place))
+                       .view(self.batch, self.count_in, *features))
+        return out
 
 
 class MigrationPlan:
@@ -103,18 +233,26 @@ class MigrationPlan:
     def exchange(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:
         """Move ``(B, count_in, ...)`` per-particle values with their particles:
         ``(B, count_out, ...)``, ``fill`` in empty slots. Collective; differentiable."""
-        self._check(tensor, self.count_in, "exchange")
+        return self.exchange_many([tensor], [fill])[0]
+
+    def exchange_many(self, tensors: Sequence[torch.Tensor], fills: Sequence | None = None) -> list[torch.Tensor]:
+        """:meth:`exchange` of several tensors at once, in one all-to-all per stage."""
+        tensors = list(tensors)
+        fills = [0] * len(tensors) if fills is None else list(fills)
+        for tensor in tensors:
+            self._check(tensor, self.count_in, "exchange")
         for stage in self.stages:
-            tensor = stage.forward(tensor, fill)
-        return tensor
+            tensors = stage.forward_many(tensors, fills)
+        return tensors
 
     def gather(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:
         """The reverse path: ``(B, count_out, ...)`` values back to the slots the
         particles came from, ``(B, count_in, ...)``. The adjoint of :meth:`exchange`."""
         self._check(tensor, self.count_out, "gather")
+        tensors = [tensor]
         for stage in reversed(self.stages):
-            tensor = stage.backward(tensor, fill)
-        return tensor
+            tensors = stage.backward_many(tensors, [fill])
+        return tensors[0]
 
     def _check(self, tensor, count, method):
         batch = self.padding.shape[0]
@@ -125,30 +263,21 @@ class MigrationPlan:
             )
 
 
-def _wrap(positions: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
-    """Positions wrapped into ``[0, n)`` along the split axes (the owner is defined there)."""
-    if layout.grid_shape == (1, 1):
-        return positions
-    columns = []
-    for axis in range(3):
-        column = positions[..., axis]
-        if axis < 2 and layout.grid_shape[axis] > 1:
-            n = layout.global_shape[axis]
-            column = torch.remainder(column, n)
-            # remainder may round a tiny negative value up to exactly n in float32.
-            column = torch.where(column >= n, column - n, column)
-        columns.append(column)
-    return torch.stack(columns, dim=-1)
+# ------------------------------------------------------------------ planning
+
+def _wrapped_column(column: torch.Tensor, n: int) -> torch.Tensor:
+    """``column`` wrapped into ``[0, n)``."""
+    wrapped = torch.remainder(column, n)
+    # remainder may round a tiny negative value up to exactly n in float32.
+    return torch.where(wrapped >= n, wrapped - n, wrapped)
 
 
-def _stable_order(key: torch.Tensor, keys: int) -> torch.Tensor:
-    """Indices that sort ``key`` (values in ``[0, keys]``) stably.
-
-    With few distinct keys (peers x batch members) one pass per key with ``nonzero``
-    is O(n) each and several times faster than a comparison sort of every particle."""
-    if keys > 32:
-        return torch.argsort(key, stable=True)
-    return torch.cat([torch.nonzero(key == value).reshape(-1) for value in range(keys + 1)])
+def _wrap_rows(rows: torch.Tensor, axis: int, n: int) -> torch.Tensor:
+    """Position rows ``(S, 3)`` with column ``axis`` wrapped into ``[0, n)`` (differentiable)."""
+    column = _wrapped_column(rows[:, axis], n).unsqueeze(1)
+    mask = torch.zeros(1, rows.shape[1], dtype=torch.bool, device=rows.device)
+    mask[0, axis] = True
+    return torch.where(mask, column, rows)
 
 
 def _status_error(table, grid: GridGroups, capacity, what):
@@ -171,14 +300,97 @@ def _status_error(table, grid: GridGroups, capacity, what):
     return f"particle migration ({what}) failed: " + "; ".join(lines) + "." + advice
 
 
-def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids: torch.Tensor, *,
-            capacity: int | None = None, corner=(0.0, 0.0, 0.0), destination: torch.Tensor | None = None):
+def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids, destination):
+    """The stage of grid ``axis`` for particles ``positions`` / ``ids`` ``(B, count, ...)``."""
+    grid_axis = grid.axes[axis]
+    size = grid_axis.size
+    batch, count = ids.shape
+    device = ids.device
+    me = grid.coords[axis]
+    valid = ids >= 0
+    if destination is None:
+        sizes = layout.real_x if axis == 0 else layout.real_y
+        low = split_offsets(sizes)[me]
+        high = low + sizes[me]
+        column = positions[..., axis].detach()
+        # NaN compares False both ways: it stays, and the finiteness check reports it.
+        leave = valid & ((column < low) | (column >= high))
+    else:
+        coordinate = destination // grid.shape[1] if axis == 0 else destination % grid.shape[1]
+        leave = valid & (coordinate != me)
+    send_flat = torch.nonzero(leave.reshape(-1)).reshape(-1)
+    member = send_flat // count
+    if destination is None:
+        n = layout.global_shape[axis]
+        plane = torch.floor(_wrapped_column(positions[..., axis].detach().reshape(-1)[send_flat], n))
+        peer = layout.owner(plane.to(torch.int64).clamp_(0, n - 1), axis)
+    else:
+        peer = coordinate.reshape(-1)[send_flat]
+    key = peer * batch + member
+    order = torch.argsort(key, stable=True)
+    send_index = send_flat[order]
+    counts = torch.bincount(key, minlength=size * batch).view(size, batch)
+    received = all_to_all(counts.reshape(-1).contiguous(), [batch] * size, [batch] * size, grid_axis.name)
+    received = received.view(size, batch)
+    arrivals = received.sum(0)  # per member
+
+    # Free slots after the particles left: theirs and earlier padding, in slot order.
+    holes = torch.nonzero((leave | ~valid).reshape(-1)).reshape(-1)
+    hole_member = holes // count
+    hole_slot = holes - hole_member * count
+    free = torch.bincount(hole_member, minlength=batch)
+    extra = (arrivals - free).clamp(min=0)
+    count_out = count + (int(extra.max()) if batch else 0)
+    hole_rank = torch.arange(holes.numel(), device=device) - (torch.cumsum(free, 0) - free)[hole_member]
+    used = hole_rank < arrivals[hole_member]
+    arrival_start = torch.cumsum(arrivals, 0) - arrivals
+    total = int(arrivals.sum())
+    slot_of_arrival = torch.empty(total, dtype=torch.int64, device=device)
+    slot_of_arrival[arrival_start[hole_member[used]] + hole_rank[used]] = (
+        hole_member[used] * count_out + hole_slot[used])
+    if int(extra.sum()):
+        extra_member = torch.repeat_interleave(torch.arange(batch, device=device), extra)
+        extra_rank = torch.arange(extra_member.numel(), device=device) - torch.repeat_interleave(
+            torch.cumsum(extra, 0) - extra, extra)
+        slot_of_arrival[arrival_start[extra_member] + free[extra_member] + extra_rank] = (
+            extra_member * count_out + count + extra_rank)
+    clear_out = hole_member[~used] * count_out + hole_slot[~used]
+    clear_in = torch.nonzero((~valid).reshape(-1)).reshape(-1)
+    # Received rows come by source, then member; arrivals of a member are numbered by source.
+    lengths = received.reshape(-1)
+    row_start = torch.cumsum(received, 0) - received
+    segment = (arrival_start.unsqueeze(0) + row_start).reshape(-1) - (torch.cumsum(lengths, 0) - lengths)
+    target = slot_of_arrival[torch.repeat_interleave(segment, lengths) + torch.arange(total, device=device)]
+    return _Stage(grid_axis, batch, count, count_out, send_index, target, clear_out, clear_in,
+                  counts.sum(1).tolist(), received.sum(1).tolist())
+
+
+def _plan_compaction(ids: torch.Tensor, capacity: int | None):
+    """A :class:`_Compaction` when more than a quarter of the slots is empty, or when
+    compacting brings the slots within ``capacity``; else None."""
+    batch, count = ids.shape
+    valid = ids >= 0
+    occupied = valid.sum(1)
+    count_out = int(occupied.max()) if batch else 0
+    needed = capacity is not None and count > capacity
+    if count_out == count or (count - count_out <= _COMPACT_FRACTION * count and not needed):
+        return None
+    keep = torch.nonzero(valid.reshape(-1)).reshape(-1)
+    member = keep // count
+    rank = torch.arange(keep.numel(), device=ids.device) - (torch.cumsum(occupied, 0) - occupied)[member]
+    return _Compaction(batch, count, count_out, keep, member * count_out + rank)
+
+
+def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids: torch.Tensor,
+            *attributes: torch.Tensor, capacity: int | None = None, corner=(0.0, 0.0, 0.0),
+            destination: torch.Tensor | None = None):
     """Move particles to the ranks that own their positions.
 
     Args:
         layout, grid: the decomposition's block layout and process grid.
         positions: ``(B, n, 3)`` global mesh-cell units (any float dtype).
         ids: ``(B, n)`` int64, ``-1`` for empty slots.
+        attributes: more per-particle tensors ``(B, n, ...)`` moved in the same all-to-alls.
         capacity: most slots per batch member a rank may hold afterwards (None: no limit).
         corner: position given to empty slots (a point inside this rank's block).
         destination: optional ``(B, n)`` int64 grid rank ``r0 * P1 + r1`` to send each
@@ -186,75 +398,50 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
             back to where they started).
 
     Returns:
-        ``(plan, positions, ids)``: the plan, and the wrapped, moved positions and ids
-        ``(B, count_out, ...)``. Collective over the grid.
+        ``(plan, positions, ids, *attributes)`` ``(B, count_out, ...)``: positions are
+        wrapped into ``[0, n)`` along split axes. Collective over the grid.
     """
-    positions = _wrap(positions, layout)
-    batch, count = ids.shape
+    batch = ids.shape[0]
+    valid = ids >= 0
+    # A non-finite coordinate makes the sum of the three non-finite (one pass, not three).
+    bad = int((valid & ~torch.isfinite(positions.detach().sum(-1))).sum()) if grid.size > 1 else 0
+    fill_position = torch.tensor(corner, dtype=positions.dtype, device=positions.device)
     stages = []
-    first = True
+    count_in = ids.shape[1]
     for axis in (0, 1):
-        grid_axis = grid.axes[axis]
-        if grid_axis.size == 1:
+        if grid.axes[axis].size == 1:
             continue
-        size = grid_axis.size
-        valid = ids >= 0
-        plane = torch.floor(positions[..., axis].detach())
-        finite = torch.isfinite(plane)
-        # A non-finite coordinate makes the sum of the three non-finite (one pass, not three).
-        bad = int((valid & ~torch.isfinite(positions.detach().sum(-1))).sum()) if first else 0
-        plane = torch.where(finite, plane, torch.zeros_like(plane)).to(torch.int64)
-        plane = plane.clamp_(0, layout.global_shape[axis] - 1)  # only non-finite positions are affected
-        if destination is None:
-            target_coords = layout.owner(plane, axis)
-        else:
-            target_coords = destination // grid.shape[1] if axis == 0 else destination % grid.shape[1]
-        member = torch.arange(batch, device=ids.device).unsqueeze(1).expand(batch, count)
-        key = torch.where(valid, target_coords * batch + member, torch.full_like(target_coords, size * batch))
-        key = key.reshape(-1)
-        order = _stable_order(key, size * batch)
-        counts = torch.bincount(key, minlength=size * batch + 1)[: size * batch].view(size, batch)
-        received = all_to_all(counts.reshape(-1).contiguous(), [batch] * size, [batch] * size, grid_axis.name)
-        received = received.view(size, batch)
-        per_member = received.sum(0)
-        count_out = int(per_member.max()) if batch else 0
+        stage = _plan_stage(layout, grid, axis, positions, ids, destination)
+        stages.append(stage)
+        payload = [positions, ids, *attributes] + ([] if destination is None else [destination])
+        fills = [fill_position, -1] + [0] * len(attributes) + ([] if destination is None else [-1])
+        positions, ids, *rest = stage.forward_many(payload, fills, wrap=(axis, layout.global_shape[axis]))
+        attributes = tuple(rest[: len(attributes)])
+        if destination is not None:
+            destination = rest[-1]
+    if stages:
+        compaction = _plan_compaction(ids, capacity)
+        if compaction is not None:
+            stages.append(compaction)
+            fills = [fill_position, -1] + [0] * len(attributes)
+            positions, ids, *rest = compaction.forward_many([positions, ids, *attributes], fills)
+            attributes = tuple(rest)
+    count_out = ids.shape[1]
+    if stages:
         # Fail together: every rank reports (non-finite, overflowing member, its count).
         status = torch.tensor([bad, -1, 0], dtype=torch.int64)
         if capacity is not None and count_out > capacity:
-            worst = int(torch.argmax(per_member))
-            status = torch.tensor([0, worst, count_out], dtype=torch.int64)
+            occupied = (ids >= 0).sum(1)
+            status = torch.tensor([0, int(torch.argmax(occupied)), count_out], dtype=torch.int64)
         table = torch.zeros(grid.size, 3, dtype=torch.int64, device=ids.device)
         table[:, 1] = -1
         table[grid.rank] = status.to(ids.device)
         table = _reduce_status(table, grid)
         if bool((table[:, 0] > 0).any()) or bool((table[:, 1] >= 0).any()):
-            raise RuntimeError(_status_error(table.cpu(), grid, capacity, f"along grid axis {axis}"))
-        send_total = int(counts.sum())
-        send_index = order[:send_total]
-        receive_lengths = received.reshape(-1)
-        row_start = torch.cumsum(received, 0) - received  # start of source q within member b's row
-        segment_start = (torch.arange(batch, device=ids.device) * count_out).unsqueeze(0) + row_start
-        segment_begin = torch.cumsum(receive_lengths, 0) - receive_lengths
-        total = int(receive_lengths.sum())
-        target = torch.repeat_interleave(segment_start.reshape(-1) - segment_begin, receive_lengths)
-        target = target + torch.arange(total, device=ids.device)
-        stage = _Stage(grid_axis, batch, count, count_out, send_index, target,
-                       counts.sum(1).tolist(), received.sum(1).tolist())
-        stages.append(stage)
-        positions = stage.forward(positions)
-        ids = stage.forward(ids.unsqueeze(-1), fill=-1).squeeze(-1)
-        if destination is not None:
-            destination = stage.forward(destination.unsqueeze(-1), fill=-1).squeeze(-1)
-        count = count_out
-        first = False
-    # Without split axes nothing moves; the (periodic) mass-assignment ops reject
-    # non-finite positions themselves.
+            raise RuntimeError(_status_error(table.cpu(), grid, capacity, "after the exchange"))
+    # Empty slots hold the fill values: positions at the block's corner, ids -1, attributes 0.
     padding = ids < 0
-    if stages and bool(padding.any()):
-        fill = torch.tensor(corner, dtype=positions.dtype, device=positions.device)
-        positions = torch.where(padding.unsqueeze(-1), fill, positions)
-    count_in = stages[0].count_in if stages else ids.shape[1]
-    return MigrationPlan(stages, count_in, ids.shape[1], padding), positions, ids
+    return (MigrationPlan(stages, count_in, count_out, padding), positions, ids, *attributes)
 
 
 def _reduce_status(table, grid: GridGroups):

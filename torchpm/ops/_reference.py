@@ -92,9 +92,9 @@ def _gather(mesh, index):
     """Mesh values at the nodes: mesh (B, [C,] nx, ny, nz), index (B, N, K) -> (B, C, N, K)."""
     channels_mesh = mesh if mesh.dim() == 5 else mesh.unsqueeze(1)
     batch, channels = channels_mesh.shape[:2]
-    flat = channels_mesh.reshape(batch, channels, -1)
+    flat = channels_mesh.flatten(2)  # not reshape(..., -1): ambiguous for an empty batch
     count, nodes = index.shape[1:]
-    gathered = torch.gather(flat, 2, index.reshape(batch, 1, -1).expand(-1, channels, -1))
+    gathered = torch.gather(flat, 2, index.flatten(1).unsqueeze(1).expand(-1, channels, -1))
     return gathered.view(batch, channels, count, nodes)
 
 

@@ -1,0 +1,334 @@
+"""Ranks that disagree about a collective raise the same clear error on every rank, on 2
+and 3 gloo processes, before any mismatched all-to-all can run (gloo would abort a
+process with "Received data size doesn't match expected size" or return wrong numbers).
+
+Each case makes one rank (the last) pass another global shape, process grid, dtype,
+batch, halo width, operation or per-particle attribute, and checks on every rank that
+the error is a ValueError naming the argument and every rank's value. Then the ranks
+run a correct distributed FFT and compare it with ``torch.fft.rfftn`` of the whole
+field, which shows that no process died, the groups still work, and the check lets
+agreeing calls through. A process that aborts or hangs shows up as "never reported"
+(bounded by the pool's collective timeout).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from _spawn import run_world
+
+pytestmark = pytest.mark.distributed
+
+GRIDS = {2: [(2, 1), (1, 2)], 3: [(3, 1), (1, 3)]}
+SHAPE = (8, 7, 6)  # uneven over 2 and 3 ranks
+PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch_irfftn", "halo_fill",
+            "halo_add", "halo_paint", "operation", "local_error", "transpose_axis", "migrate_attribute_dtype",
+            "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
+            "paint_density_batch", "paint_not_owned", "readout_bad_field", "setting", "check_off"]
+PER_WORLD = ["grid_axis"]
+
+
+def case_ids(world_size):
+    ids = [f"{kind}-{p0}x{p1}" for p0, p1 in GRIDS[world_size] for kind in PER_GRID]
+    return ids + [f"{kind}-{GRIDS[world_size][0][0]}x{GRIDS[world_size][0][1]}" for kind in PER_WORLD]
+
+
+# ----------------------------------------------------------------------------
+# Inside the spawned processes.
+
+
+def make_context(world_size):
+    import torch.distributed as dist
+
+    from torchpm.distributed import process_grid_groups
+
+    ctx = {"rank": dist.get_rank(), "world": world_size, "groups": {}}
+    for grid in GRIDS[world_size]:
+        ctx["groups"][grid] = process_grid_groups(grid)
+    return ctx
+
+
+def run_case(case_id, ctx):
+    kind, grid_text = case_id.rsplit("-", 1)
+    grid = tuple(int(p) for p in grid_text.split("x"))
+    ctx["odd"] = ctx["rank"] == ctx["world"] - 1  # the rank that disagrees
+    globals()[f"case_{kind}"](grid, ctx)
+    check_still_works(grid, ctx)
+
+
+def decomposition(grid, ctx, shape=SHAPE, **kwargs):
+    from torchpm.distributed import PencilDecomposition
+
+    return PencilDecomposition(shape, ctx["groups"][grid], **kwargs)
+
+
+def expect_error(call, ctx, *fragments, exception=ValueError):
+    """``call()`` must raise ``exception`` on this rank, naming every fragment (the argument,
+    each rank's value) and every rank of the world."""
+    try:
+        call()
+    except exception as error:
+        text = str(error)
+        for fragment in (*fragments, *(f"rank {r}" for r in range(ctx["world"]))):
+            assert fragment in text, f"{fragment!r} missing from the error: {text}"
+        return text
+    raise AssertionError(f"rank {ctx['rank']}: the disagreeing call did not raise {exception.__name__}")
+
+
+def check_still_works(grid, ctx):
+    """After the error: a correct FFT on the same groups equals the serial one."""
+    mesh = decomposition(grid, ctx)
+    whole = torch.randn(2, *SHAPE, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    local = mesh.rfftn(mesh.local_real_part(whole))
+    expected = mesh.local_fourier_part(torch.fft.rfftn(whole, dim=(-3, -2, -1)))
+    assert torch.allclose(local, expected, rtol=0, atol=1e-12), "distributed FFT after the error is wrong"
+
+
+def field(mesh, batch=1, dtype=torch.float64):
+    return torch.ones(batch, *mesh.local_real_shape, dtype=dtype)
+
+
+def case_global_shape(grid, ctx):
+    shape = (16, 7, 6) if ctx["odd"] else SHAPE
+    expect_error(lambda: decomposition(grid, ctx, shape), ctx, "disagree", "(16, 7, 6)", "(8, 7, 6)")
+
+
+def case_grid_axis(grid, ctx):
+    """The same group used as grid axis 0 on some ranks and axis 1 on another: x slabs
+    against y slabs."""
+    import torch.distributed as dist
+
+    from torchpm.distributed import PencilDecomposition
+
+    world = dist.group.WORLD
+    groups = (None, world) if ctx["odd"] else (world, None)
+    p = ctx["world"]
+    expect_error(lambda: PencilDecomposition(SHAPE, groups), ctx, "disagree", f"grid ({p}, 1)", f"grid (1, {p})")
+
+
+def case_dtype_rfftn(grid, ctx):
+    mesh = decomposition(grid, ctx)
+    dtype = torch.float32 if ctx["odd"] else torch.float64
+    expect_error(lambda: mesh.rfftn(field(mesh, dtype=dtype)), ctx,
+                 "dtype of `field`", "torch.float32", "torch.float64", "rfftn")
+
+
+def case_dtype_irfftn(grid, ctx):
+    mesh = decomposition(grid, ctx)
+    dtype = torch.complex64 if ctx["odd"] else torch.complex128
+    field_k = torch.ones(1, *mesh.local_fourier_shape, dtype=dtype)
+    expect_error(lambda: mesh.irfftn(field_k), ctx, "dtype of `field_k`", "torch.complex64", "torch.complex128")
+
+
+def case_batch_rfftn(grid, ctx):
+    mesh = decomposition(grid, ctx)
+    batch = 1 if ctx["odd"] else 2
+    expect_error(lambda: mesh.rfftn(field(mesh, batch)), ctx, "leading (batch) shape of `field`", "(1,)", "(2,)")
+
+
+def case_batch_irfftn(grid, ctx):
+    """Same number of elements, other leading shape: (2, 3) against (3, 2)."""
+    mesh = decomposition(grid, ctx)
+    leading = (3, 2) if ctx["odd"] else (2, 3)
+    field_k = torch.ones(*leading, *mesh.local_fourier_shape, dtype=torch.complex128)
+    expect_error(lambda: mesh.irfftn(field_k), ctx, "leading (batch) shape of `field_k`", "(3, 2)", "(2, 3)")
+
+
+def case_halo_fill(grid, ctx):
+    mesh = decomposition(grid, ctx)
+    width = 2 if ctx["odd"] else 1
+    expect_error(lambda: mesh.fill_halo(mesh.pad_halo(field(mesh), width), width), ctx,
+                 "halo `width`", "((2, 2), (2, 2))", "((1, 1), (1, 1))", "fill_halo")
+
+
+def case_halo_add(grid, ctx):
+    """Widths that differ only on one side of one axis."""
+    mesh = decomposition(grid, ctx)
+    width = ((1, 1), (0, 1)) if ctx["odd"] else ((1, 1), (1, 1))
+    expect_error(lambda: mesh.add_halo(mesh.pad_halo(field(mesh), width), width), ctx,
+                 "halo `width`", "((1, 1), (0, 1))", "((1, 1), (1, 1))", "add_halo")
+
+
+def case_halo_paint(grid, ctx):
+    """Painting with another stencil on one rank: the halo exchanges behind them differ."""
+    mesh = decomposition(grid, ctx)
+    positions = torch.rand(1, 10, 3, dtype=torch.float64) * torch.tensor(mesh.local_real_shape, dtype=torch.float64)
+    positions = positions + torch.tensor(mesh.local_real_offset, dtype=torch.float64)
+    order = "pcs" if ctx["odd"] else "cic"
+    expect_error(lambda: mesh.paint(positions, order=order), ctx, "halo widths of `order`", "paint", "(1, 2)",
+                 "(0, 1)")
+
+
+def case_operation(grid, ctx):
+    mesh = decomposition(grid, ctx)
+    if ctx["odd"]:
+        call = lambda: mesh.fill_halo(mesh.pad_halo(field(mesh), 1), 1)  # noqa: E731
+    else:
+        call = lambda: mesh.rfftn(field(mesh))  # noqa: E731
+    expect_error(call, ctx, "different collective operations", "PencilDecomposition.rfftn",
+                 "PencilDecomposition.fill_halo")
+
+
+def case_local_error(grid, ctx):
+    """A bad argument on one rank: the others raise too instead of waiting in the all-to-all."""
+    mesh = decomposition(grid, ctx)
+    value = torch.ones(1, 3, 3, 3) if ctx["odd"] else field(mesh)
+    expect_error(lambda: mesh.rfftn(value), ctx, "expected `field` of shape", "(1, 3, 3, 3)")
+
+
+def case_transpose_axis(grid, ctx):
+    """The exposed transpose step: one rank transposes along the other grid axis."""
+    mesh = decomposition(grid, ctx)
+    lx, ly, nz = mesh.local_real_shape
+    t = torch.ones(1, lx, ly, nz // 2 + 1, dtype=torch.complex128)
+    axis = 0 if ctx["odd"] else 1
+    # Rank-local shape errors for the unexpected axis are reported together as well.
+    text = expect_error(lambda: mesh.transpose(t, axis), ctx, "transpose")
+    assert "`axis`" in text or "does not match the layout" in text, text
+
+
+def particles(mesh, batch=1, count=12, dtype=torch.float64):
+    generator = torch.Generator().manual_seed(7)
+    positions = torch.rand(batch, count, 3, generator=generator, dtype=dtype) * torch.tensor(SHAPE, dtype=dtype)
+    ids = torch.arange(batch * count, dtype=torch.int64).view(batch, count)
+    return positions, ids
+
+
+def case_migrate_attribute_dtype(grid, ctx):
+    mesh = decomposition(grid, ctx)
+    positions, ids = particles(mesh)
+    attribute = torch.zeros(1, 12, 3, dtype=torch.float32 if ctx["odd"] else torch.float64)
+    expect_error(lambda: mesh.migrate(positions, ids, attribute), ctx,
+                 "attributes (dtype, per-particle shape)", "torch.float32", "torch.float64", "migrate")
+
+
+def case_migrate_attribute_shape(grid, ctx):
+    mesh = decomposition(grid, ctx)
+    positions, ids = particles(mesh)
+    attribute = torch.zeros(1, 12, 2 if ctx["odd"] else 3, dtype=torch.float64)
+    expect_error(lambda: mesh.migrate(positions, ids, attribute), ctx,
+                 "attributes (dtype, per-particle shape)", "(2,)", "(3,)")
+
+
+def case_migrate_batch(grid, ctx):
+    """Different batch sizes (the slot count n may differ; the batch may not)."""
+    mesh = decomposition(grid, ctx)
+    positions, ids = particles(mesh, batch=1 if ctx["odd"] else 2, count=5 + ctx["rank"])
+    expect_error(lambda: mesh.migrate(positions, ids), ctx, "batch size", "rank 0 (grid (0, 0)): 2")
+
+
+def case_migrate_positions_dtype(grid, ctx):
+    mesh = decomposition(grid, ctx)
+    positions, ids = particles(mesh, dtype=torch.float32 if ctx["odd"] else torch.float64)
+    expect_error(lambda: mesh.migrate(positions, ids), ctx, "dtype of `positions`", "torch.float32",
+                 "torch.float64")
+
+
+def case_spectrum_bins(grid, ctx):
+    """The shell sums are all-reduced: another number of bins would mismatch them."""
+    from torchpm.analysis import power_spectrum
+
+    mesh = decomposition(grid, ctx)
+    bins = 3 if ctx["odd"] else 4
+    expect_error(lambda: power_spectrum(field(mesh), 100.0, bins=bins, mesh=mesh), ctx, "`bins`", ": 3", ": 4")
+
+
+def case_spectrum_box(grid, ctx):
+    """Another box gives another default number of shells."""
+    from torchpm.analysis import cross_power
+
+    mesh = decomposition(grid, ctx)
+    box = 50.0 if ctx["odd"] else 100.0
+    expect_error(lambda: cross_power(field(mesh), field(mesh), box, mesh=mesh), ctx, "`box_size`", "50.0", "100.0")
+
+
+def case_paint_density_batch(grid, ctx):
+    from torchpm.analysis import paint_density
+
+    mesh = decomposition(grid, ctx)
+    positions, _ = particles(mesh, batch=1 if ctx["odd"] else 2)
+    expect_error(lambda: paint_density(positions, mesh), ctx, "batch size", "paint_density")
+
+
+def case_paint_not_owned(grid, ctx):
+    """One rank paints particles it does not own: its local error reaches every rank before
+    the halo exchange (no rank waits for it)."""
+    mesh = decomposition(grid, ctx)
+    (lx, ly, _), (ox, oy, _) = mesh.local_real_shape, mesh.local_real_offset
+    inside = torch.tensor([[[ox + 0.5, oy + 0.5, 0.5]]], dtype=torch.float64)
+    far = torch.tensor([[[(ox + lx + 2.5) % SHAPE[0], (oy + ly + 2.5) % SHAPE[1], 0.5]]], dtype=torch.float64)
+    expect_error(lambda: mesh.paint(far if ctx["odd"] else inside), ctx, "cannot be deposited", "paint")
+
+
+def case_readout_bad_field(grid, ctx):
+    mesh = decomposition(grid, ctx)
+    positions = torch.tensor([[[mesh.local_real_offset[0] + 0.5, mesh.local_real_offset[1] + 0.5, 0.5]]],
+                             dtype=torch.float64)
+    value = torch.ones(1, 2, 2, 2, dtype=torch.float64) if ctx["odd"] else field(mesh)
+    expect_error(lambda: mesh.readout(value, positions), ctx, "`field`", "(1, 2, 2, 2)", "readout")
+
+
+def case_setting(grid, ctx):
+    """The ranks must agree on whether they check (one checking rank would wait alone)."""
+    expect_error(lambda: decomposition(grid, ctx, check_agreement=not ctx["odd"]), ctx,
+                 "check_agreement True", "check_agreement False")
+
+
+def case_check_off(grid, ctx):
+    """With the check off, agreeing calls still give the serial results (FFT, halo fill,
+    migration): the switch changes nothing but the check."""
+    mesh = decomposition(grid, ctx, check_agreement=False)
+    assert not mesh.check_agreement
+    whole = torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    local = mesh.irfftn(mesh.rfftn(mesh.local_real_part(whole)))
+    assert torch.allclose(local, mesh.local_real_part(whole), rtol=0, atol=1e-12)
+    filled = mesh.fill_halo(mesh.pad_halo(mesh.local_real_part(whole), 1), 1)
+    (lx, ly, _), (ox, oy, _) = mesh.local_real_shape, mesh.local_real_offset
+    rows = torch.arange(ox - 1, ox + lx + 1) % SHAPE[0]
+    columns = torch.arange(oy - 1, oy + ly + 1) % SHAPE[1]
+    assert torch.equal(filled, whole[:, rows][:, :, columns])
+    positions, ids = particles(mesh)
+    _, moved, moved_ids = mesh.migrate(positions, ids)
+    total = mesh.all_reduce(torch.tensor([int((moved_ids >= 0).sum())]))
+    assert int(total) == 12 * ctx["world"], f"migration without the check lost particles: {int(total)}"
+
+
+# ----------------------------------------------------------------------------
+# The pytest side: one pool of processes per world size, one test per case.
+
+_RESULTS: dict[int, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def world_results(tmp_path_factory):
+    def get(world_size):
+        if world_size not in _RESULTS:
+            tmp = tmp_path_factory.mktemp(f"agreement_world{world_size}")
+            _RESULTS[world_size] = run_world(world_size, __name__, case_ids(world_size), tmp, timeout_s=300)
+        return _RESULTS[world_size]
+
+    return get
+
+
+@pytest.mark.parametrize("world_size,case_id", [(w, c) for w in sorted(GRIDS) for c in case_ids(w)])
+def test_ranks_disagree(world_results, world_size, case_id):
+    outcome = world_results(world_size)[case_id]
+    errors = {rank: err for rank, err in outcome.items() if not str(rank).endswith("#seconds") and err}
+    if errors:
+        pytest.fail("\n".join(f"--- rank {rank} ---\n{err}" for rank, err in sorted(errors.items())))
+
+
+def test_setting_from_environment(monkeypatch):
+    """TORCHPM_CHECK_AGREEMENT=0 turns the check off for decompositions built afterwards."""
+    from torchpm.distributed import PencilDecomposition
+    from torchpm.distributed.groups import agreement_checks
+
+    monkeypatch.setenv("TORCHPM_CHECK_AGREEMENT", "0")
+    assert not agreement_checks() and not PencilDecomposition((4, 4, 4)).check_agreement
+    monkeypatch.setenv("TORCHPM_CHECK_AGREEMENT", "1")
+    assert agreement_checks() and PencilDecomposition((4, 4, 4)).check_agreement
+    monkeypatch.delenv("TORCHPM_CHECK_AGREEMENT")
+    assert agreement_checks()
+    with pytest.raises(TypeError, match="check_agreement"):
+        PencilDecomposition((4, 4, 4), check_agreement="no")
