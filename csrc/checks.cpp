@@ -152,7 +152,8 @@ void throw_bad_particles(
     const char* op,
     const at::Tensor& positions,
     const StencilGeometry& g,
-    int64_t bad) {
+    int64_t bad,
+    const std::string& late) {
   auto x = positions.detach().to(at::kCPU, at::kDouble).reshape({-1, 3});
   const int64_t total = x.size(0);
   const int64_t per_batch = positions.size(1);
@@ -161,12 +162,14 @@ void throw_bad_particles(
   const int64_t n_nonfinite = nonfinite.sum().item<int64_t>();
   std::ostringstream msg;
   msg << op << ": " << bad << " of " << total << " particles cannot be deposited; "
-      << "nothing was painted or read. ";
+      << (late.empty() ? "nothing was painted or read. "
+                       : "the call returned NaN in place of their contributions. ");
   if (n_nonfinite > 0) {
     const int64_t first = nonfinite.nonzero().index({0, 0}).item<int64_t>();
     msg << n_nonfinite << " have non-finite (NaN or Inf) `positions`, the first is "
         << "particle " << first % per_batch << " of batch " << first / per_batch
-        << ". Check the inputs that produced the positions.";
+        << ". Check the inputs that produced the positions." << (late.empty() ? "" : " ")
+        << late;
     throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                           msg.str());
   }
@@ -205,6 +208,7 @@ void throw_bad_particles(
         << ". Enlarge the block (halo, see torchpm.ops.halo_widths) or move the particles "
            "to the rank that owns them.";
   }
+  msg << (late.empty() ? "" : " ") << late;
   throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                         msg.str());
 }
@@ -213,7 +217,8 @@ void throw_non_finite(
     const char* op,
     const char* name,
     const at::Tensor& per_particle,
-    int64_t count) {
+    int64_t count,
+    const std::string& late) {
   // per_particle: (B, N, C) values of the particles (weights, or readout results).
   auto x = per_particle.detach().to(at::kCPU, at::kDouble);
   const int64_t per_batch = x.size(1);
@@ -228,8 +233,10 @@ void throw_non_finite(
   } else {
     msg << " (" << count << " particles)";
   }
-  msg << "; nothing was returned. Check the inputs that produced `" << name
-      << "` (pass check_finite=False to skip this check and propagate them).";
+  msg << (late.empty() ? "; nothing was returned. " : "; the call returned them. ")
+      << "Check the inputs that produced `" << name
+      << "` (pass check_finite=False to skip this check and propagate them)."
+      << (late.empty() ? "" : " ") << late;
   throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                         msg.str());
 }

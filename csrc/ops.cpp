@@ -8,6 +8,10 @@
 // setup.py, with torch.ops.load_library.
 #include <torch/library.h>
 
+#include <string>
+
+#include "error_checking.h"
+
 namespace {
 
 bool cuda_kernels_built() {
@@ -16,6 +20,15 @@ bool cuda_kernels_built() {
 #else
   return false;
 #endif
+}
+
+std::string get_error_checking() {
+  return torchpm::error_checking_name(torchpm::error_checking());
+}
+
+std::string set_error_checking(c10::string_view mode) {
+  const auto next = torchpm::parse_error_checking(std::string(mode), "`mode`");
+  return torchpm::error_checking_name(torchpm::set_error_checking(next));
 }
 
 }  // namespace
@@ -71,4 +84,11 @@ TORCH_LIBRARY(torchpm, m) {
       "_all_to_all(Tensor input, int[] input_split_sizes, int[] output_split_sizes, "
       "str group_name) -> Tensor");
   m.def("_cuda_kernels_built() -> bool", &cuda_kernels_built);
+  // When the mass-assignment ops report bad particles (error_checking.h):
+  // "auto" (deferred on CUDA, immediate on the CPU), "immediate" or "deferred".
+  // _set_error_checking returns the previous mode; check() raises the first
+  // error left by earlier calls, after waiting for every pending count.
+  m.def("_error_checking() -> str", &get_error_checking);
+  m.def("_set_error_checking(str mode) -> str", &set_error_checking);
+  m.def("check() -> ()", &torchpm::check_errors);
 }

@@ -79,11 +79,15 @@ at::Tensor check_mesh(
 
 // Called by a backend when its fused check found `bad` rejected particles: finds
 // the worst offender with ATen ops (slow, only on the error path) and throws.
+// `late`: empty when raised inside the call (nothing was returned); otherwise
+// the note of a deferred report (error_checking.h), and the message says that
+// the call returned NaN in place of the rejected particles.
 [[noreturn]] void throw_bad_particles(
     const char* op,
     const at::Tensor& positions,
     const StencilGeometry& geometry,
-    int64_t bad);
+    int64_t bad,
+    const std::string& late = "");
 
 // Called by a backend when its fused check found `count` particles whose value
 // (`weights` for paint; for readout the mesh values at the particle's stencil)
@@ -92,6 +96,7 @@ at::Tensor check_mesh(
     const char* op,
     const char* name,
     const at::Tensor& per_particle,
-    int64_t count);
+    int64_t count,
+    const std::string& late = "");
 
 }  // namespace torchpm

@@ -50,3 +50,17 @@ def test_torchrun_four_ranks_matches_single_process(tmp_path):
     assert result.stdout.count("torchpm run:") == 1, result.stdout
     assert (tmp_path / "grid" / "power_spectrum.png").exists()
     assert "grid=(2, 2)" in result.stdout, result.stdout
+
+
+def test_nccl_runs_get_a_blocking_wait_unless_the_user_chose():
+    # README "When a rank fails": with NCCL, a dead peer must make wait() raise after the
+    # timeout (as with gloo), which needs TORCH_NCCL_BLOCKING_WAIT=1 when the group is made.
+    from torchpm.distributed.launch import nccl_failure_settings
+
+    environ = {"OTHER": "x"}
+    assert nccl_failure_settings(environ) == {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+    assert environ == {"OTHER": "x", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"):
+        chosen = {name: "0"}
+        assert nccl_failure_settings(chosen) == {}
+        assert chosen == {name: "0"}

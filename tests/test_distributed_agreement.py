@@ -25,7 +25,7 @@ SHAPE = (8, 7, 6)  # uneven over 2 and 3 ranks
 PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch_irfftn", "halo_fill",
             "halo_add", "halo_paint", "operation", "local_error", "transpose_axis", "migrate_attribute_dtype",
             "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
-            "paint_density_batch", "paint_not_owned", "readout_bad_field", "setting", "check_off"]
+            "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off"]
 PER_WORLD = ["grid_axis"]
 
 
@@ -259,6 +259,31 @@ def case_paint_not_owned(grid, ctx):
     inside = torch.tensor([[[ox + 0.5, oy + 0.5, 0.5]]], dtype=torch.float64)
     far = torch.tensor([[[(ox + lx + 2.5) % SHAPE[0], (oy + ly + 2.5) % SHAPE[1], 0.5]]], dtype=torch.float64)
     expect_error(lambda: mesh.paint(far if ctx["odd"] else inside), ctx, "cannot be deposited", "paint")
+
+
+def case_paint_not_owned_deferred(grid, ctx):
+    """The same with deferred error checking (the CUDA default, torchpm.ops.error_checking),
+    where the local paint returns before its error is raised: the agreement still reports
+    it on every rank."""
+    import torchpm
+
+    mesh = decomposition(grid, ctx)
+    (lx, ly, _), (ox, oy, _) = mesh.local_real_shape, mesh.local_real_offset
+    inside = torch.tensor([[[ox + 0.5, oy + 0.5, 0.5]]], dtype=torch.float64)
+    far = torch.tensor([[[(ox + lx + 2.5) % SHAPE[0], (oy + ly + 2.5) % SHAPE[1], 0.5]]], dtype=torch.float64)
+    previous = torchpm.set_error_checking("deferred")
+    try:
+        mesh.paint(far if ctx["odd"] else inside)
+    except ValueError as error:
+        text = str(error)
+    else:
+        raise AssertionError("the paint of a particle the rank does not own did not raise")
+    finally:
+        torchpm.set_error_checking(previous)
+    odd = ctx["world"] - 1
+    for fragment in (f"rank {odd}", "torchpm.paint: 1 of 1 particles cannot be deposited", "every rank of the"):
+        assert fragment in text, f"{fragment!r} missing from the error: {text}"
+    torchpm.check()  # raised once: nothing left behind
 
 
 def case_readout_bad_field(grid, ctx):

@@ -123,9 +123,11 @@ def test_block_edges_accept_exactly_the_documented_range(device, order):
         outside = torch.tensor([[[4.0 + WIDTH[order] / 2, 1.0, 1.0], [bad, 1.0, 1.0]]], dtype=torch.float64, device=device)
         with pytest.raises(ValueError, match=r"1 of 2 particles.*particle 1 of batch 0.*halo_widths"):
             torchpm.paint(outside, None, shape, order=order, offset=offset, periodic=periodic)
+            torchpm.check()  # on CUDA the error is deferred by default
         with pytest.raises(ValueError, match="1 of 2 particles"):
             torchpm.readout(torch.zeros(1, *shape, dtype=torch.float64, device=device), outside, order=order,
                             offset=offset, periodic=periodic)
+            torchpm.check()
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -438,12 +440,14 @@ def test_non_finite_weights_and_meshes_raise(device, order, bad):
     w[0, 3, 1] = bad
     with pytest.raises(ValueError, match=r"`weights` contains NaN or Inf.*particle 3 of batch 0"):
         torchpm.paint(x, w, (4, 4, 4), order=order)
+        torchpm.check()  # on CUDA the error is deferred by default
     assert not torch.isfinite(torchpm.paint(x, w, (4, 4, 4), order=order, check_finite=False)).all()
     mesh = torch.zeros(1, 4, 4, 4, dtype=torch.float64, device=device)
     nodes = torchpm.paint(x[:, 2:3], None, (4, 4, 4), order=order) > 0
     mesh[nodes] = bad  # only particle 2's stencil (and maybe others sharing its nodes)
     with pytest.raises(ValueError, match="`mesh` contains NaN or Inf"):
         torchpm.readout(mesh, x, order=order)
+        torchpm.check()
     assert not torch.isfinite(torchpm.readout(mesh, x, order=order, check_finite=False)).all()
     # a NaN far from every particle is not read, hence no error
     far = torch.zeros(1, 8, 8, 8, dtype=torch.float64, device=device)
@@ -482,6 +486,28 @@ def test_fake_kernels_check_what_needs_no_values():
     out = ops._position_gradient(torch.empty(2, 4, 4, 4, device=m), permuted, None, *geo)
     assert out.shape == (2, 5, 3) and out.is_contiguous()
     assert ops.paint(x, torch.empty(2, 5, 2, device=m), [4, 5, 6], *geo).shape == (2, 2, 4, 5, 6)
+
+
+def test_fake_kernels_return_the_layout_of_the_kernels():
+    # permuted positions (a transposed view): the kernels make them contiguous and
+    # return fresh contiguous results; a fake with other strides would fail
+    # Inductor's stride assertions
+    positions = (torch.rand(5, 2, 3, dtype=torch.float64) * 4).transpose(0, 1)
+    mesh = torch.randn(2, 3, 4, 4, 4, dtype=torch.float64)
+    values = torch.randn(5, 2, 3, dtype=torch.float64).transpose(0, 1)
+    ops = torch.ops.torchpm
+    geo = ([0, 0, 0], [True] * 3, 3)
+    meta = lambda t: t.to("meta")  # noqa: E731  (.to keeps the strides)
+    cases = [
+        (ops._position_gradient.default, (mesh, positions, values, *geo)),
+        (ops.readout.default, (mesh, positions, *geo, True)),
+        (ops.paint.default, (positions, values, [4, 4, 4], *geo, True)),
+    ]
+    for op, args in cases:
+        real = op(*args)
+        fake = op(*(meta(a) if isinstance(a, torch.Tensor) else a for a in args))
+        assert real.shape == fake.shape and real.stride() == fake.stride(), op
+        torch.library.opcheck(op, args)
 
 
 # --------------------------------------------------------------------------- physics

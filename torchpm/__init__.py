@@ -18,7 +18,10 @@ except OSError as error:  # pragma: no cover - exercised only on a broken instal
     ) from error
 
 from . import ops  # noqa: E402
-from .ops import cic_paint, cic_readout, paint, readout  # noqa: E402
+from .ops import check, cic_paint, cic_readout, get_error_checking, paint, readout, set_error_checking  # noqa: E402
+
+# A bad TORCHPM_ERROR_CHECKING is reported here, at import, not at the first op.
+get_error_checking()
 
 from . import adjoint, analysis, cosmology, distributed, fourier, ic, mesh, nn, pm  # noqa: E402
 from . import config, io, resources  # noqa: E402  (io imports h5py only when used)
@@ -40,6 +43,9 @@ __all__ = [
     "cic_paint",
     "cic_readout",
     "has_cuda_kernels",
+    "check",
+    "set_error_checking",
+    "get_error_checking",
     "ops",
     "adjoint",
     "nn",

@@ -185,8 +185,12 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
     except ValueError as error:
         raise UserError(str(error)) from None
     try:
-        return _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gather_blocks,
-                    read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot)
+        summary = _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gather_blocks,
+                       read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot)
+        # On CUDA bad particles are reported by the next torchpm op; after the last
+        # one, only torchpm.check() can (torchpm.ops.error_checking).
+        torchpm.check()
+        return summary
     finally:
         finish(context)
 

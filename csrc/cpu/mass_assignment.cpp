@@ -16,8 +16,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 #include <vector>
 
+#include "../error_checking.h"
 #include "../stencil.h"
 #include "../torchpm.h"
 
@@ -37,7 +39,9 @@ void deposit(
     scalar_t* mesh) {
   using acc_t = at::opmath_type<scalar_t>;
   Stencil<acc_t, W> s;
-  make_stencil<scalar_t, acc_t, W>(position, g, s);
+  if (!make_stencil<scalar_t, acc_t, W>(position, g, s)) {
+    return;  // rejected: reported, and poisoned by poison_rejected
+  }
   for (int64_t ch = 0; ch < channels; ++ch) {
     const acc_t v = values ? static_cast<acc_t>(values[ch]) : acc_t(1);
     scalar_t* m = mesh + ch * channel_stride;
@@ -167,6 +171,43 @@ CheckResult check_and_bin(
   return {bad.load(), bad_values.load()};
 }
 
+// Deferred error checking (error_checking.h) lets a call with rejected particles
+// return. Its result must not look valid: a rejected particle's entries of a
+// readout or position gradient become NaN (`width` values per particle), and
+// paint adds NaN to node (0, 0, 0) of every channel of the particle's batch.
+// Only on the error path, hence a second pass.
+template <typename scalar_t, int W>
+void fill_rejected(
+    const scalar_t* positions, int64_t count, const StencilGeometry& g, int64_t width,
+    scalar_t* out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  Stencil<acc_t, W> s;
+  for (int64_t p = 0; p < count; ++p) {
+    if (!make_stencil<scalar_t, acc_t, W>(positions + 3 * p, g, s)) {
+      std::fill(out + p * width, out + (p + 1) * width, std::numeric_limits<scalar_t>::quiet_NaN());
+    }
+  }
+}
+
+template <typename scalar_t, int W>
+void poison_rejected(
+    const scalar_t* positions, int64_t batch, int64_t n, int64_t channels,
+    const StencilGeometry& g, scalar_t* mesh) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
+  Stencil<acc_t, W> s;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (!make_stencil<scalar_t, acc_t, W>(positions + 3 * (b * n + i), g, s)) {
+        for (int64_t ch = 0; ch < channels; ++ch) {
+          mesh[(b * channels + ch) * channel_stride] = std::numeric_limits<scalar_t>::quiet_NaN();
+        }
+        break;
+      }
+    }
+  }
+}
+
 template <typename scalar_t, int W>
 void paint_kernel(
     const char* op,
@@ -193,11 +234,12 @@ void paint_kernel(
   const CheckResult check = check_and_bin<scalar_t, W>(
       pos, check_finite ? values : nullptr, channels, total, g,
       serial ? nullptr : plane.data());
+  // Raises here in immediate mode; in deferred mode the valid particles are
+  // painted and the mesh poisoned (NaN weights poison it by themselves).
+  report_bad_particles(
+      kPaintOp, {check.bad_positions, check.bad_values}, CallDiagnosis(positions, weights, g));
   if (check.bad_positions > 0) {
-    throw_bad_particles(op, positions, g, check.bad_positions);
-  }
-  if (check.bad_values > 0) {
-    throw_non_finite(op, "weights", weights, check.bad_values);
+    poison_rejected<scalar_t, W>(pos, batch, n, channels, g, out);
   }
   auto paint_one = [&](int64_t p) {
     const int64_t b = batch == 1 ? 0 : p / n;
@@ -287,6 +329,7 @@ at::Tensor paint_cpu(
     int64_t order,
     bool check_finite) {
   const char* op = "torchpm.paint";
+  report_earlier_errors(op);
   auto positions = check_positions(op, positions_in);
   const StencilGeometry g = make_geometry(op, shape, offset, periodic, order);
   int64_t channels = 1;
@@ -319,6 +362,7 @@ at::Tensor readout_cpu(
     int64_t order,
     bool check_finite) {
   const char* op = "torchpm.readout";
+  report_earlier_errors(op);
   auto positions = check_positions(op, positions_in);
   int64_t channels = 1;
   bool has_channel_dim = false;
@@ -375,11 +419,11 @@ at::Tensor readout_cpu(
           non_finite += local_non_finite;
         });
         if (bad.load() > 0) {
-          throw_bad_particles(op, positions, g, bad.load());
+          fill_rejected<scalar_t, W>(pos, batch * n, g, channels, result);
         }
-        if (check_finite && non_finite.load() > 0) {
-          throw_non_finite(op, "mesh", out, non_finite.load());
-        }
+        report_bad_particles(
+            kReadoutOp, {bad.load(), check_finite ? non_finite.load() : 0},
+            CallDiagnosis(positions, out, g));
       });
     });
   }
@@ -394,6 +438,7 @@ at::Tensor position_gradient_cpu(
     std::array<bool, 3> periodic,
     int64_t order) {
   const char* op = "torchpm._position_gradient";
+  report_earlier_errors(op);
   auto positions = check_positions(op, positions_in);
   int64_t channels = 1;
   bool has_channel_dim = false;
@@ -460,8 +505,9 @@ at::Tensor position_gradient_cpu(
               });
         });
         if (bad.load() > 0) {
-          throw_bad_particles(op, positions, g, bad.load());
+          fill_rejected<scalar_t, W>(pos, batch * n, g, 3, result);
         }
+        report_bad_particles(kPositionGradientOp, {bad.load(), 0}, CallDiagnosis(positions, {}, g));
       });
     });
   }

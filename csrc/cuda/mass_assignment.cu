@@ -5,15 +5,33 @@
 // contributions (and hence float rounding) varies between runs. Under
 // torch.use_deterministic_algorithms(True) the op raises, as torch's own
 // non-deterministic CUDA ops do; torchpm.ops.paint then takes the
-// deterministic pure-torch path instead of calling this kernel.
+// deterministic pure-torch path instead of calling this kernel. Readout and the
+// position gradient gather without atomics and are deterministic.
+//
+// float32 atomicAdd on the GPU flushes denormal operands and results to zero
+// (as --ftz=true arithmetic does): painted contributions below ~1.2e-38 are
+// lost. float64 atomics keep denormals.
+//
+// Bad particles are counted into per-device counters that are never reset and
+// reported without a per-call synchronisation (error_checking.h).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/Atomic.cuh>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "../error_checking.h"
 #include "../stencil.h"
 #include "../torchpm.h"
 
@@ -22,13 +40,170 @@ namespace {
 
 constexpr int kThreads = 256;
 
-int64_t blocks_for(int64_t count) {
-  return (count + kThreads - 1) / kThreads;
+// The grid of a one-thread-per-particle launch. gridDim.x is an unsigned int
+// limited to 2^31 - 1 blocks: refuse rather than let the count narrow.
+unsigned int blocks_for(const char* op, int64_t count) {
+  const int64_t blocks = (count + kThreads - 1) / kThreads;
+  constexpr int64_t kMaxBlocks = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK_VALUE(
+      blocks <= kMaxBlocks, op, ": ", count, " particles (B * N) need ", blocks,
+      " blocks of ", kThreads, " threads, more than the CUDA grid limit of 2^31 - 1; "
+      "call the op on at most ", kMaxBlocks * kThreads, " particles at a time.");
+  return static_cast<unsigned int>(blocks);
 }
 
-// Counters of one launch: rejected positions, non-finite values.
+// Each op has two counters in its slot: rejected positions, non-finite values.
 constexpr int kBadPositions = 0;
 constexpr int kBadValues = 1;
+constexpr int kCounters = 2 * kOpSlots;
+
+// Per device: the bad-particle counters every kernel adds to, never reset (a
+// CUDA graph replays its kernels with the same pointer), and on the host what
+// earlier checks already reported. Created by the first op on the device,
+// outside graph capture; never destroyed (see error_checking.cpp).
+struct DeviceCounters {
+  at::Tensor counts;  // (kCounters,) int64 on the device
+  std::array<int64_t, kCounters> reported{};
+};
+
+std::mutex counters_mutex;
+
+std::map<c10::DeviceIndex, DeviceCounters*>& all_counters() {
+  static auto* counters = new std::map<c10::DeviceIndex, DeviceCounters*>();
+  return *counters;
+}
+
+// Whether the current stream is capturing a CUDA graph (without creating a
+// context on a device nobody used).
+bool capturing() {
+  if (!c10::cuda::hasPrimaryContext(c10::cuda::current_device())) {
+    return false;
+  }
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+// A CUDA event without timing (the cheapest kind), destroyed with its last
+// owner. (ATen's CUDAEvent would pull in the cuSPARSE/cuBLAS headers.)
+class Event {
+ public:
+  explicit Event(c10::cuda::CUDAStream stream) : device_(stream.device_index()) {
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    C10_CUDA_CHECK(cudaEventRecord(event_, stream.stream()));
+  }
+  ~Event() {
+    const c10::cuda::CUDAGuard guard(device_);
+    C10_CUDA_CHECK_WARN(cudaEventDestroy(event_));
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  bool query() const {
+    const cudaError_t status = cudaEventQuery(event_);
+    if (status == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: clear it
+      return false;
+    }
+    C10_CUDA_CHECK(status);
+    return true;
+  }
+  void synchronize() const {
+    C10_CUDA_CHECK(cudaEventSynchronize(event_));
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  cudaEvent_t event_ = nullptr;
+};
+
+DeviceCounters& counters_for(const char* op, const at::Device& device) {
+  std::lock_guard<std::mutex> lock(counters_mutex);
+  auto& counters = all_counters();
+  auto found = counters.find(device.index());
+  if (found != counters.end()) {
+    return *found->second;
+  }
+  TORCH_CHECK(
+      !capturing(), op, ": the first torchpm op on ", device, " is being captured in a CUDA "
+      "graph, where its error counters cannot be created. Run the ops once before capturing "
+      "(the warm-up torch.cuda.graph asks for anyway).");
+  auto* created = new DeviceCounters();
+  created->counts = at::zeros({kCounters}, at::TensorOptions().dtype(at::kLong).device(device));
+  // Kernels on other streams must see the zeros.
+  c10::cuda::getCurrentCUDAStream(device.index()).synchronize();
+  counters.emplace(device.index(), created);
+  return *created;
+}
+
+unsigned long long* slot_pointer(DeviceCounters& counters, OpSlot op) {
+  return reinterpret_cast<unsigned long long*>(counters.counts.data_ptr<int64_t>()) + 2 * op;
+}
+
+// Queues the counters' values after the current stream's work: an
+// asynchronous copy to pinned memory and an event, nothing that waits.
+PendingCheck snapshot(DeviceCounters& counters, int op, CallDiagnosis diagnosis) {
+  const auto stream = c10::cuda::getCurrentCUDAStream(counters.counts.device().index());
+  auto host = at::empty(
+      {kCounters}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  host.copy_(counters.counts, /*non_blocking=*/true);
+  auto event = std::make_shared<Event>(stream);
+  PendingCheck check;
+  check.op = op;
+  check.diagnosis = std::move(diagnosis);
+  check.ready = [event] { return event->query(); };
+  check.wait = [event] { event->synchronize(); };
+  DeviceCounters* target = &counters;
+  check.take = [host, target] {
+    // Cumulative counts: what is new since the checks taken before. (A check
+    // from another stream may complete out of order, hence the max.)
+    const int64_t* seen = host.data_ptr<int64_t>();
+    SlotCounts fresh{};
+    for (int op = 0; op < kOpSlots; ++op) {
+      int64_t added[2];
+      for (int k = 0; k < 2; ++k) {
+        const int i = 2 * op + k;
+        added[k] = std::max<int64_t>(0, seen[i] - target->reported[i]);
+        target->reported[i] = std::max(target->reported[i], seen[i]);
+      }
+      fresh[op] = {added[kBadPositions], added[kBadValues]};
+    }
+    return fresh;
+  };
+  return check;
+}
+
+// After a kernel: queue its check (raising at once in immediate mode). Inside
+// graph capture nothing is queued: the counts stay on the device until the
+// next snapshot.
+void report_after_launch(
+    OpSlot op, DeviceCounters& counters, bool in_capture, CallDiagnosis diagnosis) {
+  if (in_capture) {
+    return;
+  }
+  submit_check(
+      snapshot(counters, op, std::move(diagnosis)),
+      !errors_deferred(c10::DeviceType::CUDA));
+}
+
+void snapshot_every_device() {
+  std::vector<DeviceCounters*> devices;
+  {
+    std::lock_guard<std::mutex> lock(counters_mutex);
+    for (auto& entry : all_counters()) {
+      devices.push_back(entry.second);
+    }
+  }
+  for (DeviceCounters* counters : devices) {
+    const c10::cuda::CUDAGuard guard(counters->counts.device());
+    submit_check(snapshot(*counters, -1, CallDiagnosis()), false);
+  }
+}
+
+const bool hooks_registered = [] {
+  DeviceHooks hooks;
+  hooks.capturing = &capturing;
+  hooks.snapshot_counters = &snapshot_every_device;
+  set_device_hooks(hooks);
+  return true;
+}();
 
 // Adds the number of threads of the warp with `flag` set to *counter with one
 // atomic per warp (when many particles are bad, per-thread atomics on one
@@ -39,6 +214,15 @@ __device__ inline void count_in_warp(bool flag, unsigned long long* counter) {
   const unsigned flagged = __ballot_sync(active, flag);
   if (flagged != 0 && (threadIdx.x & 31) == static_cast<unsigned>(__ffs(active) - 1)) {
     atomicAdd(counter, static_cast<unsigned long long>(__popc(flagged)));
+  }
+}
+
+// A rejected particle's results: NaN, so that a result used before a deferred
+// report (error_checking.h) cannot look valid.
+template <typename scalar_t>
+__device__ inline void fill_rejected(scalar_t* out, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    out[i] = static_cast<scalar_t>(NAN);
   }
 }
 
@@ -61,18 +245,21 @@ __global__ void paint_kernel(
   Stencil<acc_t, W> s;
   const bool valid = make_stencil<scalar_t, acc_t, W>(positions + 3 * p, g, s);
   count_in_warp(!valid, bad + kBadPositions);
-  if (!valid) {
-    return;
-  }
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
   scalar_t* m = mesh + (p / per_batch) * channels * channel_stride;
-  for (int64_t ch = 0; ch < channels; ++ch) {
-    // Each weight is loaded once.
-    const acc_t v = values ? static_cast<acc_t>(values[p * channels + ch]) : acc_t(1);
-    if (check_finite && !::isfinite(v)) {
-      atomicAdd(bad + kBadValues, 1ULL);
-      return;
+  if (!valid) {
+    // Reported (maybe after this call returns): the mesh must not look valid.
+    for (int64_t ch = 0; ch < channels; ++ch) {
+      gpuAtomicAdd(m + ch * channel_stride, static_cast<scalar_t>(NAN));
     }
+    return;
+  }
+  bool finite = true;
+  for (int64_t ch = 0; ch < channels; ++ch) {
+    // Each weight is loaded once. A non-finite one is counted and painted:
+    // it poisons the mesh until the report.
+    const acc_t v = values ? static_cast<acc_t>(values[p * channels + ch]) : acc_t(1);
+    finite = finite && ::isfinite(v);
     scalar_t* mc = m + ch * channel_stride;
 #pragma unroll
     for (int a = 0; a < W; ++a) {
@@ -86,6 +273,9 @@ __global__ void paint_kernel(
         }
       }
     }
+  }
+  if (check_finite) {
+    count_in_warp(!finite, bad + kBadValues);
   }
 }
 
@@ -109,6 +299,7 @@ __global__ void readout_kernel(
   const bool valid = make_stencil<scalar_t, acc_t, W>(positions + 3 * p, g, s);
   count_in_warp(!valid, bad + kBadPositions);
   if (!valid) {
+    fill_rejected(out + p * channels, channels);
     return;
   }
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
@@ -159,6 +350,7 @@ __global__ void position_gradient_kernel(
   const bool valid = make_stencil<scalar_t, acc_t, W, true>(positions + 3 * p, g, s);
   count_in_warp(!valid, bad + kBadPositions);
   if (!valid) {
+    fill_rejected(out + 3 * p, 3);
     return;
   }
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
@@ -192,26 +384,6 @@ __global__ void position_gradient_kernel(
   out[3 * p + 2] = static_cast<scalar_t>(grad[2]);
 }
 
-// Reads the device-side counts (one small synchronising copy) and raises with
-// a diagnosis when one is not zero.
-void raise_if_bad(
-    const char* op,
-    const at::Tensor& bad,
-    const at::Tensor& positions,
-    const StencilGeometry& g,
-    const char* value_name,
-    const at::Tensor& per_particle_values) {
-  const auto counts = bad.cpu();
-  const int64_t bad_positions = counts[kBadPositions].item<int64_t>();
-  if (bad_positions > 0) {
-    throw_bad_particles(op, positions, g, bad_positions);
-  }
-  const int64_t bad_values = counts[kBadValues].item<int64_t>();
-  if (bad_values > 0) {
-    throw_non_finite(op, value_name, per_particle_values, bad_values);
-  }
-}
-
 at::Tensor paint_cuda(
     const at::Tensor& positions_in,
     const std::optional<at::Tensor>& weights_in,
@@ -221,6 +393,7 @@ at::Tensor paint_cuda(
     int64_t order,
     bool check_finite) {
   const char* op = "torchpm.paint";
+  report_earlier_errors(op);
   auto positions = check_positions(op, positions_in);
   const StencilGeometry g = make_geometry(op, shape, offset, periodic, order);
   int64_t channels = 1;
@@ -238,21 +411,23 @@ at::Tensor paint_cuda(
       positions.options());
   const int64_t total = positions.size(0) * positions.size(1);
   if (total > 0) {
-    auto bad = at::zeros({2}, positions.options().dtype(at::kLong));
+    DeviceCounters& counters = counters_for(op, positions.device());
+    const bool in_capture = capturing();
+    unsigned long long* bad = slot_pointer(counters, kPaintOp);
     auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "paint_cuda", [&] {
       dispatch_order(op, order, [&](auto width) {
         paint_kernel<scalar_t, decltype(width)::value>
-            <<<blocks_for(total), kThreads, 0, stream>>>(
+            <<<blocks_for(op, total), kThreads, 0, stream>>>(
                 positions.data_ptr<scalar_t>(),
                 weights.defined() ? weights.data_ptr<scalar_t>() : nullptr, channels,
                 positions.size(1), total, g, check_finite && weights.defined(),
                 mesh.data_ptr<scalar_t>(),
-                reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>()));
+                bad);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
-    raise_if_bad(op, bad, positions, g, "weights", weights);
+    report_after_launch(kPaintOp, counters, in_capture, CallDiagnosis(positions, weights, g));
   }
   return has_channel_dim ? mesh : mesh.squeeze(1);
 }
@@ -265,6 +440,7 @@ at::Tensor readout_cuda(
     int64_t order,
     bool check_finite) {
   const char* op = "torchpm.readout";
+  report_earlier_errors(op);
   auto positions = check_positions(op, positions_in);
   int64_t channels = 1;
   bool has_channel_dim = false;
@@ -274,19 +450,21 @@ at::Tensor readout_cuda(
   const int64_t total = positions.size(0) * positions.size(1);
   auto out = at::empty({positions.size(0), positions.size(1), channels}, positions.options());
   if (total > 0) {
-    auto bad = at::zeros({2}, positions.options().dtype(at::kLong));
+    DeviceCounters& counters = counters_for(op, positions.device());
+    const bool in_capture = capturing();
+    unsigned long long* bad = slot_pointer(counters, kReadoutOp);
     auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "readout_cuda", [&] {
       dispatch_order(op, order, [&](auto width) {
         readout_kernel<scalar_t, decltype(width)::value>
-            <<<blocks_for(total), kThreads, 0, stream>>>(
+            <<<blocks_for(op, total), kThreads, 0, stream>>>(
                 mesh.data_ptr<scalar_t>(), positions.data_ptr<scalar_t>(), channels,
                 positions.size(1), total, g, check_finite, out.data_ptr<scalar_t>(),
-                reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>()));
+                bad);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
-    raise_if_bad(op, bad, positions, g, "mesh", out);
+    report_after_launch(kReadoutOp, counters, in_capture, CallDiagnosis(positions, out, g));
   }
   return has_channel_dim ? out : out.squeeze(2);
 }
@@ -299,6 +477,7 @@ at::Tensor position_gradient_cuda(
     std::array<bool, 3> periodic,
     int64_t order) {
   const char* op = "torchpm._position_gradient";
+  report_earlier_errors(op);
   auto positions = check_positions(op, positions_in);
   int64_t channels = 1;
   bool has_channel_dim = false;
@@ -321,20 +500,23 @@ at::Tensor position_gradient_cuda(
   const int64_t total = positions.size(0) * positions.size(1);
   auto out = at::empty({positions.size(0), positions.size(1), 3}, positions.options());
   if (total > 0) {
-    auto bad = at::zeros({2}, positions.options().dtype(at::kLong));
+    DeviceCounters& counters = counters_for(op, positions.device());
+    const bool in_capture = capturing();
+    unsigned long long* bad = slot_pointer(counters, kPositionGradientOp);
     auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "position_gradient_cuda", [&] {
       dispatch_order(op, order, [&](auto width) {
         position_gradient_kernel<scalar_t, decltype(width)::value>
-            <<<blocks_for(total), kThreads, 0, stream>>>(
+            <<<blocks_for(op, total), kThreads, 0, stream>>>(
                 mesh.data_ptr<scalar_t>(), positions.data_ptr<scalar_t>(),
                 values.defined() ? values.data_ptr<scalar_t>() : nullptr, channels,
                 positions.size(1), total, g, out.data_ptr<scalar_t>(),
-                reinterpret_cast<unsigned long long*>(bad.data_ptr<int64_t>()));
+                bad);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
-    raise_if_bad(op, bad, positions, g, "values", out);
+    report_after_launch(
+        kPositionGradientOp, counters, in_capture, CallDiagnosis(positions, {}, g));
   }
   return out;
 }

@@ -7,6 +7,17 @@
 // Work::wait() raise once the process group's timeout expires (set with
 // torch.distributed.init_process_group(timeout=...) or new_group(timeout=...)).
 // The error is re-raised as a DistBackendError that names the group and says so.
+//
+// That holds for gloo as is: its wait() blocks the host until the collective
+// completes. NCCL's wait() by default only makes the current stream wait and
+// returns at once; a dead peer then stalls the stream, the host blocks at its
+// next synchronisation, and the NCCL watchdog aborts the process after the
+// timeout (no exception reaches this code). With TORCH_NCCL_BLOCKING_WAIT=1,
+// read when the group is created, NCCL's wait() blocks the host like gloo's and
+// raises after the timeout, so the same code and message hold for both:
+// torchpm.distributed.launch.init_from_environment sets it unless the user did,
+// and the README ("When a rank fails") asks users who create their own NCCL
+// group to do the same. The call below is the same for both backends.
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

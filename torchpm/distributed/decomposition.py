@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..ops import check as _check_deferred_errors
 from ..ops import halo_widths
 from ..ops import paint as _paint
 from ..ops import readout as _readout
@@ -358,6 +359,11 @@ class PencilDecomposition:
         error = None
         try:
             check()
+            # With deferred error checking (the default on CUDA) the local paint's bad
+            # particles, or an earlier torchpm op's, are reported by check(): raise them
+            # here, inside the agreement, so every rank raises together. The agreement
+            # waits for the device anyway.
+            _check_deferred_errors()
         except (ValueError, TypeError) as exc:
             error = exc
         is_tensor = isinstance(tensor, torch.Tensor)

@@ -16,7 +16,34 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["RunContext", "init_from_environment", "finish", "gather_blocks"]
+__all__ = ["RunContext", "init_from_environment", "finish", "gather_blocks", "nccl_failure_settings"]
+
+# With these, a collective that a peer never joins makes NCCL's wait() block the host
+# and raise after the process group's timeout, as gloo's does (README, "When a rank
+# fails"). NCCL's default instead returns from wait() at once, stalls the stream,
+# and lets its watchdog abort the whole process after the timeout.
+_NCCL_BLOCKING_WAIT = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+
+
+def nccl_failure_settings(environ=None) -> dict:
+    """Make a failed NCCL collective raise like a gloo one: set ``TORCH_NCCL_BLOCKING_WAIT=1``
+    in ``environ`` (default ``os.environ``) unless the user set it (or its older name
+    ``NCCL_BLOCKING_WAIT``) already. Returns what it set.
+
+    NCCL reads the variable when the process group is created, so this must run before
+    ``torch.distributed.init_process_group``. With it, ``wait()`` on a collective blocks
+    the host until the collective completes or the group's timeout expires, and then
+    raises a ``DistBackendError`` on the ranks still alive (NCCL then skips its
+    asynchronous error handling, which would abort the process). The cost is that the
+    host waits for every collective, as it does with gloo; torchpm's collectives are
+    followed by work that needs their result anyway. Set ``TORCH_NCCL_BLOCKING_WAIT=0``
+    to keep NCCL's default instead.
+    """
+    environ = os.environ if environ is None else environ
+    if any(name in environ for name in _NCCL_BLOCKING_WAIT):
+        return {}
+    environ["TORCH_NCCL_BLOCKING_WAIT"] = "1"
+    return {"TORCH_NCCL_BLOCKING_WAIT": "1"}
 
 
 class RunContext:
@@ -46,7 +73,9 @@ def init_from_environment(device: str | torch.device = "cpu", timeout_s: float =
         device: ``"cpu"`` or ``"cuda"`` (a CUDA run uses ``cuda:LOCAL_RANK``, NCCL; a CPU
             run uses gloo).
         timeout_s: bound on every collective, in seconds: a rank that fails makes the
-            others raise after at most this long instead of hanging.
+            others raise after at most this long instead of hanging. With NCCL that needs
+            ``TORCH_NCCL_BLOCKING_WAIT=1``, set here unless the user set it
+            (:func:`nccl_failure_settings`).
     """
     device = torch.device(device)
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -75,6 +104,7 @@ def init_from_environment(device: str | torch.device = "cpu", timeout_s: float =
         kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=float(timeout_s))}
         if backend == "nccl":
             kwargs["device_id"] = device
+            nccl_failure_settings()
         dist.init_process_group(**kwargs)
     return RunContext(dist.get_rank(), dist.get_world_size(), device, owns)
 

@@ -1,5 +1,6 @@
 """torchpm's custom ops (``torch.ops.torchpm``) with their Python front ends."""
 
+from .error_checking import check, get_error_checking, set_error_checking
 from .mass_assignment import cic_paint, cic_readout, halo_widths, paint, readout
 from ._reference import (
     cic_paint_reference,
@@ -10,6 +11,9 @@ from ._reference import (
 )
 
 __all__ = [
+    "check",
+    "set_error_checking",
+    "get_error_checking",
     "paint",
     "readout",
     "cic_paint",

@@ -41,6 +41,12 @@ flag per call inside the kernels (no extra pass). ``check_finite=False`` skips
 that and propagates them (the backward passes do so: a NaN gradient is the
 upstream's to report). Non-finite positions always raise.
 
+When an error is raised: on the CPU inside the call; on CUDA, by default, by the
+next torchpm op or :func:`torchpm.check` (no host synchronisation per call; the
+call returns NaN where the bad particles should have contributed). The message
+names the op and the argument either way; :func:`torchpm.set_error_checking`
+chooses (``torchpm.ops.error_checking``).
+
 Inputs must be torch tensors: numpy arrays and lists raise a ``TypeError``
 (converting would have to guess the dtype and device).
 """
@@ -120,8 +126,11 @@ def paint(
     Differentiable in ``positions`` and ``weights``. On CUDA the kernel adds with
     atomics, so float rounding may differ between runs; under
     ``torch.use_deterministic_algorithms(True)`` a deterministic pure-torch path
-    is used instead. The CPU kernel is deterministic and independent of the
-    number of threads.
+    is used instead (readout and the gradients of paint and readout in the
+    positions gather without atomics and keep their kernels). float32 atomic
+    adds on CUDA flush denormal numbers to zero: contributions below about
+    1.2e-38 are lost (float64 keeps them). The CPU kernel is deterministic and
+    independent of the number of threads.
     """
     op = "paint"
     positions = args.tensor_argument(positions, "positions", op)

@@ -29,6 +29,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <string>
 
 // Exported even when a build hides symbols by default (Linux and macOS only:
 // torchpm is not built on Windows).
@@ -103,6 +104,28 @@ TORCHPM_API at::Tensor cic_readout(
     const at::Tensor& positions,
     at::IntArrayRef offset = {0, 0, 0},
     Periodic periodic = {true, true, true});
+
+// When bad particles (outside the block, non-finite) are reported, as in Python
+// (torchpm/ops/error_checking.py): "auto" (the default: deferred on CUDA,
+// immediate on the CPU), "immediate" (inside the call) or "deferred" (by the next
+// torchpm op, or by check(), without a host synchronisation per call). Returns
+// the previous mode; the environment variable TORCHPM_ERROR_CHECKING sets the
+// starting one.
+inline std::string set_error_checking(const std::string& mode) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpm::_set_error_checking", "")
+                       .typed<std::string(c10::string_view)>();
+  return op.call(mode);
+}
+
+// Waits for the particle checks of every earlier torchpm call and throws the
+// first error (c10::ValueError naming the op and the argument).
+inline void check() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpm::check", "")
+                       .typed<void()>();
+  op.call();
+}
 
 // True when this build of the library contains its CUDA kernels
 // (torchpm.has_cuda_kernels() in Python).
