@@ -40,9 +40,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from .fourier import gradient_inverse_laplacian, multiply_real
 from .pm import StepFactors, kick_drift_kick
 
-__all__ = ["adjoint_integrate"]
+__all__ = ["adjoint_integrate", "AutogradForce", "ParticleMeshForce"]
 
 # Columns of the step-factor table passed through the autograd Function.
 _FIELDS = StepFactors._fields  # a_start, a_end, first_kick, drift, second_kick
@@ -68,21 +69,184 @@ def _row_factors(row: torch.Tensor) -> StepFactors:
     return StepFactors(*row.unbind(0))
 
 
+class AutogradForce:
+    """A plain force function ``force(positions, a) -> forces`` as the adjoint needs it:
+    :meth:`evaluate` keeps the autograd graph of one evaluation, :meth:`pull_back`
+    differentiates it with ``torch.autograd.grad``. Correct for any differentiable
+    function; :class:`ParticleMeshForce` does the same for the PM force with less work."""
+
+    def __init__(self, function: Callable):
+        self.function = function
+
+    def __call__(self, positions, a):
+        return self.function(positions, a)
+
+    def evaluate(self, positions, a):
+        """``(forces, saved)``: the forces at ``positions`` (detached) and what
+        :meth:`pull_back` needs."""
+        with torch.enable_grad():
+            positions = positions.detach().requires_grad_(True)
+            a = a.detach().requires_grad_(True)
+            value = self.function(positions, a)
+        return value.detach(), (positions, a, value)
+
+    def pull_back(self, saved, cotangent, parameters, cotangent_dot_forces=None):
+        """``(grad_positions, grad_a, grad_parameters)`` of ``<cotangent, forces>``
+        (``None`` where there is no dependence; ``cotangent_dot_forces`` is unused here)."""
+        positions, a, value = saved
+        grads = torch.autograd.grad(value, [positions, a, *parameters], grad_outputs=cotangent, allow_unused=True)
+        return _zeros_if_none(grads[0], positions), grads[1], list(grads[2:])
+
+
+class ParticleMeshForce:
+    """:func:`torchpm.pm.compute_forces` with a hand-written vector-Jacobian product.
+
+    The forces are ``F_i = readout(f_i, x)``, ``f_i = IDFT[K_i DFT(rho)]``,
+    ``rho = paint(x, w)``, with ``K_i = G'_i L C`` (``G'_i`` the gradient kernel times
+    ``1.5 Omega_m`` and the particle mass, ``L`` the inverse Laplacian with the window
+    compensation, ``C`` the optional force-correction filter). For a cotangent ``c``
+    ``(B, N, 3)`` the pull-back of ``<c, F>`` is
+
+    * to the positions: ``d/dx <c, readout(f, x)>`` (the readout's position gradient
+      with the 3-channel field ``f`` of the evaluation) plus
+      ``d/dx <rho_bar, paint(x, w)>`` with ``rho_bar = IDFT[L C Z]``,
+      ``Z = sum_i conj(G'_i) DFT(paint(x, c_i))``: the three components combine into
+      one field in Fourier space, so the backward costs one 3-channel paint, one
+      3-channel forward DFT and one 1-channel inverse DFT (the transpose of a real
+      convolution ``IDFT K DFT`` is ``IDFT conj(K) DFT``);
+    * to ``1.5 Omega_m``: ``<c, F> / (1.5 Omega_m)`` (the forces are linear in it);
+    * to the filter ``C`` (hence the correction's parameters and ``a``):
+      ``(h / N) L Re(DFT(rho) conj(Z))``, ``h`` the Hermitian weights of the rfft
+      block (2 for the modes standing for a conjugate pair), ``N`` the mesh size.
+
+    Versus autograd through :func:`~torchpm.pm.compute_forces` this skips the
+    gradient of the complex kernels, the copies of the FFT backwards and the
+    autograd bookkeeping of the Fourier part; the two position gradients go
+    through the mesh's own paint and readout backwards (halos included on a grid).
+
+    Args:
+        function: the plain force ``function(positions, a)`` (the forward pass);
+            :meth:`evaluate` must give bit for bit the same numbers.
+        kernels: :class:`~torchpm.fourier.FourierKernels` of the force mesh.
+        particle_mass: mesh cells per particle.
+        force_scale: callable returning ``1.5 Omega_m`` (0-d tensor, with its graph to
+            the cosmological parameters).
+        force_correction: the filter callable ``(k, a) -> C`` or None.
+        weights: callable returning the current ``(B, N)`` particle weights or None.
+        order: mass-assignment order.
+    """
+
+    def __init__(self, function, kernels, *, particle_mass, force_scale, force_correction, weights, order):
+        self.function = function
+        self.kernels = kernels
+        self.particle_mass = particle_mass
+        self.force_scale = force_scale
+        self.force_correction = force_correction
+        self.weights = weights
+        self.order = order
+        self._hermitian = None
+
+    def __call__(self, positions, a):
+        return self.function(positions, a)
+
+    def evaluate(self, positions, a):
+        """As :meth:`AutogradForce.evaluate`; the same arithmetic as
+        :func:`~torchpm.pm.compute_forces`, keeping the field, the density spectrum and
+        the autograd graphs of the paint, the readout, the filter and ``1.5 Omega_m``."""
+        kernels, mesh, order = self.kernels, self.kernels.mesh, self.order
+        with torch.enable_grad():
+            positions = positions.detach().requires_grad_(True)
+            a = a.detach().requires_grad_(True)
+            scale = self.force_scale()
+            if isinstance(scale, torch.Tensor):
+                scale = scale.to(device=positions.device)
+            filter_ = None
+            if self.force_correction is not None:
+                filter_ = self.force_correction(
+                    kernels.k_magnitude, torch.as_tensor(a, dtype=kernels.dtype, device=positions.device)
+                )
+            density = mesh.paint(positions, self.weights(), order=order)
+        with torch.no_grad():
+            density_k = mesh.rfftn(density.detach())
+            plain_scale = scale.detach() if isinstance(scale, torch.Tensor) else scale
+            gradient = [g * (plain_scale * (self.particle_mass / c)) for g, c in zip(kernels.gradient, kernels.cell_size)]
+            gradient = [g.to(kernels.gradient[0].dtype) for g in gradient]
+            plain_filter = None if filter_ is None else filter_.detach()
+            field = gradient_inverse_laplacian(density_k, kernels, plain_filter, gradient)
+        with torch.enable_grad():
+            value = mesh.readout(field, positions, order=order)
+        saved = dict(
+            positions=positions, a=a, scale=scale, filter=filter_, density=density, density_k=density_k,
+            gradient=gradient, value=value,
+        )
+        return value.detach(), saved
+
+    def pull_back(self, saved, cotangent, parameters, cotangent_dot_forces=None):
+        """As :meth:`AutogradForce.pull_back` (``cotangent_dot_forces``: ``<cotangent,
+        forces>`` if the caller has it, float64)."""
+        kernels, mesh = self.kernels, self.kernels.mesh
+        positions, filter_, scale = saved["positions"], saved["filter"], saved["scale"]
+        with torch.no_grad():
+            cotangent_k = mesh.rfftn(mesh.paint(positions.detach(), cotangent, order=self.order))
+            # Z = sum_i conj(G'_i) X_i, accumulated in place (one buffer).
+            combined = cotangent_k[:, 0] * saved["gradient"][0].conj()
+            for axis in (1, 2):
+                combined.add_(cotangent_k[:, axis] * saved["gradient"][axis].conj())
+            del cotangent_k
+            potential = multiply_real(combined, kernels.inverse_laplacian_pair, paired=True)
+            if filter_ is not None:
+                filter_adjoint = None
+                if filter_.requires_grad:
+                    if self._hermitian is None:
+                        self._hermitian = mesh.hermitian_weights(dtype=kernels.dtype, device=positions.device)
+                    # (h/N) L Re(rho_k conj(Z)), summed down to the filter's shape.
+                    product = saved["density_k"] * combined.conj()
+                    filter_adjoint = (product.real * kernels.inverse_laplacian * (self._hermitian / mesh.size))
+                    filter_adjoint = filter_adjoint.sum_to_size(filter_.shape)
+                potential = multiply_real(potential, filter_.detach())
+            density_adjoint = mesh.irfftn(potential)
+        outputs, adjoints = [saved["density"], saved["value"]], [density_adjoint, cotangent]
+        needs_scale = isinstance(scale, torch.Tensor) and scale.requires_grad and bool(parameters)
+        if needs_scale:
+            if cotangent_dot_forces is None:
+                cotangent_dot_forces = _dot(cotangent, saved["value"].detach())
+            outputs.append(scale)
+            adjoints.append((cotangent_dot_forces / scale.detach().to(torch.float64)).to(scale.dtype))
+        if filter_ is not None and filter_adjoint is not None:
+            outputs.append(filter_)
+            adjoints.append(filter_adjoint)
+        a = saved["a"]
+        grads = torch.autograd.grad(outputs, [positions, a, *parameters], grad_outputs=adjoints, allow_unused=True)
+        return _zeros_if_none(grads[0], positions), grads[1], list(grads[2:])
+
+
 class _AdjointKickDriftKick(torch.autograd.Function):
     """``(x_0, p_0, factor table, *parameters) -> (x_N, p_N, F_N)``; backward by the
     adjoint method (see the module docstring). ``setup`` is a plain dict carrying the
-    force function, the hooks and the parameter list."""
+    force (an :class:`AutogradForce` or :class:`ParticleMeshForce`), the hooks and
+    the parameter list."""
 
     @staticmethod
     def forward(ctx, setup, positions, momenta, table, *parameters):
-        force_function, step, callback = setup["force_function"], setup["step"], setup["callback"]
+        force, step, callback = setup["force"], setup["step"], setup["callback"]
         rows = table.unbind(0)
-        forces = force_function(positions, rows[0][0])
+        last = {}
+
+        def force_kept(x, a):
+            # The last force of the run, with what its pull-back needs: the backward
+            # pass starts from it instead of evaluating it again.
+            value, last["saved"] = force.evaluate(x, a)
+            return value
+
+        forces = force(positions, rows[0][0])
         for number, row in enumerate(rows, start=1):
-            positions, momenta, forces = step(positions, momenta, forces, _row_factors(row), force_function)
+            function = force_kept if number == len(rows) else force
+            positions, momenta, forces = step(positions, momenta, forces, _row_factors(row), function)
             if callback is not None:
                 callback(number, float(row[1]))
         ctx.setup = setup
+        ctx.last_force = last["saved"]
+        ctx.set_materialize_grads(False)  # an unused output's adjoint stays None: no zero tensors
         ctx.save_for_backward(positions, momenta, forces, table)
         return positions, momenta, forces
 
@@ -91,66 +255,81 @@ class _AdjointKickDriftKick(torch.autograd.Function):
     def backward(ctx, grad_positions, grad_momenta, grad_forces):
         positions, momenta, forces, table = ctx.saved_tensors
         setup = ctx.setup
-        force_function, migrate = setup["force_function"], setup["migrate"]
+        force, migrate = setup["force"], setup["migrate"]
         parameters = list(setup["parameters"])
         dtype = positions.dtype
         adjoint_x = _zeros_if_none(grad_positions, positions)
         adjoint_p = _zeros_if_none(grad_momenta, momenta)
-        adjoint_F = _zeros_if_none(grad_forces, forces)
         grad_table = torch.zeros_like(table)
         grad_parameters = [None] * len(parameters)
+        # Python floats: one host copy of the table instead of small tensor ops per step.
+        factors = table.tolist()
+        kicks = table[:, 2:5].to(dtype).unbind(0)
 
-        def force_with_graph(x, a):
-            """The force at ``x`` with its graph kept, to pull one adjoint through it later."""
-            with torch.enable_grad():
-                x = x.detach().requires_grad_(True)
-                a = a.detach().requires_grad_(True)
-                return x, a, force_function(x, a)
-
-        def pull_through_force(graph, adjoint, a_slot):
-            """Adds the adjoint's pull-back to the parameters and ``a``; returns it for ``x``."""
-            x, a, value = graph
-            grads = torch.autograd.grad(value, [x, a] + parameters, grad_outputs=adjoint, allow_unused=True)
-            if grads[1] is not None:
-                grad_table[a_slot] += grads[1]
-            for index, grad in enumerate(grads[2:]):
+        def pull(saved, cotangent, slot, cotangent_dot_forces=None):
+            """The force's pull-back: parameter and ``a`` adjoints added in, the position adjoint returned."""
+            grad_x, grad_a, grads = force.pull_back(saved, cotangent, parameters, cotangent_dot_forces)
+            if grad_a is not None:
+                grad_table[slot] += grad_a
+            for index, grad in enumerate(grads):
                 if grad is not None:
                     current = grad_parameters[index]
                     grad_parameters[index] = grad if current is None else current + grad
-            return _zeros_if_none(grads[0], x)
+            return grad_x
 
         # The adjoint of pm.kick_drift_kick, written out. Step i, with factors k1, d, k2:
         #   p_h = p_i + k1 F_i;  x' = x_i + d p_h;  (x_{i+1}, p_h) = migrate(x', p_h)
         #   F_{i+1} = force(x_{i+1});  p_{i+1} = p_h + k2 F_{i+1}
-        # The force at the end of a step is re-evaluated with its graph once, during the
+        # The force at the end of a step is re-evaluated once, during the
         # reconstruction, and pulled back in the next (earlier) step: one force
-        # evaluation and one force backward per step.
-        graph = force_with_graph(positions, table[-1, 1])
+        # evaluation and one force pull-back per step.
+        #
+        # The cotangent of F_{i+1} is adjoint_F + k2 lambda_p, and for every step but the
+        # last adjoint_F = k1' lambda_p (k1' the first kick of the step after): so the
+        # cotangent is a multiple of lambda_p, and <lambda_p, F_{i+1}> gives at once the
+        # adjoint of k2, of k1' and of 1.5 Omega_m (one particle dot per step, not three).
+        adjoint_F = grad_forces  # None: zero
+        kick_after = 0.0  # k1 of step i + 1 (adjoint_F = kick_after * lambda_p)
+        saved = ctx.last_force
+        del ctx.last_force
         for index in range(table.shape[0] - 1, -1, -1):
-            first_kick, drift, second_kick = (table[index, j].to(dtype) for j in (2, 3, 4))
-            # Second kick and force: p_{i+1} = p_h + k2 F, F_{i+1} = F = force(x_{i+1}).
-            grad_table[index, 4] += _dot(adjoint_p, forces)
-            adjoint_x = adjoint_x + pull_through_force(graph, adjoint_F + second_kick * adjoint_p, (index, 1))
+            first_kick, drift, second_kick = factors[index][2:5]
+            first_kick_t, drift_t, second_kick_t = kicks[index].unbind(0)
+            momentum_dot_force = _dot(adjoint_p, forces)
+            grad_table[index, 4] += momentum_dot_force
+            if index + 1 < table.shape[0]:
+                grad_table[index + 1, 2] += momentum_dot_force
+            if adjoint_F is None:
+                cotangent = adjoint_p * (kick_after + second_kick)
+                cotangent_dot_forces = momentum_dot_force * (kick_after + second_kick)
+            else:
+                cotangent = torch.add(adjoint_F, adjoint_p, alpha=second_kick)
+                cotangent_dot_forces = None
+                adjoint_F = None
+            adjoint_x = adjoint_x + pull(saved, cotangent, (index, 1), cotangent_dot_forces)
+            del cotangent, saved
             adjoint_half = adjoint_p
             with torch.no_grad():
-                half = momenta - forces * second_kick
-                positions = positions - half * drift
+                # The forward pass's arithmetic undone (same 0-d factors).
+                half = momenta - forces * second_kick_t
+                positions = positions - half * drift_t
             if migrate is not None:
                 # Back to the particles' homes at a_i, the adjoints travelling with them.
                 positions, half, adjoint_x, adjoint_half = migrate(positions, half, adjoint_x, adjoint_half)
             # Drift: x' = x_i + d p_h.
             grad_table[index, 3] += _dot(adjoint_x, half)
-            adjoint_half = adjoint_half + drift * adjoint_x
-            # First kick: p_h = p_i + k1 F_i.
-            graph = force_with_graph(positions, table[index, 0])
-            forces = graph[2].detach()
+            adjoint_half = torch.add(adjoint_half, adjoint_x, alpha=drift)
+            # First kick: p_h = p_i + k1 F_i; its adjoint is added at the next (earlier)
+            # step from <lambda_p, F_i>, lambda_p = lambda_h.
+            forces, saved = force.evaluate(positions, table[index, 0])
             with torch.no_grad():
-                momenta = half - forces * first_kick
-            grad_table[index, 2] += _dot(adjoint_half, forces)
+                momenta = half - forces * first_kick_t
             adjoint_p = adjoint_half
-            adjoint_F = first_kick * adjoint_half
+            kick_after = first_kick
         # F_0 = force(x_0, a_0) was computed inside the Function too.
-        adjoint_x = adjoint_x + pull_through_force(graph, adjoint_F, (0, 0))
+        momentum_dot_force = _dot(adjoint_p, forces)
+        grad_table[0, 2] += momentum_dot_force
+        adjoint_x = adjoint_x + pull(saved, adjoint_p * kick_after, (0, 0), momentum_dot_force * kick_after)
         adjoint_x, adjoint_p = setup["restore"](positions, adjoint_x, adjoint_p)
         return (None, adjoint_x, adjoint_p, grad_table, *grad_parameters)
 
@@ -158,7 +337,7 @@ class _AdjointKickDriftKick(torch.autograd.Function):
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``sum(a * b)`` accumulated in float64: the step-factor adjoints are sums over every
     particle with cancellations, which float32 accumulation would round to ~1e-4."""
-    return torch.sum(a.to(torch.float64) * b.to(torch.float64))
+    return torch.sum(a * b, dtype=torch.float64)
 
 
 def _zeros_if_none(grad, like):
@@ -185,7 +364,10 @@ def adjoint_integrate(
             gradients flow back to whatever they were computed from, e.g. the cosmology).
         force_function: ``force_function(positions, a) -> forces (B, N, 3)``, with ``a`` a
             0-d tensor. It is called again in the backward pass, so it must be a pure
-            function of its arguments and of ``parameters``.
+            function of its arguments and of ``parameters``. A plain callable is
+            differentiated with autograd (:class:`AutogradForce`); an object with
+            ``evaluate`` and ``pull_back`` methods like those of :class:`AutogradForce`
+            (e.g. :class:`ParticleMeshForce`) supplies its own pull-back.
         parameters: every tensor the forces depend on that needs a gradient (e.g. the
             cosmological parameters behind ``1.5 Omega_m``, a force correction's
             ``parameters()``). A tensor the forces read but that is missing here gets
@@ -235,8 +417,10 @@ def adjoint_integrate(
     table = torch.stack(
         [torch.stack([torch.as_tensor(getattr(f, name), dtype=torch.float64) for name in _FIELDS]) for f in factors]
     ).to(positions.device)
+    if not (hasattr(force_function, "evaluate") and hasattr(force_function, "pull_back")):
+        force_function = AutogradForce(force_function)
     setup = dict(
-        force_function=force_function,
+        force=force_function,
         step=step,
         migrate=migrate,
         callback=callback,
