@@ -78,10 +78,15 @@ def test_adjoint_float32_agreement():
     for name, a, b, c in zip(names, adjoint, plain, exact):
         error, baseline = _relative(a, b), _relative(b, c)
         print(f"float32 {name}: adjoint vs autograd {error:.2e}; float32 autograd vs float64 {baseline:.2e}")
-        # Report-only in the issue. Measured: <= 2.1e-7 for the white noise, sigma8 and the
-        # correction, 2.6e-4 for Omega_c (whose gradient cancels strongly; float32 autograd
-        # itself is 6e-5 from float64 there).
+        # Report-only in the issue. Measured: <= 2e-6 for the white noise, sigma8 and the
+        # correction; 3.5e-4 for Omega_c, whose gradient is a sum of large cancelling
+        # terms: the reversed float32 drift recovers positions only to one ulp (the
+        # forward drift dropped the low bits), and that cancellation amplifies it.
+        # Replaying the stored forward trajectory gives 6e-5, autograd's own float32
+        # error (RESULTS.md section 5). The bound checks that nothing worse than that
+        # inherent error appears, against autograd and against float64.
         assert error < 1e-3
+        assert _relative(a, c) < 1e-3
 
 
 @pytest.mark.parametrize(

@@ -16,22 +16,32 @@ and backward from ``(x_{i+1}, p_{i+1}, F_{i+1})``::
     F_i = force(x_i, a_i)
     p_i = p_h - k1 F_i
 
-So the forward pass keeps only the final state, and the backward pass walks the
-steps in reverse: it rebuilds the state at the start of each step, evaluating
-the force there once with its autograd graph, and pulls the adjoints
+So the forward pass keeps only the final state (and what the pull-back of its
+last force needs), and the backward pass walks the steps in reverse: it rebuilds
+the state at the start of each step, evaluating the force there once and keeping
+that evaluation's intermediates, and pulls the adjoints
 ``(lambda_x, lambda_p, lambda_F)`` through the step (the kicks and the drift by
-hand, the force with ``torch.autograd.grad``), collecting on the way the adjoints
-of the step factors (hence of the cosmology, through the growth table outside)
-and of every parameter the force depends on (``1.5 Omega_m``, force-correction
-weights). Memory is that of one step plus two states, whatever the number of
-steps; the backward pass costs one force evaluation and one force backward per
-step, so forward + backward costs plain autograd's plus one forward pass.
+hand, the force by its pull-back: :class:`ParticleMeshForce` for torchpm's PM
+force, ``torch.autograd.grad`` for any other function), collecting on the way the
+adjoints of the step factors (hence of the cosmology, through the growth table
+outside) and of every parameter the force depends on (``1.5 Omega_m``,
+force-correction weights). Memory is that of one step plus two states, whatever
+the number of steps; the backward pass costs one force evaluation and one force
+pull-back per step, so forward + backward costs about plain autograd's plus one
+forward pass.
 
-Reconstructing the trajectory backwards is exact up to rounding: the rounding
-error grows with the chaotic divergence of the trajectories, which over the
-few tens of steps of a PM run stays far below the float64 tolerances of the
-tests (1e-14 relative at 8^3, 10 steps) and at float32 rounding in float32
-(1e-7 relative; see tests/test_adjoint.py).
+Reconstructing the trajectory backwards is exact up to rounding, but not beyond
+it: the forward drift rounds ``x + d p`` to the dtype, dropping the low bits of
+``x``, so the reversed drift recovers the positions to about one ulp of their
+absolute value (4.8e-7 cells at 8 cells in float32, 9e-16 in float64; measured
+at 8^3, 10 steps). That is far below the float64 tolerances of the tests (1e-8;
+measured <= 1e-11). In float32 most gradients agree with autograd to float32
+rounding (~1e-6 relative), but a gradient made of large cancelling terms, like
+d/dOmega_c, amplifies the reconstruction error to a few 1e-4 relative (replaying
+the stored forward trajectory instead brings it back to autograd's own float32
+error, 6e-5): inherent to reversing a float32 integration, not to the
+bookkeeping (whose sums are accumulated in float64). See benchmarks/RESULTS.md
+section 5.
 """
 
 from __future__ import annotations
