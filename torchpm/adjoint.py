@@ -51,6 +51,7 @@ from typing import Callable, Sequence
 import torch
 
 from .fourier import gradient_inverse_laplacian, multiply_real
+from .ops._arguments import order_number
 from .pm import StepFactors, kick_drift_kick
 
 __all__ = ["adjoint_integrate", "AutogradForce", "ParticleMeshForce"]
@@ -119,7 +120,8 @@ class ParticleMeshForce:
 
     * to the positions: ``d/dx <c, readout(f, x)>`` (the readout's position gradient
       with the 3-channel field ``f`` of the evaluation) plus
-      ``d/dx <rho_bar, paint(x, w)>`` with ``rho_bar = IDFT[L C Z]``,
+      ``d/dx <rho_bar, paint(x, w)> = d/dx <w, readout(rho_bar, x)>`` with
+      ``rho_bar = IDFT[L C Z]``, both in one pass over the particles,
       ``Z = sum_i conj(G'_i) DFT(paint(x, c_i))``: the three components combine into
       one field in Fourier space, so the backward costs one 3-channel paint, one
       3-channel forward DFT and one 1-channel inverse DFT (the transpose of a real
@@ -131,8 +133,9 @@ class ParticleMeshForce:
 
     Versus autograd through :func:`~torchpm.pm.compute_forces` this skips the
     gradient of the complex kernels, the copies of the FFT backwards and the
-    autograd bookkeeping of the Fourier part; the two position gradients go
-    through the mesh's own paint and readout backwards (halos included on a grid).
+    autograd bookkeeping, and computes the two position gradients (the costliest
+    particle pass) in one go; on a process grid the stencil's halo is filled
+    first, as the mesh's readout does.
 
     Args:
         function: the plain force ``function(positions, a)`` (the forward pass);
@@ -161,11 +164,11 @@ class ParticleMeshForce:
 
     def evaluate(self, positions, a):
         """As :meth:`AutogradForce.evaluate`; the same arithmetic as
-        :func:`~torchpm.pm.compute_forces`, keeping the field, the density spectrum and
-        the autograd graphs of the paint, the readout, the filter and ``1.5 Omega_m``."""
+        :func:`~torchpm.pm.compute_forces`, keeping the 3-channel field, the density
+        spectrum and the (small) autograd graphs of the filter and ``1.5 Omega_m``."""
         kernels, mesh, order = self.kernels, self.kernels.mesh, self.order
+        positions = positions.detach()
         with torch.enable_grad():
-            positions = positions.detach().requires_grad_(True)
             a = a.detach().requires_grad_(True)
             scale = self.force_scale()
             if isinstance(scale, torch.Tensor):
@@ -175,29 +178,29 @@ class ParticleMeshForce:
                 filter_ = self.force_correction(
                     kernels.k_magnitude, torch.as_tensor(a, dtype=kernels.dtype, device=positions.device)
                 )
-            density = mesh.paint(positions, self.weights(), order=order)
+        weights = self.weights()
         with torch.no_grad():
-            density_k = mesh.rfftn(density.detach())
+            density_k = mesh.rfftn(mesh.paint(positions, weights, order=order))
             plain_scale = scale.detach() if isinstance(scale, torch.Tensor) else scale
             gradient = [g * (plain_scale * (self.particle_mass / c)) for g, c in zip(kernels.gradient, kernels.cell_size)]
             gradient = [g.to(kernels.gradient[0].dtype) for g in gradient]
             plain_filter = None if filter_ is None else filter_.detach()
             field = gradient_inverse_laplacian(density_k, kernels, plain_filter, gradient)
-        with torch.enable_grad():
             value = mesh.readout(field, positions, order=order)
         saved = dict(
-            positions=positions, a=a, scale=scale, filter=filter_, density=density, density_k=density_k,
-            gradient=gradient, value=value,
+            positions=positions, a=a, scale=scale, filter=filter_, weights=weights, density_k=density_k,
+            gradient=gradient, field=field, value=value,
         )
-        return value.detach(), saved
+        return value, saved
 
     def pull_back(self, saved, cotangent, parameters, cotangent_dot_forces=None):
         """As :meth:`AutogradForce.pull_back` (``cotangent_dot_forces``: ``<cotangent,
         forces>`` if the caller has it, float64)."""
         kernels, mesh = self.kernels, self.kernels.mesh
         positions, filter_, scale = saved["positions"], saved["filter"], saved["scale"]
+        filter_adjoint = None
         with torch.no_grad():
-            cotangent_k = mesh.rfftn(mesh.paint(positions.detach(), cotangent, order=self.order))
+            cotangent_k = mesh.rfftn(mesh.paint(positions, cotangent, order=self.order))
             # Z = sum_i conj(G'_i) X_i, accumulated in place (one buffer).
             combined = cotangent_k[:, 0] * saved["gradient"][0].conj()
             for axis in (1, 2):
@@ -205,7 +208,6 @@ class ParticleMeshForce:
             del cotangent_k
             potential = multiply_real(combined, kernels.inverse_laplacian_pair, paired=True)
             if filter_ is not None:
-                filter_adjoint = None
                 if filter_.requires_grad:
                     if self._hermitian is None:
                         self._hermitian = mesh.hermitian_weights(dtype=kernels.dtype, device=positions.device)
@@ -215,19 +217,46 @@ class ParticleMeshForce:
                     filter_adjoint = filter_adjoint.sum_to_size(filter_.shape)
                 potential = multiply_real(potential, filter_.detach())
             density_adjoint = mesh.irfftn(potential)
-        outputs, adjoints = [saved["density"], saved["value"]], [density_adjoint, cotangent]
-        needs_scale = isinstance(scale, torch.Tensor) and scale.requires_grad and bool(parameters)
-        if needs_scale:
+            del combined, potential
+            # Both position gradients in one pass over the particles: the readout's,
+            # d/dx <c, readout(f, x)>, and the paint's, d/dx <rho_bar, paint(x, w)> =
+            # d/dx <w, readout(rho_bar, x)>, as one 4-channel field with 4 values.
+            weights = saved["weights"]
+            weights = cotangent.new_ones(cotangent.shape[:2]) if weights is None else weights.to(cotangent.dtype)
+            grad_positions = _position_gradient(
+                mesh,
+                torch.cat([saved["field"], density_adjoint.unsqueeze(1)], dim=1),
+                positions,
+                torch.cat([cotangent, weights.unsqueeze(-1)], dim=-1),
+                self.order,
+            )
+        outputs, adjoints = [], []
+        if isinstance(scale, torch.Tensor) and scale.requires_grad and parameters:
             if cotangent_dot_forces is None:
-                cotangent_dot_forces = _dot(cotangent, saved["value"].detach())
+                cotangent_dot_forces = _dot(cotangent, saved["value"])
             outputs.append(scale)
             adjoints.append((cotangent_dot_forces / scale.detach().to(torch.float64)).to(scale.dtype))
-        if filter_ is not None and filter_adjoint is not None:
+        if filter_adjoint is not None:
             outputs.append(filter_)
             adjoints.append(filter_adjoint)
+        if not outputs:
+            return grad_positions, None, [None] * len(parameters)
         a = saved["a"]
-        grads = torch.autograd.grad(outputs, [positions, a, *parameters], grad_outputs=adjoints, allow_unused=True)
-        return _zeros_if_none(grads[0], positions), grads[1], list(grads[2:])
+        grads = torch.autograd.grad(outputs, [a, *parameters], grad_outputs=adjoints, allow_unused=True)
+        return grad_positions, grads[0], list(grads[1:])
+
+
+def _position_gradient(mesh, field, positions, values, order):
+    """``d/dx_p sum_c values[p, c] readout(field, x)[p, c]``, ``(B, N, 3)``: what the
+    positions get from the backward of ``mesh.readout(field, positions)``, computed
+    without the readout (the halo the stencil needs is filled first, as the readout
+    does)."""
+    widths, _, offset, periodic = mesh._block_geometry(order)
+    if any(lo or hi for lo, hi in widths):
+        field = mesh.fill_halo(mesh.pad_halo(field, widths), widths)
+    return torch.ops.torchpm._position_gradient(
+        field, positions, values, offset, periodic, order_number(order, "position gradient")
+    )
 
 
 class _AdjointKickDriftKick(torch.autograd.Function):
@@ -273,8 +302,9 @@ class _AdjointKickDriftKick(torch.autograd.Function):
         grad_table = torch.zeros_like(table)
         grad_parameters = [None] * len(parameters)
         # Python floats: one host copy of the table instead of small tensor ops per step.
-        factors = table.tolist()
-        kicks = table[:, 2:5].to(dtype).unbind(0)
+        # The kick and drift factors as the forward pass applied them (rounded to the
+        # dtype), as Python floats: no small tensor ops per step.
+        rounded = table[:, 2:5].to(dtype).tolist()
 
         def pull(saved, cotangent, slot, cotangent_dot_forces=None):
             """The force's pull-back: parameter and ``a`` adjoints added in, the position adjoint returned."""
@@ -303,8 +333,7 @@ class _AdjointKickDriftKick(torch.autograd.Function):
         saved = ctx.last_force
         del ctx.last_force
         for index in range(table.shape[0] - 1, -1, -1):
-            first_kick, drift, second_kick = factors[index][2:5]
-            first_kick_t, drift_t, second_kick_t = kicks[index].unbind(0)
+            first_kick, drift, second_kick = rounded[index]
             momentum_dot_force = _dot(adjoint_p, forces)
             grad_table[index, 4] += momentum_dot_force
             if index + 1 < table.shape[0]:
@@ -320,9 +349,10 @@ class _AdjointKickDriftKick(torch.autograd.Function):
             del cotangent, saved
             adjoint_half = adjoint_p
             with torch.no_grad():
-                # The forward pass's arithmetic undone (same 0-d factors).
-                half = momenta - forces * second_kick_t
-                positions = positions - half * drift_t
+                # The forward pass's arithmetic undone, with its factors rounded to the
+                # dtype as it used them; one fused op per update.
+                half = torch.sub(momenta, forces, alpha=second_kick)
+                positions = torch.sub(positions, half, alpha=drift)
             if migrate is not None:
                 # Back to the particles' homes at a_i, the adjoints travelling with them.
                 positions, half, adjoint_x, adjoint_half = migrate(positions, half, adjoint_x, adjoint_half)
@@ -333,7 +363,7 @@ class _AdjointKickDriftKick(torch.autograd.Function):
             # step from <lambda_p, F_i>, lambda_p = lambda_h.
             forces, saved = force.evaluate(positions, table[index, 0])
             with torch.no_grad():
-                momenta = half - forces * first_kick_t
+                momenta = torch.sub(half, forces, alpha=first_kick)
             adjoint_p = adjoint_half
             kick_after = first_kick
         # F_0 = force(x_0, a_0) was computed inside the Function too.
