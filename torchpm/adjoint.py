@@ -184,7 +184,7 @@ class ParticleMeshForce:
             plain_scale = scale.detach() if isinstance(scale, torch.Tensor) else scale
             gradient = [g * (plain_scale * (self.particle_mass / c)) for g, c in zip(kernels.gradient, kernels.cell_size)]
             gradient = [g.to(kernels.gradient[0].dtype) for g in gradient]
-            plain_filter = None if filter_ is None else filter_.detach()
+            plain_filter = filter_.detach() if isinstance(filter_, torch.Tensor) else filter_
             field = gradient_inverse_laplacian(density_k, kernels, plain_filter, gradient)
             value = mesh.readout(field, positions, order=order)
         saved = dict(
@@ -208,14 +208,14 @@ class ParticleMeshForce:
             del cotangent_k
             potential = multiply_real(combined, kernels.inverse_laplacian_pair, paired=True)
             if filter_ is not None:
-                if filter_.requires_grad:
+                if isinstance(filter_, torch.Tensor) and filter_.requires_grad:
                     if self._hermitian is None:
                         self._hermitian = mesh.hermitian_weights(dtype=kernels.dtype, device=positions.device)
                     # (h/N) L Re(rho_k conj(Z)), summed down to the filter's shape.
                     product = saved["density_k"] * combined.conj()
                     filter_adjoint = (product.real * kernels.inverse_laplacian * (self._hermitian / mesh.size))
                     filter_adjoint = filter_adjoint.sum_to_size(filter_.shape)
-                potential = multiply_real(potential, filter_.detach())
+                potential = multiply_real(potential, filter_.detach() if isinstance(filter_, torch.Tensor) else filter_)
             density_adjoint = mesh.irfftn(potential)
             del combined, potential
             # Both position gradients in one pass over the particles: the readout's,
