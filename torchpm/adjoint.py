@@ -16,22 +16,32 @@ and backward from ``(x_{i+1}, p_{i+1}, F_{i+1})``::
     F_i = force(x_i, a_i)
     p_i = p_h - k1 F_i
 
-So the forward pass keeps only the final state, and the backward pass walks the
-steps in reverse: it rebuilds the state at the start of each step, evaluating
-the force there once with its autograd graph, and pulls the adjoints
+So the forward pass keeps only the final state (and what the pull-back of its
+last force needs), and the backward pass walks the steps in reverse: it rebuilds
+the state at the start of each step, evaluating the force there once and keeping
+that evaluation's intermediates, and pulls the adjoints
 ``(lambda_x, lambda_p, lambda_F)`` through the step (the kicks and the drift by
-hand, the force with ``torch.autograd.grad``), collecting on the way the adjoints
-of the step factors (hence of the cosmology, through the growth table outside)
-and of every parameter the force depends on (``1.5 Omega_m``, force-correction
-weights). Memory is that of one step plus two states, whatever the number of
-steps; the backward pass costs one force evaluation and one force backward per
-step, so forward + backward costs plain autograd's plus one forward pass.
+hand, the force by its pull-back: :class:`ParticleMeshForce` for torchpm's PM
+force, ``torch.autograd.grad`` for any other function), collecting on the way the
+adjoints of the step factors (hence of the cosmology, through the growth table
+outside) and of every parameter the force depends on (``1.5 Omega_m``,
+force-correction weights). Memory is that of one step plus two states, whatever
+the number of steps; the backward pass costs one force evaluation and one force
+pull-back per step, so forward + backward costs about plain autograd's plus one
+forward pass.
 
-Reconstructing the trajectory backwards is exact up to rounding: the rounding
-error grows with the chaotic divergence of the trajectories, which over the
-few tens of steps of a PM run stays far below the float64 tolerances of the
-tests (1e-14 relative at 8^3, 10 steps) and at float32 rounding in float32
-(1e-7 relative; see tests/test_adjoint.py).
+Reconstructing the trajectory backwards is exact up to rounding, but not beyond
+it: the forward drift rounds ``x + d p`` to the dtype, dropping the low bits of
+``x``, so the reversed drift recovers the positions to about one ulp of their
+absolute value (4.8e-7 cells at 8 cells in float32, 9e-16 in float64; measured
+at 8^3, 10 steps). That is far below the float64 tolerances of the tests (1e-8;
+measured <= 1e-11). In float32 most gradients agree with autograd to float32
+rounding (~1e-6 relative), but a gradient made of large cancelling terms, like
+d/dOmega_c, amplifies the reconstruction error to a few 1e-4 relative (replaying
+the stored forward trajectory instead brings it back to autograd's own float32
+error, 6e-5): inherent to reversing a float32 integration, not to the
+bookkeeping (whose sums are accumulated in float64). See benchmarks/RESULTS.md
+section 5.
 """
 
 from __future__ import annotations
@@ -40,9 +50,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from .fourier import gradient_inverse_laplacian, multiply_real
+from .ops._arguments import order_number
 from .pm import StepFactors, kick_drift_kick
 
-__all__ = ["adjoint_integrate"]
+__all__ = ["adjoint_integrate", "AutogradForce", "ParticleMeshForce"]
 
 # Columns of the step-factor table passed through the autograd Function.
 _FIELDS = StepFactors._fields  # a_start, a_end, first_kick, drift, second_kick
@@ -68,21 +80,212 @@ def _row_factors(row: torch.Tensor) -> StepFactors:
     return StepFactors(*row.unbind(0))
 
 
+class AutogradForce:
+    """A plain force function ``force(positions, a) -> forces`` as the adjoint needs it:
+    :meth:`evaluate` keeps the autograd graph of one evaluation, :meth:`pull_back`
+    differentiates it with ``torch.autograd.grad``. Correct for any differentiable
+    function; :class:`ParticleMeshForce` does the same for the PM force with less work."""
+
+    def __init__(self, function: Callable):
+        self.function = function
+
+    def __call__(self, positions, a):
+        return self.function(positions, a)
+
+    def evaluate(self, positions, a):
+        """``(forces, saved)``: the forces at ``positions`` (detached) and what
+        :meth:`pull_back` needs."""
+        with torch.enable_grad():
+            positions = positions.detach().requires_grad_(True)
+            a = a.detach().requires_grad_(True)
+            value = self.function(positions, a)
+        return value.detach(), (positions, a, value)
+
+    def pull_back(self, saved, cotangent, parameters, cotangent_dot_forces=None):
+        """``(grad_positions, grad_a, grad_parameters)`` of ``<cotangent, forces>``
+        (``None`` where there is no dependence; ``cotangent_dot_forces`` is unused here)."""
+        positions, a, value = saved
+        grads = torch.autograd.grad(value, [positions, a, *parameters], grad_outputs=cotangent, allow_unused=True)
+        return _zeros_if_none(grads[0], positions), grads[1], list(grads[2:])
+
+
+class ParticleMeshForce:
+    """:func:`torchpm.pm.compute_forces` with a hand-written vector-Jacobian product.
+
+    The forces are ``F_i = readout(f_i, x)``, ``f_i = IDFT[K_i DFT(rho)]``,
+    ``rho = paint(x, w)``, with ``K_i = G'_i L C`` (``G'_i`` the gradient kernel times
+    ``1.5 Omega_m`` and the particle mass, ``L`` the inverse Laplacian with the window
+    compensation, ``C`` the optional force-correction filter). For a cotangent ``c``
+    ``(B, N, 3)`` the pull-back of ``<c, F>`` is
+
+    * to the positions: ``d/dx <c, readout(f, x)>`` (the readout's position gradient
+      with the 3-channel field ``f`` of the evaluation) plus
+      ``d/dx <rho_bar, paint(x, w)> = d/dx <w, readout(rho_bar, x)>`` with
+      ``rho_bar = IDFT[L C Z]``, both in one pass over the particles,
+      ``Z = sum_i conj(G'_i) DFT(paint(x, c_i))``: the three components combine into
+      one field in Fourier space, so the backward costs one 3-channel paint, one
+      3-channel forward DFT and one 1-channel inverse DFT (the transpose of a real
+      convolution ``IDFT K DFT`` is ``IDFT conj(K) DFT``);
+    * to ``1.5 Omega_m``: ``<c, F> / (1.5 Omega_m)`` (the forces are linear in it);
+    * to the filter ``C`` (hence the correction's parameters and ``a``):
+      ``(h / N) L Re(DFT(rho) conj(Z))``, ``h`` the Hermitian weights of the rfft
+      block (2 for the modes standing for a conjugate pair), ``N`` the mesh size.
+
+    Versus autograd through :func:`~torchpm.pm.compute_forces` this skips the
+    gradient of the complex kernels, the copies of the FFT backwards and the
+    autograd bookkeeping, and computes the two position gradients (the costliest
+    particle pass) in one go; on a process grid the stencil's halo is filled
+    first, as the mesh's readout does.
+
+    Args:
+        function: the plain force ``function(positions, a)`` (the forward pass);
+            :meth:`evaluate` must give bit for bit the same numbers.
+        kernels: :class:`~torchpm.fourier.FourierKernels` of the force mesh.
+        particle_mass: mesh cells per particle.
+        force_scale: callable returning ``1.5 Omega_m`` (0-d tensor, with its graph to
+            the cosmological parameters).
+        force_correction: the filter callable ``(k, a) -> C`` or None.
+        weights: callable returning the current ``(B, N)`` particle weights or None.
+        order: mass-assignment order.
+    """
+
+    def __init__(self, function, kernels, *, particle_mass, force_scale, force_correction, weights, order):
+        self.function = function
+        self.kernels = kernels
+        self.particle_mass = particle_mass
+        self.force_scale = force_scale
+        self.force_correction = force_correction
+        self.weights = weights
+        self.order = order
+        self._hermitian = None
+
+    def __call__(self, positions, a):
+        return self.function(positions, a)
+
+    def evaluate(self, positions, a):
+        """As :meth:`AutogradForce.evaluate`; the same arithmetic as
+        :func:`~torchpm.pm.compute_forces`, keeping the 3-channel field, the density
+        spectrum and the (small) autograd graphs of the filter and ``1.5 Omega_m``."""
+        kernels, mesh, order = self.kernels, self.kernels.mesh, self.order
+        positions = positions.detach()
+        with torch.enable_grad():
+            a = a.detach().requires_grad_(True)
+            scale = self.force_scale()
+            if isinstance(scale, torch.Tensor):
+                scale = scale.to(device=positions.device)
+            filter_ = None
+            if self.force_correction is not None:
+                filter_ = self.force_correction(
+                    kernels.k_magnitude, torch.as_tensor(a, dtype=kernels.dtype, device=positions.device)
+                )
+        weights = self.weights()
+        with torch.no_grad():
+            density_k = mesh.rfftn(mesh.paint(positions, weights, order=order))
+            plain_scale = scale.detach() if isinstance(scale, torch.Tensor) else scale
+            gradient = [g * (plain_scale * (self.particle_mass / c)) for g, c in zip(kernels.gradient, kernels.cell_size)]
+            gradient = [g.to(kernels.gradient[0].dtype) for g in gradient]
+            plain_filter = filter_.detach() if isinstance(filter_, torch.Tensor) else filter_
+            field = gradient_inverse_laplacian(density_k, kernels, plain_filter, gradient)
+            value = mesh.readout(field, positions, order=order)
+        saved = dict(
+            positions=positions, a=a, scale=scale, filter=filter_, weights=weights, density_k=density_k,
+            gradient=gradient, field=field, value=value,
+        )
+        return value, saved
+
+    def pull_back(self, saved, cotangent, parameters, cotangent_dot_forces=None):
+        """As :meth:`AutogradForce.pull_back` (``cotangent_dot_forces``: ``<cotangent,
+        forces>`` if the caller has it, float64)."""
+        kernels, mesh = self.kernels, self.kernels.mesh
+        positions, filter_, scale = saved["positions"], saved["filter"], saved["scale"]
+        filter_adjoint = None
+        with torch.no_grad():
+            cotangent_k = mesh.rfftn(mesh.paint(positions, cotangent, order=self.order))
+            # Z = sum_i conj(G'_i) X_i, accumulated in place (one buffer).
+            combined = cotangent_k[:, 0] * saved["gradient"][0].conj()
+            for axis in (1, 2):
+                combined.add_(cotangent_k[:, axis] * saved["gradient"][axis].conj())
+            del cotangent_k
+            potential = multiply_real(combined, kernels.inverse_laplacian_pair, paired=True)
+            if filter_ is not None:
+                if isinstance(filter_, torch.Tensor) and filter_.requires_grad:
+                    if self._hermitian is None:
+                        self._hermitian = mesh.hermitian_weights(dtype=kernels.dtype, device=positions.device)
+                    # (h/N) L Re(rho_k conj(Z)), summed down to the filter's shape.
+                    product = saved["density_k"] * combined.conj()
+                    filter_adjoint = (product.real * kernels.inverse_laplacian * (self._hermitian / mesh.size))
+                    filter_adjoint = filter_adjoint.sum_to_size(filter_.shape)
+                potential = multiply_real(potential, filter_.detach() if isinstance(filter_, torch.Tensor) else filter_)
+            density_adjoint = mesh.irfftn(potential)
+            del combined, potential
+            # Both position gradients in one pass over the particles: the readout's,
+            # d/dx <c, readout(f, x)>, and the paint's, d/dx <rho_bar, paint(x, w)> =
+            # d/dx <w, readout(rho_bar, x)>, as one 4-channel field with 4 values.
+            weights = saved["weights"]
+            weights = cotangent.new_ones(cotangent.shape[:2]) if weights is None else weights.to(cotangent.dtype)
+            grad_positions = _position_gradient(
+                mesh,
+                torch.cat([saved["field"], density_adjoint.unsqueeze(1)], dim=1),
+                positions,
+                torch.cat([cotangent, weights.unsqueeze(-1)], dim=-1),
+                self.order,
+            )
+        outputs, adjoints = [], []
+        if isinstance(scale, torch.Tensor) and scale.requires_grad and parameters:
+            if cotangent_dot_forces is None:
+                cotangent_dot_forces = _dot(cotangent, saved["value"])
+            outputs.append(scale)
+            adjoints.append((cotangent_dot_forces / scale.detach().to(torch.float64)).to(scale.dtype))
+        if filter_adjoint is not None:
+            outputs.append(filter_)
+            adjoints.append(filter_adjoint)
+        if not outputs:
+            return grad_positions, None, [None] * len(parameters)
+        a = saved["a"]
+        grads = torch.autograd.grad(outputs, [a, *parameters], grad_outputs=adjoints, allow_unused=True)
+        return grad_positions, grads[0], list(grads[1:])
+
+
+def _position_gradient(mesh, field, positions, values, order):
+    """``d/dx_p sum_c values[p, c] readout(field, x)[p, c]``, ``(B, N, 3)``: what the
+    positions get from the backward of ``mesh.readout(field, positions)``, computed
+    without the readout (the halo the stencil needs is filled first, as the readout
+    does)."""
+    widths, _, offset, periodic = mesh._block_geometry(order)
+    if any(lo or hi for lo, hi in widths):
+        field = mesh.fill_halo(mesh.pad_halo(field, widths), widths)
+    return torch.ops.torchpm._position_gradient(
+        field, positions, values, offset, periodic, order_number(order, "position gradient")
+    )
+
+
 class _AdjointKickDriftKick(torch.autograd.Function):
     """``(x_0, p_0, factor table, *parameters) -> (x_N, p_N, F_N)``; backward by the
     adjoint method (see the module docstring). ``setup`` is a plain dict carrying the
-    force function, the hooks and the parameter list."""
+    force (an :class:`AutogradForce` or :class:`ParticleMeshForce`), the hooks and
+    the parameter list."""
 
     @staticmethod
     def forward(ctx, setup, positions, momenta, table, *parameters):
-        force_function, step, callback = setup["force_function"], setup["step"], setup["callback"]
+        force, step, callback = setup["force"], setup["step"], setup["callback"]
         rows = table.unbind(0)
-        forces = force_function(positions, rows[0][0])
+        last = {}
+
+        def force_kept(x, a):
+            # The last force of the run, with what its pull-back needs: the backward
+            # pass starts from it instead of evaluating it again.
+            value, last["saved"] = force.evaluate(x, a)
+            return value
+
+        forces = force(positions, rows[0][0])
         for number, row in enumerate(rows, start=1):
-            positions, momenta, forces = step(positions, momenta, forces, _row_factors(row), force_function)
+            function = force_kept if number == len(rows) else force
+            positions, momenta, forces = step(positions, momenta, forces, _row_factors(row), function)
             if callback is not None:
                 callback(number, float(row[1]))
         ctx.setup = setup
+        ctx.last_force = last["saved"]
+        ctx.set_materialize_grads(False)  # an unused output's adjoint stays None: no zero tensors
         ctx.save_for_backward(positions, momenta, forces, table)
         return positions, momenta, forces
 
@@ -91,66 +294,82 @@ class _AdjointKickDriftKick(torch.autograd.Function):
     def backward(ctx, grad_positions, grad_momenta, grad_forces):
         positions, momenta, forces, table = ctx.saved_tensors
         setup = ctx.setup
-        force_function, migrate = setup["force_function"], setup["migrate"]
+        force, migrate = setup["force"], setup["migrate"]
         parameters = list(setup["parameters"])
         dtype = positions.dtype
         adjoint_x = _zeros_if_none(grad_positions, positions)
         adjoint_p = _zeros_if_none(grad_momenta, momenta)
-        adjoint_F = _zeros_if_none(grad_forces, forces)
         grad_table = torch.zeros_like(table)
         grad_parameters = [None] * len(parameters)
+        # Python floats: one host copy of the table instead of small tensor ops per step.
+        # The kick and drift factors as the forward pass applied them (rounded to the
+        # dtype), as Python floats: no small tensor ops per step.
+        rounded = table[:, 2:5].to(dtype).tolist()
 
-        def force_with_graph(x, a):
-            """The force at ``x`` with its graph kept, to pull one adjoint through it later."""
-            with torch.enable_grad():
-                x = x.detach().requires_grad_(True)
-                a = a.detach().requires_grad_(True)
-                return x, a, force_function(x, a)
-
-        def pull_through_force(graph, adjoint, a_slot):
-            """Adds the adjoint's pull-back to the parameters and ``a``; returns it for ``x``."""
-            x, a, value = graph
-            grads = torch.autograd.grad(value, [x, a] + parameters, grad_outputs=adjoint, allow_unused=True)
-            if grads[1] is not None:
-                grad_table[a_slot] += grads[1]
-            for index, grad in enumerate(grads[2:]):
+        def pull(saved, cotangent, slot, cotangent_dot_forces=None):
+            """The force's pull-back: parameter and ``a`` adjoints added in, the position adjoint returned."""
+            grad_x, grad_a, grads = force.pull_back(saved, cotangent, parameters, cotangent_dot_forces)
+            if grad_a is not None:
+                grad_table[slot] += grad_a
+            for index, grad in enumerate(grads):
                 if grad is not None:
                     current = grad_parameters[index]
                     grad_parameters[index] = grad if current is None else current + grad
-            return _zeros_if_none(grads[0], x)
+            return grad_x
 
         # The adjoint of pm.kick_drift_kick, written out. Step i, with factors k1, d, k2:
         #   p_h = p_i + k1 F_i;  x' = x_i + d p_h;  (x_{i+1}, p_h) = migrate(x', p_h)
         #   F_{i+1} = force(x_{i+1});  p_{i+1} = p_h + k2 F_{i+1}
-        # The force at the end of a step is re-evaluated with its graph once, during the
+        # The force at the end of a step is re-evaluated once, during the
         # reconstruction, and pulled back in the next (earlier) step: one force
-        # evaluation and one force backward per step.
-        graph = force_with_graph(positions, table[-1, 1])
+        # evaluation and one force pull-back per step.
+        #
+        # The cotangent of F_{i+1} is adjoint_F + k2 lambda_p, and for every step but the
+        # last adjoint_F = k1' lambda_p (k1' the first kick of the step after): so the
+        # cotangent is a multiple of lambda_p, and <lambda_p, F_{i+1}> gives at once the
+        # adjoint of k2, of k1' and of 1.5 Omega_m (one particle dot per step, not three).
+        adjoint_F = grad_forces  # None: zero
+        kick_after = 0.0  # k1 of step i + 1 (adjoint_F = kick_after * lambda_p)
+        saved = ctx.last_force
+        del ctx.last_force
         for index in range(table.shape[0] - 1, -1, -1):
-            first_kick, drift, second_kick = (table[index, j].to(dtype) for j in (2, 3, 4))
-            # Second kick and force: p_{i+1} = p_h + k2 F, F_{i+1} = F = force(x_{i+1}).
-            grad_table[index, 4] += _dot(adjoint_p, forces)
-            adjoint_x = adjoint_x + pull_through_force(graph, adjoint_F + second_kick * adjoint_p, (index, 1))
+            first_kick, drift, second_kick = rounded[index]
+            momentum_dot_force = _dot(adjoint_p, forces)
+            grad_table[index, 4] += momentum_dot_force
+            if index + 1 < table.shape[0]:
+                grad_table[index + 1, 2] += momentum_dot_force
+            if adjoint_F is None:
+                cotangent = adjoint_p * (kick_after + second_kick)
+                cotangent_dot_forces = momentum_dot_force * (kick_after + second_kick)
+            else:
+                cotangent = torch.add(adjoint_F, adjoint_p, alpha=second_kick)
+                cotangent_dot_forces = None
+                adjoint_F = None
+            adjoint_x = adjoint_x + pull(saved, cotangent, (index, 1), cotangent_dot_forces)
+            del cotangent, saved
             adjoint_half = adjoint_p
             with torch.no_grad():
-                half = momenta - forces * second_kick
-                positions = positions - half * drift
+                # The forward pass's arithmetic undone, with its factors rounded to the
+                # dtype as it used them; one fused op per update.
+                half = torch.sub(momenta, forces, alpha=second_kick)
+                positions = torch.sub(positions, half, alpha=drift)
             if migrate is not None:
                 # Back to the particles' homes at a_i, the adjoints travelling with them.
                 positions, half, adjoint_x, adjoint_half = migrate(positions, half, adjoint_x, adjoint_half)
             # Drift: x' = x_i + d p_h.
             grad_table[index, 3] += _dot(adjoint_x, half)
-            adjoint_half = adjoint_half + drift * adjoint_x
-            # First kick: p_h = p_i + k1 F_i.
-            graph = force_with_graph(positions, table[index, 0])
-            forces = graph[2].detach()
+            adjoint_half = torch.add(adjoint_half, adjoint_x, alpha=drift)
+            # First kick: p_h = p_i + k1 F_i; its adjoint is added at the next (earlier)
+            # step from <lambda_p, F_i>, lambda_p = lambda_h.
+            forces, saved = force.evaluate(positions, table[index, 0])
             with torch.no_grad():
-                momenta = half - forces * first_kick
-            grad_table[index, 2] += _dot(adjoint_half, forces)
+                momenta = torch.sub(half, forces, alpha=first_kick)
             adjoint_p = adjoint_half
-            adjoint_F = first_kick * adjoint_half
+            kick_after = first_kick
         # F_0 = force(x_0, a_0) was computed inside the Function too.
-        adjoint_x = adjoint_x + pull_through_force(graph, adjoint_F, (0, 0))
+        momentum_dot_force = _dot(adjoint_p, forces)
+        grad_table[0, 2] += momentum_dot_force
+        adjoint_x = adjoint_x + pull(saved, adjoint_p * kick_after, (0, 0), momentum_dot_force * kick_after)
         adjoint_x, adjoint_p = setup["restore"](positions, adjoint_x, adjoint_p)
         return (None, adjoint_x, adjoint_p, grad_table, *grad_parameters)
 
@@ -158,7 +377,7 @@ class _AdjointKickDriftKick(torch.autograd.Function):
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``sum(a * b)`` accumulated in float64: the step-factor adjoints are sums over every
     particle with cancellations, which float32 accumulation would round to ~1e-4."""
-    return torch.sum(a.to(torch.float64) * b.to(torch.float64))
+    return torch.sum(a * b, dtype=torch.float64)
 
 
 def _zeros_if_none(grad, like):
@@ -185,7 +404,10 @@ def adjoint_integrate(
             gradients flow back to whatever they were computed from, e.g. the cosmology).
         force_function: ``force_function(positions, a) -> forces (B, N, 3)``, with ``a`` a
             0-d tensor. It is called again in the backward pass, so it must be a pure
-            function of its arguments and of ``parameters``.
+            function of its arguments and of ``parameters``. A plain callable is
+            differentiated with autograd (:class:`AutogradForce`); an object with
+            ``evaluate`` and ``pull_back`` methods like those of :class:`AutogradForce`
+            (e.g. :class:`ParticleMeshForce`) supplies its own pull-back.
         parameters: every tensor the forces depend on that needs a gradient (e.g. the
             cosmological parameters behind ``1.5 Omega_m``, a force correction's
             ``parameters()``). A tensor the forces read but that is missing here gets
@@ -235,8 +457,10 @@ def adjoint_integrate(
     table = torch.stack(
         [torch.stack([torch.as_tensor(getattr(f, name), dtype=torch.float64) for name in _FIELDS]) for f in factors]
     ).to(positions.device)
+    if not (hasattr(force_function, "evaluate") and hasattr(force_function, "pull_back")):
+        force_function = AutogradForce(force_function)
     setup = dict(
-        force_function=force_function,
+        force=force_function,
         step=step,
         migrate=migrate,
         callback=callback,

@@ -10,11 +10,24 @@ for bit.
 
 All layers follow ``torch.nn`` conventions: ``.to(device, dtype)`` moves parameters and
 buffers, ``state_dict`` holds the learned weights only, ``extra_repr`` prints the
-settings. They run on cpu and cuda in float32 and float64. Under ``torch.compile``:
+settings. They run on cpu and cuda in float32 and float64.
+
+``torch.compile``: every layer here compiles with ``fullgraph=True`` (no graph
+breaks), forward and backward (tests/test_nn.py checks each against eager):
 :class:`NeuralSplineCorrection`, :class:`PGDCorrection` and :class:`PowerSpectrum`
-compile without graph breaks (pure torch ops); :class:`CICPaint` and
-:class:`CICReadout` call the ``torch.ops.torchpm`` custom ops, which have fake kernels
-and registered backward passes, so they compile as opaque nodes.
+are pure torch ops; :class:`CICPaint` and :class:`CICReadout` call the
+``torch.ops.torchpm`` custom ops, whose fake kernels and registered backwards
+(themselves custom ops) let AOTAutograd trace both passes, and inductor keeps
+them as opaque calls. What does *not* compile as one graph is a whole
+:class:`torchpm.Simulation`: its set-up branches on tensor values (the growth
+table's start, the finiteness checks that raise errors, the migration's
+capacity checks on a process grid) and ``adjoint=True`` runs its own backward
+loop in an ``autograd.Function`` with Python-side state. ``torch.compile(sim)``
+without ``fullgraph`` runs with graph breaks around those and gives the eager
+numbers, but compiling took 2 minutes for a 4^3-particle, 2-step run on the
+2-core CI machine, and a run's time is in the FFTs and the mass-assignment
+kernels, which compiling leaves as they are; compile the network around the
+simulation instead.
 """
 
 from __future__ import annotations

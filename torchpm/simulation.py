@@ -26,7 +26,7 @@ from .mesh import LocalMesh
 from .fourier import FourierKernels
 from .pm import StepFactors, compute_forces, step_factors
 from .resources import check_memory, estimate_memory
-from .adjoint import adjoint_integrate
+from .adjoint import ParticleMeshForce, adjoint_integrate
 from .ordering import restore_id_order, sort_particles
 from .ops._arguments import ORDER_NAMES, order_number
 
@@ -603,10 +603,6 @@ class Simulation(nn.Module):
         """PM forces ``(B, n, 3)`` in mesh units at owned positions in force-mesh cells
         (``ids`` marks empty slots, which get no mass)."""
         cosmology = cosmology or self.cosmology
-        weights = None
-        # Only migration pads, and one device never migrates: no host sync per step there.
-        if ids is not None and not self.force_mesh.is_local and bool((ids < 0).any()):
-            weights = (ids >= 0).to(positions.dtype)
         return compute_forces(
             positions,
             self.kernels("force"),
@@ -614,7 +610,28 @@ class Simulation(nn.Module):
             particle_mass=self.particle_mass,
             force_scale=1.5 * cosmology.Omega_m,
             force_correction=self._correction(),
-            weights=weights,
+            weights=self._particle_weights(ids, positions.dtype),
+            order=self.paint_order,
+        )
+
+    def _particle_weights(self, ids, dtype):
+        """``(B, n)`` masses (0 for the empty slots ``ids < 0``), or None when every slot is full."""
+        # Only migration pads, and one device never migrates: no host sync per step there.
+        if ids is not None and not self.force_mesh.is_local and bool((ids < 0).any()):
+            return (ids >= 0).to(dtype)
+        return None
+
+    def _adjoint_force(self, function, cosmology, ids):
+        """The PM force for :func:`torchpm.adjoint.adjoint_integrate`: ``function`` forward,
+        a hand-written pull-back backward. ``ids()`` gives the current particle ids."""
+        cosmology = cosmology or self.cosmology
+        return ParticleMeshForce(
+            function,
+            self.kernels("force"),
+            particle_mass=self.particle_mass,
+            force_scale=lambda: 1.5 * cosmology.Omega_m,
+            force_correction=self._correction(),
+            weights=lambda: self._particle_weights(ids(), self.dtype),
             order=self.paint_order,
         )
 
@@ -693,8 +710,9 @@ class Simulation(nn.Module):
             def local_forces(x, a):
                 return self.forces(x, a, ids, cosmology)
 
+            force = self._adjoint_force(local_forces, cosmology, lambda: ids)
             positions, momenta, _ = adjoint_integrate(
-                positions, momenta, factors, local_forces, parameters, callback=step_callback
+                positions, momenta, factors, force, parameters, callback=step_callback
             )
             return positions, momenta, ids
         # On a grid the particles migrate after every drift, in the forward pass and
@@ -733,7 +751,7 @@ class Simulation(nn.Module):
             return out_x, out_p
 
         positions, momenta, _ = adjoint_integrate(
-            positions, momenta, factors, grid_forces, parameters,
+            positions, momenta, factors, self._adjoint_force(grid_forces, cosmology, lambda: layout["ids"]), parameters,
             migrate=migrate, restore=restore, callback=step_callback,
         )
         return positions, momenta, layout["ids"]
