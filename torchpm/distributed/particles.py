@@ -77,14 +77,9 @@ def _carrier(tensors: Sequence[torch.Tensor]):
     return list(groups.items())
 
 
-def _rows_as(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(S, w)`` rows reinterpreted as ``dtype`` (same bytes): ``(S, w * itemsize / new itemsize)``."""
-    if rows.dtype == dtype:
-        return rows
-    return rows.detach().contiguous().view(dtype)
-
-
-def _rows_from(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _bitcast_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(S, w)`` rows reinterpreted as ``dtype`` (same bytes; ``w`` scales with the
+    itemsizes). Used only on rows that carry no gradient (ids, destinations)."""
     if rows.dtype == dtype:
         return rows
     return rows.detach().contiguous().view(dtype)
@@ -101,7 +96,7 @@ def _exchange_rows(rows: list[torch.Tensor], send_counts, receive_counts, group_
     """All-to-all of per-particle rows ``(S, w_i)``: as few collectives as the dtypes allow."""
     out: list[torch.Tensor | None] = [None] * len(rows)
     for dtype, members in _carrier(rows):
-        parts = [_rows_as(rows[i], dtype) for i in members]
+        parts = [_bitcast_rows(rows[i], dtype) for i in members]
         widths = [p.shape[1] for p in parts]
         packed = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         width = sum(widths)
@@ -110,34 +105,63 @@ def _exchange_rows(rows: list[torch.Tensor], send_counts, receive_counts, group_
         ).view(-1, width)
         start = 0
         for i, w in zip(members, widths):
-            out[i] = _rows_from(received[:, start:start + w], rows[i].dtype)
+            out[i] = _bitcast_rows(received[:, start:start + w], rows[i].dtype)
             start += w
     return out
 
 
 # ------------------------------------------------------------------ stages
+#
+# Every stage moves rows between two slot layouts ``(B, count_from, ...)`` and
+# ``(B, count_to, ...)`` (slots are flat indices ``b * count + i``): the rows at
+# slots ``pick`` go (through an all-to-all for a _Stage, locally for a _Compaction)
+# to slots ``put``, and slots ``clear`` of the result get the fill value. Its
+# reverse swaps the roles, so both directions are one function.
 
-def _flat(tensor: torch.Tensor, batch: int, count: int) -> tuple[torch.Tensor, tuple, int]:
-    features = tuple(tensor.shape[2:])
-    width = math.prod(features)
-    return tensor.reshape(batch * count, width), features, width
 
+def _move(tensors, fills, batch, count_from, count_to, pick, put, clear, keep_base, exchange=None, wrap=None):
+    """Moves per-particle ``tensors`` ``(B, count_from, ...)`` to ``(B, count_to, ...)``.
 
-def _resized(tensor: torch.Tensor, batch: int, count: int, new_count: int, width: int, fill) -> torch.Tensor:
-    """``(B * new_count, w)``: the first ``min`` slots of each member, ``fill`` after."""
-    view = tensor.reshape(batch, count, width)
-    if new_count <= count:
-        view = view[:, :new_count]
-    else:
-        extra = _fill_rows(new_count - count, view, width, fill).unsqueeze(0).expand(batch, -1, -1)
-        view = torch.cat([view, extra], dim=1)
-    return view.reshape(batch * new_count, width)
+    Rows ``pick`` are selected (``wrap = (axis, n)`` wraps column ``axis`` of the first
+    tensor's, the positions', into ``[0, n)``), passed through ``exchange`` (rows ->
+    rows) when given, and written to slots ``put``; slots ``clear`` get ``fill``. With
+    ``keep_base`` the other slots keep their rows (the first ``count_to`` of each
+    member, ``fill`` beyond ``count_from``); without, they are ``fill``."""
+    flats = []
+    for tensor in tensors:
+        features = tuple(tensor.shape[2:])
+        width = math.prod(features)
+        flats.append((tensor.reshape(batch * count_from, width), features, width))
+    rows = [flat.index_select(0, pick) for flat, _, _ in flats]
+    if wrap is not None:
+        rows[0] = _wrap_rows(rows[0], *wrap)
+    if exchange is not None:
+        rows = exchange(rows)
+    out = []
+    for (flat, features, width), moved, fill in zip(flats, rows, fills):
+        if not keep_base:
+            base = _fill_rows(batch * count_to, flat, width, fill).contiguous()
+        elif count_to == count_from:
+            base = flat
+        else:
+            view = flat.reshape(batch, count_from, width)
+            if count_to < count_from:
+                view = view[:, :count_to]
+            else:
+                extra = _fill_rows(count_to - count_from, view, width, fill).unsqueeze(0).expand(batch, -1, -1)
+                view = torch.cat([view, extra], dim=1)
+            base = view.reshape(batch * count_to, width)
+        index, values = put, moved
+        if clear is not None and clear.numel():
+            index = torch.cat([put, clear])
+            values = torch.cat([moved, _fill_rows(clear.numel(), moved, width, fill)])
+        out.append(base.index_copy(0, index, values).view(batch, count_to, *features))
+    return out
 
 
 class _Stage:
     """One uneven all-to-all of the particles that leave, over one grid axis.
-
-    Slots are flat indices ``b * count + i``. Staying particles keep their slot."""
+    Staying particles keep their slot."""
 
     def __init__(self, grid_axis: GridAxis, batch, count_in, count_out, send_index, target, clear_out, clear_in,
                  send_counts, receive_counts):
@@ -155,36 +179,18 @@ class _Stage:
     def forward_many(self, tensors: Sequence[torch.Tensor], fills: Sequence, wrap=None) -> list[torch.Tensor]:
         """Move ``(B, count_in, ...)`` tensors; ``wrap = (axis, n)`` wraps the first tensor's
         (the positions') column ``axis`` of the particles that leave into ``[0, n)``."""
-        flats = [_flat(t, self.batch, self.count_in) for t in tensors]
-        rows = [flat.index_select(0, self.send_index) for flat, _, _ in flats]
-        if wrap is not None:
-            rows[0] = _wrap_rows(rows[0], *wrap)
-        received = _exchange_rows(rows, self.send_counts, self.receive_counts, self.grid_axis.name)
-        out = []
-        for tensor, (flat, features, width), rows_in, fill in zip(tensors, flats, received, fills):
-            base = flat if self.count_out == self.count_in else _resized(
-                tensor, self.batch, self.count_in, self.count_out, width, fill)
-            index, values = self.target, rows_in
-            if self.clear_out.numel():
-                index = torch.cat([index, self.clear_out])
-                values = torch.cat([values, _fill_rows(self.clear_out.numel(), values, width, fill)])
-            out.append(base.index_copy(0, index, values).view(self.batch, self.count_out, *features))
-        return out
+        def exchange(rows):
+            return _exchange_rows(rows, self.send_counts, self.receive_counts, self.grid_axis.name)
+
+        return _move(tensors, fills, self.batch, self.count_in, self.count_out, self.send_index, self.target,
+                     self.clear_out, True, exchange, wrap)
 
     def backward_many(self, tensors: Sequence[torch.Tensor], fills: Sequence) -> list[torch.Tensor]:
-        flats = [_flat(t, self.batch, self.count_out) for t in tensors]
-        rows = [flat.index_select(0, self.target) for flat, _, _ in flats]
-        returned = _exchange_rows(rows, self.receive_counts, self.send_counts, self.grid_axis.name)
-        out = []
-        for tensor, (flat, features, width), rows_back, fill in zip(tensors, flats, returned, fills):
-            base = flat if self.count_out == self.count_in else _resized(
-                tensor, self.batch, self.count_out, self.count_in, width, fill)
-            index, values = self.send_index, rows_back
-            if self.clear_in.numel():
-                index = torch.cat([index, self.clear_in])
-                values = torch.cat([values, _fill_rows(self.clear_in.numel(), values, width, fill)])
-            out.append(base.index_copy(0, index, values).view(self.batch, self.count_in, *features))
-        return out
+        def exchange(rows):
+            return _exchange_rows(rows, self.receive_counts, self.send_counts, self.grid_axis.name)
+
+        return _move(tensors, fills, self.batch, self.count_out, self.count_in, self.target, self.send_index,
+                     self.clear_in, True, exchange)
 
 
 class _Compaction:
@@ -198,22 +204,10 @@ class _Compaction:
         self.place = place  # their output slots
 
     def forward_many(self, tensors, fills):
-        out = []
-        for tensor, fill in zip(tensors, fills):
-            flat, features, width = _flat(tensor, self.batch, self.count_in)
-            base = _fill_rows(self.batch * self.count_out, flat, width, fill).contiguous()
-            out.append(base.index_copy(0, self.place, flat.index_select(0, self.keep))
-                       .view(self.batch, self.count_out, *features))
-        return out
+        return _move(tensors, fills, self.batch, self.count_in, self.count_out, self.keep, self.place, None, False)
 
     def backward_many(self, tensors, fills):
-        out = []
-        for tensor, fill in zip(tensors, fills):
-            flat, features, width = _flat(tensor, self.batch, self.count_out)
-            base = _fill_rows(self.batch * self.count_in, flat, width, fill).contiguous()
-            out.append(base.index_copy(0, self.keep, flat.index_select(0, self.place))
-                       .view(self.batch, self.count_in, *features))
-        return out
+        return _move(tensors, fills, self.batch, self.count_out, self.count_in, self.place, self.keep, None, False)
 
 
 class MigrationPlan:
@@ -322,7 +316,7 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
     member = send_flat // count
     if destination is None:
         n = layout.global_shape[axis]
-        plane = torch.floor(_wrapped_column(positions[..., axis].detach().reshape(-1)[send_flat], n))
+        plane = torch.floor(_wrapped_column(column.reshape(-1)[send_flat], n))
         peer = layout.owner(plane.to(torch.int64).clamp_(0, n - 1), axis)
     else:
         peer = coordinate.reshape(-1)[send_flat]
