@@ -116,6 +116,27 @@ at::Tensor check_particle_values(
   return has_channel_dim ? out : out.unsqueeze(2);
 }
 
+at::Tensor check_gradient_values(
+    const char* op,
+    const std::optional<at::Tensor>& values_in,
+    const at::Tensor& positions,
+    int64_t channels,
+    bool has_channel_dim) {
+  if (!values_in.has_value()) {
+    TORCH_CHECK_VALUE(channels == 1 && !has_channel_dim, op,
+                      ": `values` may be omitted only for a single-channel mesh.");
+    return at::Tensor();
+  }
+  int64_t value_channels = 1;
+  bool value_channel_dim = false;
+  auto values = check_particle_values(
+      op, "values", *values_in, positions, value_channels, value_channel_dim);
+  TORCH_CHECK_VALUE(
+      value_channels == channels && value_channel_dim == has_channel_dim, op,
+      ": `values` must have one entry per channel of `mesh`.");
+  return values;
+}
+
 at::Tensor check_mesh(
     const char* op,
     const char* name,

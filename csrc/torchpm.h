@@ -8,6 +8,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace torchpm {
@@ -76,6 +77,17 @@ at::Tensor check_mesh(
     const at::Tensor& positions,
     int64_t& channels,
     bool& has_channel_dim);
+
+// Validates the optional per-particle `values` of a position gradient against a
+// mesh of `channels` channels (one value per channel); absent values are allowed
+// only for a single-channel mesh. Returns the contiguous (B, N, C) view, or an
+// undefined tensor when absent.
+at::Tensor check_gradient_values(
+    const char* op,
+    const std::optional<at::Tensor>& values,
+    const at::Tensor& positions,
+    int64_t channels,
+    bool has_channel_dim);
 
 // Called by a backend when its fused check found `bad` rejected particles: finds
 // the worst offender with ATen ops (slow, only on the error path) and throws.

@@ -443,19 +443,7 @@ at::Tensor position_gradient_cpu(
   int64_t channels = 1;
   bool has_channel_dim = false;
   auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim);
-  at::Tensor values;
-  if (values_in.has_value()) {
-    int64_t value_channels = 1;
-    bool value_channel_dim = false;
-    values = check_particle_values(
-        op, "values", *values_in, positions, value_channels, value_channel_dim);
-    TORCH_CHECK_VALUE(
-        value_channels == channels && value_channel_dim == has_channel_dim, op,
-        ": `values` must have one entry per channel of `mesh`.");
-  } else {
-    TORCH_CHECK_VALUE(channels == 1 && !has_channel_dim, op,
-                      ": `values` may be omitted only for a single-channel mesh.");
-  }
+  const at::Tensor values = check_gradient_values(op, values_in, positions, channels, has_channel_dim);
   const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
   const int64_t batch = positions.size(0);
   const int64_t n = positions.size(1);

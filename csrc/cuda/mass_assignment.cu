@@ -482,19 +482,7 @@ at::Tensor position_gradient_cuda(
   int64_t channels = 1;
   bool has_channel_dim = false;
   auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim);
-  at::Tensor values;
-  if (values_in.has_value()) {
-    int64_t value_channels = 1;
-    bool value_channel_dim = false;
-    values = check_particle_values(
-        op, "values", *values_in, positions, value_channels, value_channel_dim);
-    TORCH_CHECK_VALUE(
-        value_channels == channels && value_channel_dim == has_channel_dim, op,
-        ": `values` must have one entry per channel of `mesh`.");
-  } else {
-    TORCH_CHECK_VALUE(channels == 1 && !has_channel_dim, op,
-                      ": `values` may be omitted only for a single-channel mesh.");
-  }
+  const at::Tensor values = check_gradient_values(op, values_in, positions, channels, has_channel_dim);
   const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
   const c10::cuda::CUDAGuard guard(positions.device());
   const int64_t total = positions.size(0) * positions.size(1);
