@@ -241,7 +241,7 @@ def case_migration(grid, ctx):
         moved = positions + step
         moved = torch.where((ids >= 0).unsqueeze(-1), moved, positions)
         plan, positions, new_ids, attribute = mesh.migrate(moved, ids, _attribute(ids))
-        ids = new_ids
+        old_ids, ids = ids, new_ids
         valid = ids >= 0
         assert _owned(mesh, positions, ids, grid), f"round {round_}: a particle is not on its owner"
         assert torch.equal(attribute[valid], _attribute(ids)[valid]), f"round {round_}: attributes lost their particle"
@@ -262,6 +262,14 @@ def case_migration(grid, ctx):
         # The reverse path brings values back to their slots.
         back = plan.gather(attribute)
         assert back.shape[1] == moved.shape[1]
+        was = old_ids >= 0
+        assert torch.equal(back[was], _attribute(old_ids)[was]), f"round {round_}: gather did not bring values home"
+        if round_ % 50 == 25:
+            # The plan moves other tensors exactly as the migration moved ids and attributes.
+            again_attribute, again_ids = plan.exchange_many([_attribute(old_ids), old_ids], [0, -1])
+            assert torch.equal(again_ids, ids), f"round {round_}: exchange_many put particles elsewhere"
+            assert torch.equal(plan.exchange(_attribute(old_ids))[valid], attribute[valid])
+            assert torch.equal(again_attribute[valid], attribute[valid])
         if round_ % 50 == 49:
             # Routing by explicit destination: every particle back to the rank that made it.
             home = torch.where(ids >= 10_000, ids - 10_000, ids) // per_rank
