@@ -220,6 +220,24 @@ def case_migration(grid, ctx):
     per_rank = 12
     ids = (torch.arange(per_rank) + rank * per_rank).repeat(batch, 1)
     ids[1] += 10_000  # members hold different id ranges
+
+    # float32: the int64 ids travel bit-cast in the positions' buffer (two floats each);
+    # one lone particle (rank 0 to the last rank) and ids beyond 2**32 must arrive whole.
+    corner = [block_bounds(mesh.global_shape[axis], grid[axis])[0][-1] + 0.5 for axis in (0, 1)] + [0.5]
+    home = [mesh.local_real_offset[0] + 0.5, mesh.local_real_offset[1] + 0.5, 0.5]
+    x32 = torch.tensor(home, dtype=torch.float32).repeat(1, 3, 1)
+    if rank == 0:
+        x32[0, 1] = torch.tensor(corner, dtype=torch.float32)
+    ids32 = 2**40 + torch.arange(3).unsqueeze(0) + 100 * rank
+    # No attribute: the ids then sit at an odd float32 column of the packed rows.
+    _, x32, ids32 = mesh.migrate(x32, ids32)
+    kept = ids32 >= 0
+    assert _owned(mesh, x32, ids32, grid), "float32: a particle is not on its owner"
+    arrived = [None] * world
+    dist.all_gather_object(arrived, ids32[kept].tolist())
+    expected = sorted(2**40 + i + 100 * r for r in range(world) for i in range(3))
+    assert sorted(i for part in arrived for i in part) == expected, "float32: ids lost or changed"
+
     positions = torch.rand(batch, per_rank, 3, generator=generator, dtype=torch.float64) * shape
     _, positions, ids = mesh.migrate(positions, ids)
     total = torch.tensor([per_rank * world * batch], dtype=torch.float64)

@@ -82,7 +82,9 @@ def _bitcast_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     itemsizes). Used only on rows that carry no gradient (ids, destinations)."""
     if rows.dtype == dtype:
         return rows
-    return rows.detach().contiguous().view(dtype)
+    # A fresh copy: a column slice of the packed buffer can be contiguous (one row) yet
+    # start at an offset that the wider dtype cannot view.
+    return rows.detach().clone(memory_format=torch.contiguous_format).view(dtype)
 
 
 def _fill_rows(count: int, template: torch.Tensor, width: int, fill) -> torch.Tensor:
