@@ -137,6 +137,13 @@ at::Tensor check_gradient_values(
   return values;
 }
 
+void check_readout_channels(const char* op, int64_t readout_channels, int64_t channels) {
+  TORCH_CHECK_VALUE(
+      readout_channels >= 0 && readout_channels <= channels, op,
+      ": expected `readout_channels` between 0 and the ", channels,
+      " channels of `mesh`, got ", readout_channels, ".");
+}
+
 at::Tensor check_mesh(
     const char* op,
     const char* name,

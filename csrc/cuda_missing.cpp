@@ -33,6 +33,12 @@ at::Tensor position_gradient_missing(
   no_cuda_kernels("torchpm._position_gradient");
 }
 
+std::tuple<at::Tensor, at::Tensor> readout_and_position_gradient_missing(
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, int64_t,
+    at::IntArrayRef, std::array<bool, 3>, int64_t) {
+  no_cuda_kernels("torchpm._readout_and_position_gradient");
+}
+
 at::Tensor pack_blocks_missing(const at::Tensor&, int64_t, at::IntArrayRef) {
   no_cuda_kernels("torchpm.pack_blocks");
 }
@@ -48,6 +54,7 @@ TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("paint", &paint_missing);
   m.impl("readout", &readout_missing);
   m.impl("_position_gradient", &position_gradient_missing);
+  m.impl("_readout_and_position_gradient", &readout_and_position_gradient_missing);
   m.impl("pack_blocks", &pack_blocks_missing);
   m.impl("unpack_blocks", &unpack_blocks_missing);
 }

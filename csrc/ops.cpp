@@ -54,6 +54,13 @@ TORCH_LIBRARY(torchpm, m) {
   m.def(
       "_position_gradient(Tensor mesh, Tensor positions, Tensor? values, "
       "int[] offset, bool[3] periodic, int order=2) -> Tensor");
+  // The readout of mesh channels 0 .. readout_channels-1 (B, N, K), equal bit
+  // for bit to `readout`, and the _position_gradient of all channels (B, N, 3),
+  // in one pass over the particles: the adjoint's reverse step needs both at the
+  // same positions (torchpm/adjoint.py). Not differentiable.
+  m.def(
+      "_readout_and_position_gradient(Tensor mesh, Tensor positions, Tensor? values, "
+      "int readout_channels, int[] offset, bool[3] periodic, int order=2) -> (Tensor, Tensor)");
   // Spatial order of particles (torchpm/ordering.py): the permutation (B, N)
   // int64 that sorts each batch member's particles by the (x, y) row of the
   // block (shape, offset; coordinates wrapped with period) they lie in, and by

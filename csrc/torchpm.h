@@ -89,6 +89,10 @@ at::Tensor check_gradient_values(
     int64_t channels,
     bool has_channel_dim);
 
+// Validates `readout_channels` of the fused readout and position gradient:
+// 0 .. channels of the mesh.
+void check_readout_channels(const char* op, int64_t readout_channels, int64_t channels);
+
 // Called by a backend when its fused check found `bad` rejected particles: finds
 // the worst offender with ATen ops (slow, only on the error path) and throws.
 // `late`: empty when raised inside the call (nothing was returned); otherwise

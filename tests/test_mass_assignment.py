@@ -242,6 +242,58 @@ def test_binned_parallel_paint_and_chunked_readout_match_the_twin(device, order,
     )
 
 
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("mode", ["periodic", "block"])
+@pytest.mark.parametrize("channels,readout_channels", [(None, 1), (4, 3), (3, 0), (2, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_readout_and_position_gradient_equal_the_separate_ops(
+    device, order, mode, channels, readout_channels, dtype
+):
+    # The adjoint's reverse step relies on the fused readout giving the forward
+    # pass's forces bit for bit; 3000 particles span several parallel chunks.
+    shape, offset, periodic = geometry(mode)
+    p = WIDTH[order]
+    count = 3000
+    x = random_positions(2, count, order, shape, offset, periodic, dtype, device, seed=7)
+    g = torch.Generator().manual_seed(8)
+    fshape = (2, *shape) if channels is None else (2, channels, *shape)
+    vshape = (2, count) if channels is None else (2, count, channels)
+    field = torch.randn(fshape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    values = torch.randn(vshape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    read, grad = torch.ops.torchpm._readout_and_position_gradient(
+        field, x, values, readout_channels, offset, periodic, p
+    )
+    assert read.shape == (2, count, readout_channels) and grad.shape == (2, count, 3)
+    separate = torch.ops.torchpm._position_gradient(field, x, values, offset, periodic, p)
+    assert torch.equal(grad, separate)
+    torch.testing.assert_close(grad, position_gradient_reference(field, x, values, offset, periodic, p), **TOLERANCES[dtype])
+    if readout_channels:
+        part = field if channels is None else field[:, :readout_channels]
+        expected = torchpm.readout(part, x, order=order, offset=offset, periodic=periodic)
+        assert torch.equal(read, expected.reshape(2, count, readout_channels))
+
+
+def test_fused_readout_and_position_gradient_validates_and_checks(device):
+    shape, offset, periodic = geometry("periodic")
+    x = random_positions(1, 5, "cic", shape, offset, periodic, torch.float64, device)
+    field = torch.randn(1, 3, *shape, dtype=torch.float64, device=device)
+    values = torch.randn(1, 5, 3, dtype=torch.float64, device=device)
+    op = torch.ops.torchpm._readout_and_position_gradient
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="readout_channels"):
+            op(field, x, values, bad, offset, periodic, 2)
+    torch.library.opcheck(
+        op.default, (field, x, values, 2, list(offset), list(periodic), 2),
+        test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
+    )
+    # A particle outside the mesh is an error, never a silently dropped force.
+    bad_x = x.clone()
+    bad_x[0, 2, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"1 of 5 particles .*non-finite .*`positions`"):
+        op(field, bad_x, values, 3, offset, periodic, 2)
+        torchpm.check()  # deferred mode (CUDA): the report comes here
+
+
 @pytest.mark.parametrize("order", ["tsc", "pcs"])
 def test_cpu_paint_does_not_depend_on_thread_count(order):
     # odd periodic x (not a multiple of the width): the tail planes go in a phase of their own

@@ -73,11 +73,63 @@ inline void prefetch(const void* address) {
 #endif
 }
 
+// Calls f(std::integral_constant<int, C>{}) with C = channels for the counts the
+// simulation uses (1: density, 3: force, 4: force and density adjoint), else
+// C = 0 (a runtime count). With C and W known the per-particle loops unroll
+// fully and the stencil stays in registers; that, not memory, bounds the
+// kernels when particles are in spatial or Lagrangian order.
+template <typename F>
+inline void dispatch_channels(int64_t channels, const F& f) {
+  switch (channels) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      f(std::integral_constant<int, 0>{});
+  }
+}
+
+// Stencil-weighted sum of channel `mc` around one particle. Separable: the z
+// dot product first, then the (x, y) weights, W^2 (W + 1) multiplications
+// instead of 2 W^3.
+template <typename scalar_t, typename acc_t, int W>
+C10_ALWAYS_INLINE acc_t interpolate(const scalar_t* mc, const Stencil<acc_t, W>& s) {
+  acc_t acc = 0;
+  for (int a = 0; a < W; ++a) {
+    for (int b = 0; b < W; ++b) {
+      const scalar_t* row = mc + s.offset[0][a] + s.offset[1][b];
+      acc_t along_z = 0;
+      if (s.z_contiguous) {
+        const scalar_t* z = row + s.offset[2][0];
+        for (int c = 0; c < W; ++c) {
+          along_z += s.weight[2][c] * static_cast<acc_t>(z[c]);
+        }
+      } else {
+        for (int c = 0; c < W; ++c) {
+          along_z += s.weight[2][c] * static_cast<acc_t>(row[s.offset[2][c]]);
+        }
+      }
+      acc += (s.weight[0][a] * s.weight[1][b]) * along_z;
+    }
+  }
+  return acc;
+}
+
 // Visits particles [begin, end) in chunks: first computes the chunk's stencils
 // and prefetches every mesh line they touch, then calls visit(p, stencil) for
 // each valid particle. In random particle order each gather is a cache miss;
 // issuing a chunk's loads ahead lets the memory system serve them in parallel
-// instead of one after another. Returns the number of rejected particles.
+// instead of one after another. A particle whose first node lies within a few
+// cells along z of the previous particle's touches the lines that particle
+// touched (every row is shifted alike): in spatial or Lagrangian order that is
+// almost every particle, and its prefetches, ~W^2 C instructions that fetch
+// nothing, are skipped. Returns the number of rejected particles.
 template <typename scalar_t, typename acc_t, int W, bool with_derivative, typename Visit>
 int64_t gather_particles(
     const scalar_t* positions,
@@ -92,10 +144,14 @@ int64_t gather_particles(
   // Fewer particles per chunk for wide stencils: their prefetches fill the
   // line-fill buffers sooner.
   constexpr int kChunk = W <= 2 ? 16 : 4;
+  // Nodes along z that a neighbour may be off by and still share cache lines.
+  constexpr int64_t kNear = 8;
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
   Stencil<acc_t, W> stencil[kChunk];
   bool valid[kChunk];
   int64_t bad = 0;
+  int64_t previous_first = std::numeric_limits<int64_t>::min() / 2;
+  const scalar_t* previous_mesh = nullptr;
   for (int64_t first = begin; first < end; first += kChunk) {
     const int count = static_cast<int>(std::min<int64_t>(kChunk, end - first));
     for (int i = 0; i < count; ++i) {
@@ -106,6 +162,14 @@ int64_t gather_particles(
         continue;
       }
       const scalar_t* m = field + (batch == 1 ? 0 : p / per_batch) * channels * channel_stride;
+      const int64_t first_node = s.offset[0][0] + s.offset[1][0] + s.offset[2][0];
+      const int64_t distance = first_node - previous_first;
+      const bool near = m == previous_mesh && distance <= kNear && distance >= -kNear;
+      previous_first = first_node;
+      previous_mesh = m;
+      if (near) {
+        continue;
+      }
       for (int64_t ch = 0; ch < channels; ++ch) {
         for (int a = 0; a < W; ++a) {
           for (int b = 0; b < W; ++b) {
@@ -382,41 +446,25 @@ at::Tensor readout_cpu(
         const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
         std::atomic<int64_t> bad{0};
         std::atomic<int64_t> non_finite{0};
-        at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
-          int64_t local_non_finite = 0;
-          bad += gather_particles<scalar_t, acc_t, W, false>(
-              pos, begin, end, g, field, batch, n, channels,
-              [&](int64_t p, const Stencil<acc_t, W>& s) {
-                const scalar_t* m = field + (batch == 1 ? 0 : p / n) * channels * channel_stride;
-                bool finite = true;
-                for (int64_t ch = 0; ch < channels; ++ch) {
-                  const scalar_t* mc = m + ch * channel_stride;
-                  // Separable sum: the z dot product first, then the (x, y)
-                  // weights, W^2 (W + 1) multiplications instead of 2 W^3.
-                  acc_t acc = 0;
-                  for (int a = 0; a < W; ++a) {
-                    for (int b = 0; b < W; ++b) {
-                      const scalar_t* row = mc + s.offset[0][a] + s.offset[1][b];
-                      acc_t along_z = 0;
-                      if (s.z_contiguous) {
-                        const scalar_t* z = row + s.offset[2][0];
-                        for (int c = 0; c < W; ++c) {
-                          along_z += s.weight[2][c] * static_cast<acc_t>(z[c]);
-                        }
-                      } else {
-                        for (int c = 0; c < W; ++c) {
-                          along_z += s.weight[2][c] * static_cast<acc_t>(row[s.offset[2][c]]);
-                        }
-                      }
-                      acc += (s.weight[0][a] * s.weight[1][b]) * along_z;
-                    }
+        dispatch_channels(channels, [&](auto channel_count) {
+          constexpr int C = decltype(channel_count)::value;
+          const int64_t nc = C > 0 ? C : channels;
+          at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
+            int64_t local_non_finite = 0;
+            bad += gather_particles<scalar_t, acc_t, W, false>(
+                pos, begin, end, g, field, batch, n, nc,
+                [&](int64_t p, const Stencil<acc_t, W>& s) {
+                  const scalar_t* m = field + (batch == 1 ? 0 : p / n) * nc * channel_stride;
+                  bool finite = true;
+                  for (int64_t ch = 0; ch < nc; ++ch) {
+                    const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
+                    result[p * nc + ch] = static_cast<scalar_t>(acc);
+                    finite = finite && std::isfinite(acc);
                   }
-                  result[p * channels + ch] = static_cast<scalar_t>(acc);
-                  finite = finite && std::isfinite(acc);
-                }
-                local_non_finite += finite ? 0 : 1;
-              });
-          non_finite += local_non_finite;
+                  local_non_finite += finite ? 0 : 1;
+                });
+            non_finite += local_non_finite;
+          });
         });
         if (bad.load() > 0) {
           fill_rejected<scalar_t, W>(pos, batch * n, g, channels, result);
@@ -430,24 +478,31 @@ at::Tensor readout_cpu(
   return has_channel_dim ? out : out.squeeze(2);
 }
 
-at::Tensor position_gradient_cpu(
+// d/dx_p sum_c values[p, c] readout(mesh)[p, c] (B, N, 3) and, when
+// readout_channels K > 0, in the same pass over the particles the readout of
+// mesh channels 0 .. K-1 (B, N, K), computed exactly as readout_cpu computes it
+// (the same `interpolate`), so it equals that op's result bit for bit.
+std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
+    const char* op,
     const at::Tensor& mesh_in,
     const at::Tensor& positions_in,
     const std::optional<at::Tensor>& values_in,
+    int64_t readout_channels,
     at::IntArrayRef offset,
     std::array<bool, 3> periodic,
     int64_t order) {
-  const char* op = "torchpm._position_gradient";
   report_earlier_errors(op);
   auto positions = check_positions(op, positions_in);
   int64_t channels = 1;
   bool has_channel_dim = false;
   auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim);
+  check_readout_channels(op, readout_channels, channels);
   const at::Tensor values = check_gradient_values(op, values_in, positions, channels, has_channel_dim);
   const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
   const int64_t batch = positions.size(0);
   const int64_t n = positions.size(1);
   auto out = at::empty({batch, n, 3}, positions.options());
+  auto read = at::empty({batch, n, readout_channels}, positions.options());
   if (out.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "position_gradient_cpu", [&] {
       dispatch_order(op, order, [&](auto width) {
@@ -457,49 +512,106 @@ at::Tensor position_gradient_cpu(
         const scalar_t* field = mesh.data_ptr<scalar_t>();
         const scalar_t* val = values.defined() ? values.data_ptr<scalar_t>() : nullptr;
         scalar_t* result = out.data_ptr<scalar_t>();
+        scalar_t* read_out = read.data_ptr<scalar_t>();
         const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
         std::atomic<int64_t> bad{0};
-        at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
-          bad += gather_particles<scalar_t, acc_t, W, true>(
-              pos, begin, end, g, field, batch, n, channels,
-              [&](int64_t p, const Stencil<acc_t, W>& s) {
-                const scalar_t* m = field + (batch == 1 ? 0 : p / n) * channels * channel_stride;
-                // Separable: per (x, y) node pair, the z sums with the weights and
-                // with their derivatives, then the (x, y) factors.
-                acc_t grad[3] = {0, 0, 0};
-                for (int a = 0; a < W; ++a) {
-                  for (int b = 0; b < W; ++b) {
-                    const int64_t row = s.offset[0][a] + s.offset[1][b];
-                    acc_t along_z = 0;
-                    acc_t along_z_derivative = 0;
-                    for (int c = 0; c < W; ++c) {
-                      const int64_t idx = row + s.offset[2][c];
-                      acc_t sum = 0;
-                      for (int64_t ch = 0; ch < channels; ++ch) {
-                        const acc_t v = val ? static_cast<acc_t>(val[p * channels + ch]) : acc_t(1);
-                        sum += v * static_cast<acc_t>(m[ch * channel_stride + idx]);
-                      }
-                      along_z += s.weight[2][c] * sum;
-                      along_z_derivative += s.derivative[2][c] * sum;
-                    }
-                    grad[0] += s.derivative[0][a] * s.weight[1][b] * along_z;
-                    grad[1] += s.weight[0][a] * s.derivative[1][b] * along_z;
-                    grad[2] += s.weight[0][a] * s.weight[1][b] * along_z_derivative;
+        std::atomic<int64_t> non_finite{0};
+        dispatch_channels(channels, [&](auto channel_count) {
+          constexpr int C = decltype(channel_count)::value;
+          const int64_t nc = C > 0 ? C : channels;
+          at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
+            int64_t local_non_finite = 0;
+            bad += gather_particles<scalar_t, acc_t, W, true>(
+                pos, begin, end, g, field, batch, n, nc,
+                [&](int64_t p, const Stencil<acc_t, W>& s) {
+                  const scalar_t* m = field + (batch == 1 ? 0 : p / n) * nc * channel_stride;
+                  bool finite = true;
+                  for (int64_t ch = 0; ch < readout_channels; ++ch) {
+                    const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
+                    read_out[p * readout_channels + ch] = static_cast<scalar_t>(acc);
+                    finite = finite && std::isfinite(acc);
                   }
-                }
-                for (int d = 0; d < 3; ++d) {
-                  result[3 * p + d] = static_cast<scalar_t>(grad[d]);
-                }
-              });
+                  local_non_finite += finite ? 0 : 1;
+                  acc_t v[C > 0 ? C : 1];
+                  if constexpr (C > 0) {
+                    for (int ch = 0; ch < C; ++ch) {
+                      v[ch] = val ? static_cast<acc_t>(val[p * C + ch]) : acc_t(1);
+                    }
+                  }
+                  // Separable: per (x, y) node pair, the z sums with the weights and
+                  // with their derivatives, then the (x, y) factors.
+                  acc_t grad[3] = {0, 0, 0};
+                  for (int a = 0; a < W; ++a) {
+                    for (int b = 0; b < W; ++b) {
+                      const int64_t row = s.offset[0][a] + s.offset[1][b];
+                      acc_t along_z = 0;
+                      acc_t along_z_derivative = 0;
+                      for (int c = 0; c < W; ++c) {
+                        const int64_t idx = row + s.offset[2][c];
+                        acc_t sum = 0;
+                        for (int64_t ch = 0; ch < nc; ++ch) {
+                          acc_t vc;
+                          if constexpr (C > 0) {
+                            vc = v[ch];
+                          } else {
+                            vc = val ? static_cast<acc_t>(val[p * nc + ch]) : acc_t(1);
+                          }
+                          sum += vc * static_cast<acc_t>(m[ch * channel_stride + idx]);
+                        }
+                        along_z += s.weight[2][c] * sum;
+                        along_z_derivative += s.derivative[2][c] * sum;
+                      }
+                      grad[0] += s.derivative[0][a] * s.weight[1][b] * along_z;
+                      grad[1] += s.weight[0][a] * s.derivative[1][b] * along_z;
+                      grad[2] += s.weight[0][a] * s.weight[1][b] * along_z_derivative;
+                    }
+                  }
+                  for (int d = 0; d < 3; ++d) {
+                    result[3 * p + d] = static_cast<scalar_t>(grad[d]);
+                  }
+                });
+            non_finite += local_non_finite;
+          });
         });
         if (bad.load() > 0) {
           fill_rejected<scalar_t, W>(pos, batch * n, g, 3, result);
+          if (readout_channels > 0) {
+            fill_rejected<scalar_t, W>(pos, batch * n, g, readout_channels, read_out);
+          }
         }
         report_bad_particles(kPositionGradientOp, {bad.load(), 0}, CallDiagnosis(positions, {}, g));
+        if (readout_channels > 0) {
+          report_bad_particles(kReadoutOp, {0, non_finite.load()}, CallDiagnosis(positions, read, g));
+        }
       });
     });
   }
-  return out;
+  return {out, read};
+}
+
+at::Tensor position_gradient_cpu(
+    const at::Tensor& mesh,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& values,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order) {
+  return std::get<0>(position_gradient_impl(
+      "torchpm._position_gradient", mesh, positions, values, 0, offset, periodic, order));
+}
+
+std::tuple<at::Tensor, at::Tensor> readout_and_position_gradient_cpu(
+    const at::Tensor& mesh,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& values,
+    int64_t readout_channels,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order) {
+  auto [gradient, read] = position_gradient_impl(
+      "torchpm._readout_and_position_gradient", mesh, positions, values, readout_channels,
+      offset, periodic, order);
+  return {read, gradient};
 }
 
 }  // namespace
@@ -508,6 +620,7 @@ TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
   m.impl("paint", &paint_cpu);
   m.impl("readout", &readout_cpu);
   m.impl("_position_gradient", &position_gradient_cpu);
+  m.impl("_readout_and_position_gradient", &readout_and_position_gradient_cpu);
 }
 
 }  // namespace torchpm

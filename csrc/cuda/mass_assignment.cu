@@ -279,6 +279,29 @@ __global__ void paint_kernel(
   }
 }
 
+// Stencil-weighted sum of channel `mc` around one particle. Separable, as on
+// the CPU: the z dot product, then the (x, y) weights. One function for the
+// readout and the fused readout + position gradient, so that both give the
+// same bits.
+template <typename scalar_t, typename acc_t, int W>
+__device__ __forceinline__ acc_t interpolate(const scalar_t* mc, const Stencil<acc_t, W>& s) {
+  acc_t acc = 0;
+#pragma unroll
+  for (int a = 0; a < W; ++a) {
+#pragma unroll
+    for (int b = 0; b < W; ++b) {
+      const scalar_t* row = mc + s.offset[0][a] + s.offset[1][b];
+      acc_t along_z = 0;
+#pragma unroll
+      for (int c = 0; c < W; ++c) {
+        along_z += s.weight[2][c] * static_cast<acc_t>(row[s.offset[2][c]]);
+      }
+      acc += (s.weight[0][a] * s.weight[1][b]) * along_z;
+    }
+  }
+  return acc;
+}
+
 template <typename scalar_t, int W>
 __global__ void readout_kernel(
     const scalar_t* __restrict__ mesh,
@@ -306,22 +329,7 @@ __global__ void readout_kernel(
   const scalar_t* m = mesh + (p / per_batch) * channels * channel_stride;
   bool finite = true;
   for (int64_t ch = 0; ch < channels; ++ch) {
-    const scalar_t* mc = m + ch * channel_stride;
-    // Separable sum, as on the CPU: the z dot product, then the (x, y) weights.
-    acc_t acc = 0;
-#pragma unroll
-    for (int a = 0; a < W; ++a) {
-#pragma unroll
-      for (int b = 0; b < W; ++b) {
-        const scalar_t* row = mc + s.offset[0][a] + s.offset[1][b];
-        acc_t along_z = 0;
-#pragma unroll
-        for (int c = 0; c < W; ++c) {
-          along_z += s.weight[2][c] * static_cast<acc_t>(row[s.offset[2][c]]);
-        }
-        acc += (s.weight[0][a] * s.weight[1][b]) * along_z;
-      }
-    }
+    const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
     out[p * channels + ch] = static_cast<scalar_t>(acc);
     finite = finite && ::isfinite(acc);
   }
@@ -340,7 +348,10 @@ __global__ void position_gradient_kernel(
     int64_t total,
     StencilGeometry g,
     scalar_t* __restrict__ out,
-    unsigned long long* __restrict__ bad) {
+    unsigned long long* __restrict__ bad,
+    int64_t readout_channels,  // > 0: also the readout of channels 0 .. K-1
+    scalar_t* __restrict__ read,
+    unsigned long long* __restrict__ bad_read) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (p >= total) {
@@ -351,10 +362,20 @@ __global__ void position_gradient_kernel(
   count_in_warp(!valid, bad + kBadPositions);
   if (!valid) {
     fill_rejected(out + 3 * p, 3);
+    fill_rejected(read + p * readout_channels, readout_channels);
     return;
   }
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
   const scalar_t* m = mesh + (p / per_batch) * channels * channel_stride;
+  if (readout_channels > 0) {
+    bool finite = true;
+    for (int64_t ch = 0; ch < readout_channels; ++ch) {
+      const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
+      read[p * readout_channels + ch] = static_cast<scalar_t>(acc);
+      finite = finite && ::isfinite(acc);
+    }
+    count_in_warp(!finite, bad_read + kBadValues);
+  }
   acc_t grad[3] = {0, 0, 0};
 #pragma unroll
   for (int a = 0; a < W; ++a) {
@@ -469,28 +490,33 @@ at::Tensor readout_cuda(
   return has_channel_dim ? out : out.squeeze(2);
 }
 
-at::Tensor position_gradient_cuda(
+// See position_gradient_impl in ../cpu/mass_assignment.cpp.
+std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
+    const char* op,
     const at::Tensor& mesh_in,
     const at::Tensor& positions_in,
     const std::optional<at::Tensor>& values_in,
+    int64_t readout_channels,
     at::IntArrayRef offset,
     std::array<bool, 3> periodic,
     int64_t order) {
-  const char* op = "torchpm._position_gradient";
   report_earlier_errors(op);
   auto positions = check_positions(op, positions_in);
   int64_t channels = 1;
   bool has_channel_dim = false;
   auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim);
+  check_readout_channels(op, readout_channels, channels);
   const at::Tensor values = check_gradient_values(op, values_in, positions, channels, has_channel_dim);
   const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
   const c10::cuda::CUDAGuard guard(positions.device());
   const int64_t total = positions.size(0) * positions.size(1);
   auto out = at::empty({positions.size(0), positions.size(1), 3}, positions.options());
+  auto read = at::empty({positions.size(0), positions.size(1), readout_channels}, positions.options());
   if (total > 0) {
     DeviceCounters& counters = counters_for(op, positions.device());
     const bool in_capture = capturing();
     unsigned long long* bad = slot_pointer(counters, kPositionGradientOp);
+    unsigned long long* bad_read = slot_pointer(counters, kReadoutOp);
     auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "position_gradient_cuda", [&] {
       dispatch_order(op, order, [&](auto width) {
@@ -499,14 +525,42 @@ at::Tensor position_gradient_cuda(
                 mesh.data_ptr<scalar_t>(), positions.data_ptr<scalar_t>(),
                 values.defined() ? values.data_ptr<scalar_t>() : nullptr, channels,
                 positions.size(1), total, g, out.data_ptr<scalar_t>(),
-                bad);
+                bad, readout_channels, read.data_ptr<scalar_t>(), bad_read);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
     report_after_launch(
         kPositionGradientOp, counters, in_capture, CallDiagnosis(positions, {}, g));
+    if (readout_channels > 0) {
+      report_after_launch(kReadoutOp, counters, in_capture, CallDiagnosis(positions, read, g));
+    }
   }
-  return out;
+  return {out, read};
+}
+
+at::Tensor position_gradient_cuda(
+    const at::Tensor& mesh,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& values,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order) {
+  return std::get<0>(position_gradient_impl(
+      "torchpm._position_gradient", mesh, positions, values, 0, offset, periodic, order));
+}
+
+std::tuple<at::Tensor, at::Tensor> readout_and_position_gradient_cuda(
+    const at::Tensor& mesh,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& values,
+    int64_t readout_channels,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order) {
+  auto [gradient, read] = position_gradient_impl(
+      "torchpm._readout_and_position_gradient", mesh, positions, values, readout_channels,
+      offset, periodic, order);
+  return {read, gradient};
 }
 
 }  // namespace
@@ -515,6 +569,7 @@ TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("paint", &paint_cuda);
   m.impl("readout", &readout_cuda);
   m.impl("_position_gradient", &position_gradient_cuda);
+  m.impl("_readout_and_position_gradient", &readout_and_position_gradient_cuda);
 }
 
 }  // namespace torchpm

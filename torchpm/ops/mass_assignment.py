@@ -295,6 +295,19 @@ def _position_gradient_fake(mesh, positions, values, offset, periodic, order=2):
     return positions.new_empty(positions.shape[0], positions.shape[1], 3)
 
 
+@torch.library.register_fake("torchpm::_readout_and_position_gradient")
+def _readout_and_position_gradient_fake(mesh, positions, values, readout_channels, offset, periodic, order=2):
+    op = "torchpm._readout_and_position_gradient"
+    gradient = _position_gradient_fake(mesh, positions, values, offset, periodic, order)
+    channels = _check_mesh(mesh, positions, op) or 1
+    if not 0 <= readout_channels <= channels:
+        raise ValueError(
+            f"{op}: expected `readout_channels` between 0 and the {channels} channels of `mesh`, "
+            f"got {readout_channels}."
+        )
+    return positions.new_empty(positions.shape[0], positions.shape[1], readout_channels), gradient
+
+
 # ----------------------------------------------------------------------------
 # Autograd. Every backward is made of custom ops, so torch.compile traces it.
 
