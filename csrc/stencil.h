@@ -104,50 +104,72 @@ C10_HOST_DEVICE inline int64_t wrap_index(int64_t i, int64_t n) {
   return i < 0 ? i + n : i;
 }
 
-// Fills `stencil` for a particle at (x0, x1, x2) and returns false when the
-// particle is not finite, absurdly far out, or (on a block axis) touches a node
-// outside the block. `with_derivative` skips the derivatives when not needed.
+// The first of the W nodes a particle at coordinate x touches along axis d
+// (local index, wrapped on a periodic axis) and its stencil fraction t; false
+// when x is not finite, absurdly far out, or (on a block axis) the stencil
+// leaves the block.
+template <typename acc_t, int W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool first_node(
+    acc_t x, int d, const StencilGeometry& g, int64_t& node, acc_t& t) {
+  // !(|x| < bound) is also true for NaN.
+  if (!(x < static_cast<acc_t>(kMaxAbsPosition) && x > -static_cast<acc_t>(kMaxAbsPosition))) {
+    return false;
+  }
+  // 1 - W/2 is exact in binary floating point (0.5, 0, -0.5, -1).
+  const acc_t shifted = x + (acc_t(1) - acc_t(W) / acc_t(2));
+  const acc_t floor_x = floor_of_bounded(shifted);
+  t = shifted - floor_x;
+  const int64_t first = static_cast<int64_t>(floor_x) - g.offset[d];
+  const int64_t n = g.shape[d];
+  if (g.periodic[d]) {
+    node = wrap_index(first, n);
+    return true;
+  }
+  node = first;
+  return first >= 0 && first + W <= n;
+}
+
+// Whether a particle is accepted, and the x index of its first node (the
+// paint's binning), without the weights and offsets of make_stencil.
+template <typename scalar_t, typename acc_t, int W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool locate(
+    const scalar_t* position, const StencilGeometry& g, int64_t& first_x) {
+  bool valid = true;
+  for (int d = 0; d < 3; ++d) {
+    int64_t node = 0;
+    acc_t t;
+    valid = first_node<acc_t, W>(static_cast<acc_t>(position[d]), d, g, node, t) && valid;
+    if (d == 0) {
+      first_x = node;
+    }
+  }
+  return valid;
+}
+
+// Fills `stencil` for a particle at (x0, x1, x2) and returns false when it is
+// rejected (first_node). `with_derivative` skips the derivatives when not needed.
 template <typename scalar_t, typename acc_t, int W, bool with_derivative = false>
 C10_HOST_DEVICE C10_ALWAYS_INLINE bool make_stencil(
     const scalar_t* position,
     const StencilGeometry& g,
     Stencil<acc_t, W>& stencil) {
   const int64_t stride[3] = {g.shape[1] * g.shape[2], g.shape[2], 1};
-  // 1 - W/2 is exact in binary floating point (0.5, 0, -0.5, -1).
-  const acc_t shift = acc_t(1) - acc_t(W) / acc_t(2);
   for (int d = 0; d < 3; ++d) {
-    const acc_t x = static_cast<acc_t>(position[d]);
-    // !(|x| < bound) is also true for NaN.
-    if (!(x < static_cast<acc_t>(kMaxAbsPosition) &&
-          x > -static_cast<acc_t>(kMaxAbsPosition))) {
+    int64_t node;
+    acc_t t;
+    if (!first_node<acc_t, W>(static_cast<acc_t>(position[d]), d, g, node, t)) {
       return false;
     }
-    const acc_t shifted = x + shift;
-    const acc_t floor_x = floor_of_bounded(shifted);
-    const acc_t t = shifted - floor_x;
-    const int64_t first = static_cast<int64_t>(floor_x) - g.offset[d];
+    if (d == 0) {
+      stencil.first_x = node;
+    }
     const int64_t n = g.shape[d];
-    if (g.periodic[d]) {
-      int64_t node = wrap_index(first, n);
-      TORCHPM_UNROLL
-      for (int k = 0; k < W; ++k) {
-        stencil.offset[d][k] = node * stride[d];
-        node = (node + 1 == n) ? 0 : node + 1;
-      }
-      if (d == 0) {
-        stencil.first_x = wrap_index(first, n);
-      }
-    } else {
-      if (first < 0 || first + W > n) {
-        return false;
-      }
-      TORCHPM_UNROLL
-      for (int k = 0; k < W; ++k) {
-        stencil.offset[d][k] = (first + k) * stride[d];
-      }
-      if (d == 0) {
-        stencil.first_x = first;
-      }
+    TORCHPM_UNROLL
+    for (int k = 0; k < W; ++k) {
+      stencil.offset[d][k] = node * stride[d];
+      // Only a periodic axis can step past its last node (first_node keeps a
+      // block axis's stencil inside).
+      node = (node + 1 == n) ? 0 : node + 1;
     }
     if (d == 2) {
       stencil.z_contiguous = stencil.offset[2][W - 1] - stencil.offset[2][0] == W - 1;

@@ -121,15 +121,16 @@ C10_ALWAYS_INLINE acc_t interpolate(const scalar_t* mc, const Stencil<acc_t, W>&
   return acc;
 }
 
-// Visits particles [begin, end) in chunks: first computes the chunk's stencils
-// and prefetches every mesh line they touch, then calls visit(p, stencil) for
-// each valid particle. In random particle order each gather is a cache miss;
-// issuing a chunk's loads ahead lets the memory system serve them in parallel
-// instead of one after another. A particle whose first node lies within a few
-// cells along z of the previous particle's touches the lines that particle
-// touched (every row is shifted alike): in spatial or Lagrangian order that is
-// almost every particle, and its prefetches, ~W^2 C instructions that fetch
-// nothing, are skipped. Returns the number of rejected particles.
+// Visits particles [begin, end) in chunks, calling visit(p, stencil) for each
+// valid particle; returns the number of rejected ones. A chunk whose first and
+// last particles lie within a few cells of each other in x and y (spatial or
+// Lagrangian order: the chunk walks along z through the same mesh rows, which
+// stay in cache) is visited directly. Any other chunk first computes its
+// stencils and prefetches every mesh line they touch, then visits: in random
+// order each gather is a cache miss, and issuing a chunk's loads ahead lets the
+// memory system serve them in parallel instead of one after another. (Storing
+// and prefetching the stencils costs about a third of the kernel when the lines
+// are in cache already, hence the two paths.)
 template <typename scalar_t, typename acc_t, int W, bool with_derivative, typename Visit>
 int64_t gather_particles(
     const scalar_t* positions,
@@ -144,16 +145,30 @@ int64_t gather_particles(
   // Fewer particles per chunk for wide stencils: their prefetches fill the
   // line-fill buffers sooner.
   constexpr int kChunk = W <= 2 ? 16 : 4;
-  // Nodes along z that a neighbour may be off by and still share cache lines.
-  constexpr int64_t kNear = 8;
+  // Cells in x and y within which a chunk counts as coherent.
+  const acc_t near = acc_t(2);
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
   Stencil<acc_t, W> stencil[kChunk];
   bool valid[kChunk];
   int64_t bad = 0;
-  int64_t previous_first = std::numeric_limits<int64_t>::min() / 2;
-  const scalar_t* previous_mesh = nullptr;
   for (int64_t first = begin; first < end; first += kChunk) {
     const int count = static_cast<int>(std::min<int64_t>(kChunk, end - first));
+    const scalar_t* head = positions + 3 * first;
+    const scalar_t* tail = positions + 3 * (first + count - 1);
+    // NaN compares false: such a chunk takes the general path.
+    const bool coherent =
+        std::abs(static_cast<acc_t>(head[0]) - static_cast<acc_t>(tail[0])) <= near &&
+        std::abs(static_cast<acc_t>(head[1]) - static_cast<acc_t>(tail[1])) <= near;
+    if (coherent) {
+      for (int64_t p = first; p < first + count; ++p) {
+        if (make_stencil<scalar_t, acc_t, W, with_derivative>(positions + 3 * p, g, stencil[0])) {
+          visit(p, stencil[0]);
+        } else {
+          ++bad;
+        }
+      }
+      continue;
+    }
     for (int i = 0; i < count; ++i) {
       const int64_t p = first + i;
       Stencil<acc_t, W>& s = stencil[i];
@@ -162,14 +177,6 @@ int64_t gather_particles(
         continue;
       }
       const scalar_t* m = field + (batch == 1 ? 0 : p / per_batch) * channels * channel_stride;
-      const int64_t first_node = s.offset[0][0] + s.offset[1][0] + s.offset[2][0];
-      const int64_t distance = first_node - previous_first;
-      const bool near = m == previous_mesh && distance <= kNear && distance >= -kNear;
-      previous_first = first_node;
-      previous_mesh = m;
-      if (near) {
-        continue;
-      }
       for (int64_t ch = 0; ch < channels; ++ch) {
         for (int a = 0; a < W; ++a) {
           for (int b = 0; b < W; ++b) {
@@ -198,28 +205,30 @@ struct CheckResult {
 };
 
 // Checks every particle (position, and its values when `values` is not null);
-// fills `plane` (the x index of each particle's first stencil node) when it is
-// not null.
+// fills `bin` when it is not null: (batch member) * nx + the x index of the
+// particle's first stencil node (0 for a rejected particle).
 template <typename scalar_t, int W>
 CheckResult check_and_bin(
     const scalar_t* positions,
     const scalar_t* values,
     int64_t channels,
     int64_t count,
+    int64_t per_batch,
     const StencilGeometry& g,
-    int64_t* plane) {
+    int64_t* bin) {
   using acc_t = at::opmath_type<scalar_t>;
   std::atomic<int64_t> bad{0};
   std::atomic<int64_t> bad_values{0};
+  const int64_t nx = g.shape[0];
   at::parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
     int64_t local_bad = 0;
     int64_t local_bad_values = 0;
-    Stencil<acc_t, W> s;
     for (int64_t p = begin; p < end; ++p) {
-      const bool ok = make_stencil<scalar_t, acc_t, W>(positions + 3 * p, g, s);
+      int64_t first_x = 0;
+      const bool ok = locate<scalar_t, acc_t, W>(positions + 3 * p, g, first_x);
       local_bad += ok ? 0 : 1;
-      if (plane) {
-        plane[p] = ok ? s.first_x : 0;
+      if (bin) {
+        bin[p] = (p / per_batch) * nx + (ok ? first_x : 0);
       }
       if (values) {
         bool finite = true;
@@ -233,6 +242,47 @@ CheckResult check_and_bin(
     bad_values += local_bad_values;
   });
   return {bad.load(), bad_values.load()};
+}
+
+// Stable counting sort of `count` particles by bin (0 .. bins-1): fills
+// `order` (the particles bin by bin, each bin in particle order) and `start`
+// (bins + 1 offsets). Each thread counts and places one contiguous range of
+// particles; stability makes the result the same for any number of ranges.
+void sort_by_bin(
+    const int64_t* bin, int64_t count, int64_t bins, std::vector<int64_t>& start,
+    std::vector<int64_t>& order) {
+  const int64_t ranges = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), count / (1 << 14)));
+  std::vector<int64_t> offset(ranges * bins, 0);
+  auto range_begin = [&](int64_t r) { return r * count / ranges; };
+  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      int64_t* counts = offset.data() + r * bins;
+      for (int64_t p = range_begin(r), stop = range_begin(r + 1); p < stop; ++p) {
+        ++counts[bin[p]];
+      }
+    }
+  });
+  start.assign(bins + 1, 0);
+  int64_t running = 0;
+  for (int64_t k = 0; k < bins; ++k) {
+    start[k] = running;
+    for (int64_t r = 0; r < ranges; ++r) {
+      const int64_t c = offset[r * bins + k];
+      offset[r * bins + k] = running;
+      running += c;
+    }
+  }
+  start[bins] = running;
+  order.resize(count);
+  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      int64_t* next = offset.data() + r * bins;
+      for (int64_t p = range_begin(r), stop = range_begin(r + 1); p < stop; ++p) {
+        order[next[bin[p]]++] = p;
+      }
+    }
+  });
 }
 
 // Deferred error checking (error_checking.h) lets a call with rejected particles
@@ -294,10 +344,10 @@ void paint_kernel(
   // path gives every cell its contributions in the same order with 1 thread or
   // many, and a different order from the serial path.
   const bool serial = total < kSerialPaintLimit;
-  std::vector<int64_t> plane(serial ? 0 : total);
+  std::vector<int64_t> particle_bin(serial ? 0 : total);
   const CheckResult check = check_and_bin<scalar_t, W>(
-      pos, check_finite ? values : nullptr, channels, total, g,
-      serial ? nullptr : plane.data());
+      pos, check_finite ? values : nullptr, channels, total, n, g,
+      serial ? nullptr : particle_bin.data());
   // Raises here in immediate mode; in deferred mode the valid particles are
   // painted and the mesh poisoned (NaN weights poison it by themselves).
   report_bad_particles(
@@ -318,26 +368,12 @@ void paint_kernel(
     return;
   }
 
-  // Stable counting sort of particles into bins (batch, plane).
+  // Particles by bin (batch, plane).
   const int64_t bins = batch * nx;
-  std::vector<int64_t> start(bins + 1, 0);
-  for (int64_t b = 0, p = 0; b < batch; ++b) {
-    for (int64_t i = 0; i < n; ++i, ++p) {
-      ++start[b * nx + plane[p] + 1];
-    }
-  }
-  for (int64_t i = 0; i < bins; ++i) {
-    start[i + 1] += start[i];
-  }
-  std::vector<int64_t> order(total);
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t b = 0, p = 0; b < batch; ++b) {
-      for (int64_t i = 0; i < n; ++i, ++p) {
-        order[fill[b * nx + plane[p]]++] = p;
-      }
-    }
-  }
+  std::vector<int64_t> start;
+  std::vector<int64_t> order;
+  sort_by_bin(particle_bin.data(), total, bins, start, order);
+  particle_bin = std::vector<int64_t>();
   // On a periodic axis, planes at or past the last multiple of W wrap into
   // planes 0 .. W - 2 and may collide with bins of their own residue: they are
   // painted one by one after the phases. Bins below that limit of one residue
