@@ -29,8 +29,32 @@ namespace {
 // Below this many particles the binning costs more than it saves.
 constexpr int64_t kSerialPaintLimit = 1 << 15;
 
-template <typename scalar_t, int W>
-void deposit(
+// Calls f(std::integral_constant<int, C>{}) with C = channels for the counts the
+// simulation uses (1: density, 3: force, 4: force and density adjoint), else
+// C = 0 (a runtime count). With C and W known the per-particle loops unroll
+// fully and the stencil stays in registers; that, not memory, bounds the
+// kernels when particles are in spatial or Lagrangian order.
+template <typename F>
+inline void dispatch_channels(int64_t channels, const F& f) {
+  switch (channels) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      f(std::integral_constant<int, 0>{});
+  }
+}
+
+// Deposits one particle; C > 0: the channel count known at compile time (see
+// dispatch_channels), C = 0: `channels`.
+template <typename scalar_t, int W, int C>
+C10_ALWAYS_INLINE void deposit(
     const scalar_t* position,
     const scalar_t* values,  // C entries, or nullptr for unit weight
     int64_t channels,
@@ -42,7 +66,8 @@ void deposit(
   if (!make_stencil<scalar_t, acc_t, W>(position, g, s)) {
     return;  // rejected: reported, and poisoned by poison_rejected
   }
-  for (int64_t ch = 0; ch < channels; ++ch) {
+  const int64_t nc = C > 0 ? C : channels;
+  for (int64_t ch = 0; ch < nc; ++ch) {
     const acc_t v = values ? static_cast<acc_t>(values[ch]) : acc_t(1);
     scalar_t* m = mesh + ch * channel_stride;
     for (int a = 0; a < W; ++a) {
@@ -71,28 +96,6 @@ inline void prefetch(const void* address) {
 #else
   (void)address;
 #endif
-}
-
-// Calls f(std::integral_constant<int, C>{}) with C = channels for the counts the
-// simulation uses (1: density, 3: force, 4: force and density adjoint), else
-// C = 0 (a runtime count). With C and W known the per-particle loops unroll
-// fully and the stencil stays in registers; that, not memory, bounds the
-// kernels when particles are in spatial or Lagrangian order.
-template <typename F>
-inline void dispatch_channels(int64_t channels, const F& f) {
-  switch (channels) {
-    case 1:
-      f(std::integral_constant<int, 1>{});
-      break;
-    case 3:
-      f(std::integral_constant<int, 3>{});
-      break;
-    case 4:
-      f(std::integral_constant<int, 4>{});
-      break;
-    default:
-      f(std::integral_constant<int, 0>{});
-  }
 }
 
 // Stencil-weighted sum of channel `mc` around one particle. Separable: the z
@@ -223,12 +226,20 @@ CheckResult check_and_bin(
   at::parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
     int64_t local_bad = 0;
     int64_t local_bad_values = 0;
+    // The batch member's first bin, stepped at member boundaries (no division
+    // per particle).
+    int64_t member = begin / per_batch;
+    int64_t member_end = (member + 1) * per_batch;
     for (int64_t p = begin; p < end; ++p) {
+      if (p == member_end) {
+        ++member;
+        member_end += per_batch;
+      }
       int64_t first_x = 0;
       const bool ok = locate<scalar_t, acc_t, W>(positions + 3 * p, g, first_x);
       local_bad += ok ? 0 : 1;
       if (bin) {
-        bin[p] = (p / per_batch) * nx + (ok ? first_x : 0);
+        bin[p] = member * nx + (ok ? first_x : 0);
       }
       if (values) {
         bool finite = true;
@@ -355,69 +366,73 @@ void paint_kernel(
   if (check.bad_positions > 0) {
     poison_rejected<scalar_t, W>(pos, batch, n, channels, g, out);
   }
-  auto paint_one = [&](int64_t p) {
-    const int64_t b = batch == 1 ? 0 : p / n;
-    deposit<scalar_t, W>(
-        pos + 3 * p, values ? values + channels * p : nullptr, channels,
-        channel_stride, g, out + b * channels * channel_stride);
-  };
-  if (serial) {
-    for (int64_t p = 0; p < total; ++p) {
-      paint_one(p);
-    }
-    return;
-  }
-
   // Particles by bin (batch, plane).
-  const int64_t bins = batch * nx;
   std::vector<int64_t> start;
   std::vector<int64_t> order;
-  sort_by_bin(particle_bin.data(), total, bins, start, order);
-  particle_bin = std::vector<int64_t>();
-  // On a periodic axis, planes at or past the last multiple of W wrap into
-  // planes 0 .. W - 2 and may collide with bins of their own residue: they are
-  // painted one by one after the phases. Bins below that limit of one residue
-  // are at least W apart and, wrapped, still do not overlap.
-  const int64_t phased = g.periodic[0] ? nx - nx % W : nx;
-  auto paint_bin = [&](int64_t bin) {
-    // Binned order reads positions out of order: fetch a few particles ahead.
-    constexpr int64_t kAhead = 8;
-    const int64_t stop = start[bin + 1];
-    for (int64_t k = start[bin]; k < stop; ++k) {
-      if (k + kAhead < stop) {
-        const int64_t ahead = order[k + kAhead];
-        prefetch(pos + 3 * ahead);
-        if (values) {
-          prefetch(values + channels * ahead);
-        }
+  if (!serial) {
+    sort_by_bin(particle_bin.data(), total, batch * nx, start, order);
+    particle_bin = std::vector<int64_t>();
+  }
+  dispatch_channels(channels, [&](auto channel_count) {
+    constexpr int C = decltype(channel_count)::value;
+    auto paint_one = [&](int64_t p) {
+      const int64_t b = batch == 1 ? 0 : p / n;
+      deposit<scalar_t, W, C>(
+          pos + 3 * p, values ? values + channels * p : nullptr, channels,
+          channel_stride, g, out + b * channels * channel_stride);
+    };
+    if (serial) {
+      for (int64_t p = 0; p < total; ++p) {
+        paint_one(p);
       }
-      paint_one(order[k]);
+      return;
     }
-  };
-  for (int residue = 0; residue < W; ++residue) {
-    const int64_t planes_in_phase = phased > residue ? (phased - residue + W - 1) / W : 0;
-    const int64_t tasks = batch * planes_in_phase;
-    if (tasks == 0) {
-      continue;
+
+    // On a periodic axis, planes at or past the last multiple of W wrap into
+    // planes 0 .. W - 2 and may collide with bins of their own residue: they are
+    // painted one by one after the phases. Bins below that limit of one residue
+    // are at least W apart and, wrapped, still do not overlap.
+    const int64_t phased = g.periodic[0] ? nx - nx % W : nx;
+    auto paint_bin = [&](int64_t bin) {
+      // Binned order reads positions out of order: fetch a few particles ahead.
+      constexpr int64_t kAhead = 8;
+      const int64_t stop = start[bin + 1];
+      for (int64_t k = start[bin]; k < stop; ++k) {
+        if (k + kAhead < stop) {
+          const int64_t ahead = order[k + kAhead];
+          prefetch(pos + 3 * ahead);
+          if (values) {
+            prefetch(values + channels * ahead);
+          }
+        }
+        paint_one(order[k]);
+      }
+    };
+    for (int residue = 0; residue < W; ++residue) {
+      const int64_t planes_in_phase = phased > residue ? (phased - residue + W - 1) / W : 0;
+      const int64_t tasks = batch * planes_in_phase;
+      if (tasks == 0) {
+        continue;
+      }
+      // Planes hold very different particle counts once structure forms, so
+      // threads take planes from a shared counter (dynamic scheduling) on torch's
+      // own thread pool.
+      std::atomic<int64_t> next{0};
+      const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
+      at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+        for (int64_t t = next++; t < tasks; t = next++) {
+          const int64_t b = t / planes_in_phase;
+          const int64_t i = W * (t % planes_in_phase) + residue;
+          paint_bin(b * nx + i);
+        }
+      });
     }
-    // Planes hold very different particle counts once structure forms, so
-    // threads take planes from a shared counter (dynamic scheduling) on torch's
-    // own thread pool.
-    std::atomic<int64_t> next{0};
-    const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
-    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-      for (int64_t t = next++; t < tasks; t = next++) {
-        const int64_t b = t / planes_in_phase;
-        const int64_t i = W * (t % planes_in_phase) + residue;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t i = phased; i < nx; ++i) {
         paint_bin(b * nx + i);
       }
-    });
-  }
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t i = phased; i < nx; ++i) {
-      paint_bin(b * nx + i);
     }
-  }
+  });
 }
 
 at::Tensor paint_cpu(
