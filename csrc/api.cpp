@@ -2,7 +2,7 @@
 //
 // Why autograd Functions here rather than an Autograd kernel registered with
 // the dispatcher: Python registers the ops' autograd with
-// torch.library.register_autograd (torchpm/ops/cic.py), and a second, C++
+// torch.library.register_autograd (torchpm/ops/mass_assignment.py), and a second, C++
 // Autograd kernel for the same ops would override it. These Functions exist
 // only in the C++ API; torch.ops.torchpm.* from Python is unchanged. Their
 // forwards run below the Autograd key and their backwards call the same ops as

@@ -16,7 +16,7 @@
 //    Python gives. First derivatives only: a second derivative through a
 //    position gradient throws (Python has them, through the pure-torch twin).
 //
-// Geometry and shapes as in Python (torchpm/ops/cic.py): positions (B, N, 3) in
+// Geometry and shapes as in Python (torchpm/ops/mass_assignment.py): positions (B, N, 3) in
 // mesh-cell units, float32 or float64; meshes (B, nx, ny, nz) or
 // (B, C, nx, ny, nz); `offset` is the global index of the local mesh's node
 // (0, 0, 0); `periodic[d]` says whether axis d wraps (false: a block axis, whose
