@@ -534,10 +534,27 @@ class _AdjointKickDriftKick(torch.autograd.Function):
         return (None, adjoint_x, adjoint_p, grad_table, *grad_parameters)
 
 
+# Entries summed in the tensor's dtype before the float64 accumulation in _dot (64
+# particles' 3 components).
+_DOT_RUN = 192
+
+
 def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``sum(a * b)`` accumulated in float64: the step-factor adjoints are sums over every
-    particle with cancellations, which float32 accumulation would round to ~1e-4."""
-    return torch.sum(a * b, dtype=torch.float64)
+    """``sum(a * b)`` as a 0-d float64 tensor, the long sum accumulated in float64: the
+    step-factor adjoints are sums over every particle with cancellations, which a float32
+    accumulation of the whole sum would round to ~1e-4 relative.
+
+    The products are first summed in their own dtype over runs of ``_DOT_RUN``
+    consecutive entries, and only those partial sums are converted and added in
+    float64: converting every product to float64 (``torch.sum(a * b, dtype=float64)``)
+    writes a float64 copy of the whole product, which cost more than the rest of the
+    dot. A short run adds a rounding of the order of the products' own (measured on
+    random float32 data: 3e-8 relative against 2e-8, for a sum 1000x smaller than the
+    sum of its terms' magnitudes)."""
+    product = (a * b).reshape(-1)
+    whole = product.numel() - product.numel() % _DOT_RUN
+    partial = product[:whole].view(-1, _DOT_RUN).sum(dim=1)
+    return partial.sum(dtype=torch.float64) + product[whole:].sum(dtype=torch.float64)
 
 
 def _zeros_if_none(grad, like):
