@@ -139,7 +139,11 @@ class ParticleMeshForce:
     gradient of the complex kernels, the copies of the FFT backwards and the
     autograd bookkeeping, and computes the two position gradients (the costliest
     particle pass) in one go; on a process grid the stencil's halo is filled
-    first, as the mesh's readout does.
+    first, as the mesh's readout does. When the cotangent is known before the
+    evaluation (the adjoint loop), :meth:`evaluate_and_pull` does both at once:
+    density and cotangent in one 4-channel paint, the forces' readout and the
+    position gradients at the same positions behind one helper
+    (:func:`_readout_and_position_gradient`).
 
     Args:
         function: the plain force ``function(positions, a)`` (the forward pass);
