@@ -419,7 +419,10 @@ def test_adjoint_loop_with_fused_and_two_method_forces(steps, device):
         calls.update(dict.fromkeys(calls, 0))
         end, grads = run(function)
         assert calls == expected, type(function).__name__
-        assert torch.equal(end, final)
+        if device.type == "cpu":
+            assert torch.equal(end, final)
+        else:  # the CUDA paint adds with atomics: the same run rounds differently each time
+            assert _relative(end, final) < 1e-13
         for grad, ref in zip(grads, reference):
             assert float(ref.abs().max()) > 0
             assert _relative(grad, ref) < 1e-10, type(function).__name__

@@ -287,16 +287,11 @@ class ParticleMeshForce:
                 torch.stack([*cotangent.unbind(-1), weights], dim=-1),
                 self.order,
             )
-        if cotangent_dot_forces is None:
-            def cotangent_dot_forces():
-                return _dot(cotangent, saved["value"])
-        else:
-            given = cotangent_dot_forces
+        def dot():
+            return _dot(cotangent, saved["value"]) if cotangent_dot_forces is None else cotangent_dot_forces
 
-            def cotangent_dot_forces():
-                return given
         grad_a, grads = self._parameter_adjoints(
-            saved["a"], saved["scale"], saved["filter"], filter_adjoint, parameters, cotangent_dot_forces
+            saved["a"], saved["scale"], saved["filter"], filter_adjoint, parameters, dot
         )
         return grad_positions, grad_a, grads
 
@@ -308,8 +303,9 @@ class ParticleMeshForce:
         ``paint(x, [w, c_x, c_y, c_z])`` (one pass over the particles instead of two);
         channel 0 is transformed alone, by the same FFT call as :meth:`evaluate`, so the
         forces are :meth:`evaluate`'s bit for bit (the reversed trajectory relies on
-        it). The readout of the forces and the two position gradients then share one
-        pass too (:func:`_readout_and_position_gradient`).
+        it). The readout of the forces and the two position gradients at the same
+        positions go through one helper, :func:`_readout_and_position_gradient` (one
+        halo fill; for now the readout op and the position-gradient op, two passes).
 
         Args:
             positions: ``(B, N, 3)``.
@@ -363,7 +359,10 @@ def _readout_and_position_gradient(mesh, field, positions, values, order):
     both ``(B, N, 3)``, from a ``(B, C, *local_real_shape)`` field (``C >= 3``) and
     ``(B, N, C)`` values: the forces from the first 3 channels (bit for bit
     ``mesh.readout(field[:, :3], positions)``) and the position gradient of all
-    channels, at the same positions. The stencil's halo is filled once for both."""
+    channels, at the same positions. The stencil's halo is filled once for both.
+
+    For now the readout op and the position-gradient op, two passes over the
+    particles that compute the same stencil: the place for one op doing both."""
     widths, _, offset, periodic = mesh._block_geometry(order)
     if any(lo or hi for lo, hi in widths):
         field = mesh.fill_halo(mesh.pad_halo(field, widths), widths)
