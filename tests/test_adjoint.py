@@ -229,3 +229,200 @@ def test_bad_inputs():
     )
     with pytest.raises(ValueError, match="nn.Module"):
         sim(sim.white_noise(seed=0).requires_grad_(True))
+
+
+# ---------------------------------------------------------------- fused evaluation and pull-back
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unit", "weighted"])
+@pytest.mark.parametrize("count", [700, 40_000], ids=["serial", "binned"])
+def test_four_channel_paint_channel_zero_is_the_density(dtype, weighted, count):
+    """Channel 0 of paint(x, [w, c]) is paint(x, w) bit for bit, for unit (None) and
+    explicit weights, both paint paths (below and above the binning threshold) and
+    every order: ParticleMeshForce.evaluate_and_pull paints density and cotangent
+    together and relies on it for forces identical to the forward pass's. CPU only:
+    the CUDA paint accumulates with atomics in no fixed order, not even run to run."""
+    generator = torch.Generator().manual_seed(7)
+    positions = (torch.rand(2, count, 3, generator=generator, dtype=torch.float64) * 12.0 - 2.0).to(dtype)
+    cotangent = torch.randn(2, count, 3, generator=generator, dtype=torch.float64).to(dtype)
+    weights = None
+    if weighted:
+        weights = torch.rand(2, count, generator=generator, dtype=torch.float64).to(dtype)
+        weights[:, ::5] = 0.0
+    mesh = torchpm.LocalMesh((10, 8, 9))
+    for order in ("ngp", "cic", "tsc", "pcs"):
+        density = mesh.paint(positions, weights, order=order)
+        unit = torch.ones(positions.shape[:2], dtype=dtype) if weights is None else weights
+        together = mesh.paint(positions, torch.cat([unit.unsqueeze(-1), cotangent], dim=-1), order=order)
+        assert together.shape == (2, 4, 10, 8, 9)
+        assert torch.equal(together[:, 0], density), order
+        # the cotangent channels are the 3-channel paint (to rounding: no bitwise need)
+        torch.testing.assert_close(together[:, 1:], mesh.paint(positions, cotangent, order=order))
+
+
+def _particle_mesh_force(device, batch=2, dtype=torch.float64, order="cic", empty_slots=True):
+    """A ParticleMeshForce with a force correction off the identity and Omega_c needing
+    grad; returns ``(force, plain force function, positions, parameters, sim)``."""
+    torch.manual_seed(1)
+    correction = NeuralSplineCorrection(k_max=2.0, knots=5, hidden=(6,), dtype=torch.float64)
+    with torch.no_grad():
+        for parameter in correction.parameters():
+            parameter.add_(0.1 * torch.randn(parameter.shape, dtype=torch.float64))
+    correction = correction.to(device=device, dtype=dtype)
+    omega_c = torch.tensor(0.26, dtype=torch.float64, requires_grad=True)
+    sim = torchpm.Simulation(
+        (4, 4, 6), (40.0, 40.0, 55.0), mesh_factor=2, a_start=0.2, steps=3, dtype=dtype,
+        force_correction=correction, cosmology=torchpm.Planck15(Omega_c=omega_c), paint_order=order,
+    ).to(device)
+    with torch.no_grad():
+        x, _, _ = sim.lpt(sim.linear_field(sim.white_noise(batch=batch, seed=4)))
+    weights = None
+    if empty_slots:
+        weights = torch.ones(x.shape[:2], dtype=dtype, device=device)
+        weights[:, ::7] = 0.0
+
+    def plain(positions, a):
+        return torchpm.pm.compute_forces(
+            positions, sim.kernels("force"), a=a, particle_mass=sim.particle_mass,
+            force_scale=1.5 * sim.cosmology.Omega_m, force_correction=correction, weights=weights,
+            order=sim.paint_order,
+        )
+
+    force = ParticleMeshForce(
+        plain, sim.kernels("force"), particle_mass=sim.particle_mass,
+        force_scale=lambda: 1.5 * sim.cosmology.Omega_m, force_correction=correction,
+        weights=lambda: weights, order=sim.paint_order,
+    )
+    return force, plain, x, [omega_c, *correction.parameters()], sim
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("empty_slots", [False, True], ids=["unit", "weighted"])
+def test_evaluate_and_pull_forces_are_the_forward_forces(dtype, batch, empty_slots):
+    """The forces of the fused evaluation are compute_forces' bit for bit (the reversed
+    trajectory undoes the forward kicks with them). CPU: see the paint test above."""
+    force, plain, x, parameters, _ = _particle_mesh_force("cpu", batch, dtype, empty_slots=empty_slots)
+    a = torch.tensor(0.5, dtype=torch.float64)
+    cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(dtype)
+    forces, _, _, _ = force.evaluate_and_pull(x, a, cotangent, parameters)
+    with torch.no_grad():
+        assert torch.equal(forces, plain(x, a))
+    assert torch.equal(forces, force.evaluate(x, a)[0])
+
+
+@pytest.mark.parametrize("order", ["cic", "tsc"])
+def test_evaluate_and_pull_equals_evaluate_then_pull_back(order, device):
+    """evaluate_and_pull = evaluate + pull_back (float64, to rounding), and both equal
+    autograd through compute_forces; the ``cotangent_dot_forces`` callable gets the forces
+    and its value is used for the 1.5 Omega_m adjoint."""
+    force, plain, x, parameters, _ = _particle_mesh_force(device, order=order)
+    a = torch.tensor(0.5, dtype=torch.float64, device=device)
+    cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(device)
+    value, saved = force.evaluate(x, a)
+    grad_x, grad_a, grads = force.pull_back(saved, cotangent, parameters)
+    seen = []
+
+    def dot(forces):
+        seen.append(forces)
+        return torch.sum(cotangent * forces, dtype=torch.float64)
+
+    forces, fused_x, fused_a, fused_grads = force.evaluate_and_pull(x, a, cotangent, parameters, dot)
+    assert len(seen) == 1 and torch.equal(seen[0], forces)
+    if device.type == "cpu":
+        assert torch.equal(forces, value)
+    else:
+        assert _relative(forces, value) < 1e-13
+    assert _relative(fused_x, grad_x) < 1e-13
+    assert abs(float(fused_a - grad_a)) <= 1e-13 * abs(float(grad_a)) and float(grad_a) != 0
+    assert len(fused_grads) == len(grads) == len(parameters)
+    for fused, separate in zip(fused_grads, grads):
+        assert float(separate.abs().max()) > 0
+        assert _relative(fused, separate) < 1e-13
+    # and against autograd (the oracle of test_particle_mesh_force_pull_back)
+    reference_value, reference_saved = AutogradForce(plain).evaluate(x, a)
+    ref_x, ref_a, ref_grads = AutogradForce(plain).pull_back(reference_saved, cotangent, parameters)
+    assert _relative(fused_x, ref_x) < 1e-12
+    assert abs(float(fused_a - ref_a)) <= 1e-12 * abs(float(ref_a))
+    for fused, ref in zip(fused_grads, ref_grads):
+        assert _relative(fused, ref) < 1e-12
+    # Without the callable the dot is taken inside: the same adjoint of 1.5 Omega_m.
+    _, _, alone_a, alone_grads = force.evaluate_and_pull(x, a, cotangent, parameters)
+    assert abs(float(alone_a - fused_a)) <= 1e-14 * abs(float(fused_a))
+    assert _relative(alone_grads[0], fused_grads[0]) < 1e-14
+
+
+class _TwoMethodForce:
+    """A user force object with only ``evaluate`` and ``pull_back`` (no
+    ``evaluate_and_pull``): the adjoint loop must take its one-iteration-later path."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __call__(self, positions, a):
+        return self._inner(positions, a)
+
+    def evaluate(self, positions, a):
+        return self._inner.evaluate(positions, a)
+
+    def pull_back(self, saved, cotangent, parameters, cotangent_dot_forces=None):
+        return self._inner.pull_back(saved, cotangent, parameters, cotangent_dot_forces)
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_adjoint_loop_with_fused_and_two_method_forces(steps, device):
+    """adjoint_integrate with ParticleMeshForce (fused evaluation and pull-back), with a
+    force object having only evaluate / pull_back and with the plain callable
+    (AutogradForce) gives autograd's gradients through the same loop, for a loss of the
+    final positions, momenta and forces (so the last force has its own adjoint) and
+    the step factors and parameters (float64; 1 step: only the first and last pulls)."""
+    force, plain, x0, parameters, sim = _particle_mesh_force(device, batch=2)
+    p0 = 0.3 * torch.randn(x0.shape, generator=torch.Generator().manual_seed(8), dtype=torch.float64).to(device)
+    scale_factors = torch.linspace(0.2, 0.6, steps + 1, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(9)
+    u, v, w = (torch.randn(x0.shape, generator=generator, dtype=torch.float64).to(device) for _ in range(3))
+
+    def run(function):
+        # fresh leaves per run: the factors carry Omega_c's graph through the growth table
+        x = x0.clone().requires_grad_(True)
+        p = p0.clone().requires_grad_(True)
+        factors = torchpm.pm.step_factors(sim.growth_table(), scale_factors, sim.integrator)
+        if function is None:
+            forces = plain(x, factors[0].a_start)
+            xs, ps = x, p
+            for factor in factors:
+                xs, ps, forces = kick_drift_kick(xs, ps, forces, factor, plain)
+        else:
+            xs, ps, forces = adjoint_integrate(x, p, factors, function, parameters)
+        loss = (u * xs).sum() + (v * ps).sum() + (w * forces).sum()
+        return xs.detach(), torch.autograd.grad(loss, [x, p, *parameters])
+
+    calls = {"evaluate": 0, "pull_back": 0, "evaluate_and_pull": 0}
+
+    def counted(method):
+        def wrapper(*args, **kwargs):
+            calls[method.__name__] += 1
+            return method(*args, **kwargs)
+        return wrapper
+
+    for name in calls:
+        setattr(force, name, counted(getattr(force, name)))
+    final, reference = run(None)
+    for function, expected in (
+        # fused: the last force is evaluated in the forward pass and pulled back alone;
+        # every other is evaluated and pulled back together
+        (force, {"evaluate": 1, "pull_back": 1, "evaluate_and_pull": steps}),
+        (_TwoMethodForce(force), {"evaluate": steps + 1, "pull_back": steps + 1, "evaluate_and_pull": 0}),
+        (plain, {"evaluate": 0, "pull_back": 0, "evaluate_and_pull": 0}),
+    ):
+        calls.update(dict.fromkeys(calls, 0))
+        end, grads = run(function)
+        assert calls == expected, type(function).__name__
+        if device.type == "cpu":
+            assert torch.equal(end, final)
+        else:  # the CUDA paint adds with atomics: the same run rounds differently each time
+            assert _relative(end, final) < 1e-13
+        for grad, ref in zip(grads, reference):
+            assert float(ref.abs().max()) > 0
+            assert _relative(grad, ref) < 1e-10, type(function).__name__
