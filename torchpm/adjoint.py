@@ -54,7 +54,6 @@ from typing import Callable, Sequence
 import torch
 
 from .fourier import gradient_inverse_laplacian, multiply_real
-from .ops import readout as _readout
 from .ops._arguments import order_number
 from .pm import StepFactors, kick_drift_kick
 
@@ -359,18 +358,16 @@ def _readout_and_position_gradient(mesh, field, positions, values, order):
     both ``(B, N, 3)``, from a ``(B, C, *local_real_shape)`` field (``C >= 3``) and
     ``(B, N, C)`` values: the forces from the first 3 channels (bit for bit
     ``mesh.readout(field[:, :3], positions)``) and the position gradient of all
-    channels, at the same positions. The stencil's halo is filled once for both.
-
-    For now the readout op and the position-gradient op, two passes over the
-    particles that compute the same stencil: the place for one op doing both."""
+    channels, at the same positions, in one pass over the particles
+    (``torch.ops.torchpm._readout_and_position_gradient``: every stencil computed
+    once; the readout part is the readout op's own arithmetic). The stencil's halo
+    is filled once for both."""
     widths, _, offset, periodic = mesh._block_geometry(order)
     if any(lo or hi for lo, hi in widths):
         field = mesh.fill_halo(mesh.pad_halo(field, widths), widths)
-    forces = _readout(field[:, :3], positions, order=order, offset=offset, periodic=periodic)
-    grad_positions = torch.ops.torchpm._position_gradient(
-        field, positions, values, offset, periodic, order_number(order, "position gradient")
+    return torch.ops.torchpm._readout_and_position_gradient(
+        field, positions, values, 3, offset, periodic, order_number(order, "readout and position gradient")
     )
-    return forces, grad_positions
 
 
 def _position_gradient(mesh, field, positions, values, order):
