@@ -149,7 +149,7 @@ int64_t gather_particles(
   // line-fill buffers sooner.
   constexpr int kChunk = W <= 2 ? 16 : 4;
   // Cells in x and y within which a chunk counts as coherent.
-  const acc_t near = acc_t(2);
+  const acc_t near = acc_t(6);
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
   Stencil<acc_t, W> stencil[kChunk];
   bool valid[kChunk];
@@ -207,89 +207,98 @@ struct CheckResult {
   int64_t bad_values = 0;
 };
 
-// Checks every particle (position, and its values when `values` is not null);
-// fills `bin` when it is not null: (batch member) * nx + the x index of the
-// particle's first stencil node (0 for a rejected particle).
+// Contiguous ranges of particles, one per thread, for the counting sort.
+struct Ranges {
+  int64_t count;   // particles
+  int64_t ranges;  // number of ranges
+  int64_t begin(int64_t r) const { return r * count / ranges; }
+};
+
+inline Ranges split_for_threads(int64_t count) {
+  return {count, std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count / (1 << 14)))};
+}
+
+// Checks every particle (position, and its values when `values` is not null).
+// When `bin` is not null also fills it with (batch member) * nx + the x index
+// of the particle's first stencil node (0 for a rejected particle), and counts
+// the particles of every bin in each of the ranges: counts[r * bins + bin].
 template <typename scalar_t, int W>
 CheckResult check_and_bin(
     const scalar_t* positions,
     const scalar_t* values,
     int64_t channels,
-    int64_t count,
+    const Ranges& split,
     int64_t per_batch,
     const StencilGeometry& g,
-    int64_t* bin) {
+    int64_t* bin,
+    int64_t* counts) {
   using acc_t = at::opmath_type<scalar_t>;
   std::atomic<int64_t> bad{0};
   std::atomic<int64_t> bad_values{0};
   const int64_t nx = g.shape[0];
-  at::parallel_for(0, count, 4096, [&](int64_t begin, int64_t end) {
-    int64_t local_bad = 0;
-    int64_t local_bad_values = 0;
-    // The batch member's first bin, stepped at member boundaries (no division
-    // per particle).
-    int64_t member = begin / per_batch;
-    int64_t member_end = (member + 1) * per_batch;
-    for (int64_t p = begin; p < end; ++p) {
-      if (p == member_end) {
-        ++member;
-        member_end += per_batch;
-      }
-      int64_t first_x = 0;
-      const bool ok = locate<scalar_t, acc_t, W>(positions + 3 * p, g, first_x);
-      local_bad += ok ? 0 : 1;
-      if (bin) {
-        bin[p] = member * nx + (ok ? first_x : 0);
-      }
-      if (values) {
-        bool finite = true;
-        for (int64_t ch = 0; ch < channels; ++ch) {
-          finite = finite && std::isfinite(values[p * channels + ch]);
+  const int64_t bins = (split.count / per_batch) * nx;
+  at::parallel_for(0, split.ranges, 1, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t begin = split.begin(r);
+      const int64_t end = split.begin(r + 1);
+      int64_t* range_counts = bin ? counts + r * bins : nullptr;
+      int64_t local_bad = 0;
+      int64_t local_bad_values = 0;
+      // The batch member's first bin, stepped at member boundaries (no
+      // division per particle).
+      int64_t member = begin / per_batch;
+      int64_t member_end = (member + 1) * per_batch;
+      for (int64_t p = begin; p < end; ++p) {
+        if (p == member_end) {
+          ++member;
+          member_end += per_batch;
         }
-        local_bad_values += finite ? 0 : 1;
+        int64_t first_x = 0;
+        const bool ok = locate<scalar_t, acc_t, W>(positions + 3 * p, g, first_x);
+        local_bad += ok ? 0 : 1;
+        if (bin) {
+          const int64_t b = member * nx + (ok ? first_x : 0);
+          bin[p] = b;
+          ++range_counts[b];
+        }
+        if (values) {
+          bool finite = true;
+          for (int64_t ch = 0; ch < channels; ++ch) {
+            finite = finite && std::isfinite(values[p * channels + ch]);
+          }
+          local_bad_values += finite ? 0 : 1;
+        }
       }
+      bad += local_bad;
+      bad_values += local_bad_values;
     }
-    bad += local_bad;
-    bad_values += local_bad_values;
   });
   return {bad.load(), bad_values.load()};
 }
 
-// Stable counting sort of `count` particles by bin (0 .. bins-1): fills
-// `order` (the particles bin by bin, each bin in particle order) and `start`
-// (bins + 1 offsets). Each thread counts and places one contiguous range of
-// particles; stability makes the result the same for any number of ranges.
+// Stable counting sort by bin (0 .. bins-1) from the per-range counts of
+// check_and_bin (overwritten): fills `order` (the particles bin by bin, each
+// bin in particle order) and `start` (bins + 1 offsets). Each thread places one
+// range; stability makes the result the same for any number of ranges.
 void sort_by_bin(
-    const int64_t* bin, int64_t count, int64_t bins, std::vector<int64_t>& start,
-    std::vector<int64_t>& order) {
-  const int64_t ranges = std::max<int64_t>(
-      1, std::min<int64_t>(at::get_num_threads(), count / (1 << 14)));
-  std::vector<int64_t> offset(ranges * bins, 0);
-  auto range_begin = [&](int64_t r) { return r * count / ranges; };
-  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      int64_t* counts = offset.data() + r * bins;
-      for (int64_t p = range_begin(r), stop = range_begin(r + 1); p < stop; ++p) {
-        ++counts[bin[p]];
-      }
-    }
-  });
+    const int64_t* bin, const Ranges& split, int64_t bins, std::vector<int64_t>& counts,
+    std::vector<int64_t>& start, std::vector<int64_t>& order) {
   start.assign(bins + 1, 0);
   int64_t running = 0;
   for (int64_t k = 0; k < bins; ++k) {
     start[k] = running;
-    for (int64_t r = 0; r < ranges; ++r) {
-      const int64_t c = offset[r * bins + k];
-      offset[r * bins + k] = running;
+    for (int64_t r = 0; r < split.ranges; ++r) {
+      const int64_t c = counts[r * bins + k];
+      counts[r * bins + k] = running;
       running += c;
     }
   }
   start[bins] = running;
-  order.resize(count);
-  at::parallel_for(0, ranges, 1, [&](int64_t first, int64_t last) {
+  order.resize(split.count);
+  at::parallel_for(0, split.ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
-      int64_t* next = offset.data() + r * bins;
-      for (int64_t p = range_begin(r), stop = range_begin(r + 1); p < stop; ++p) {
+      int64_t* next = counts.data() + r * bins;
+      for (int64_t p = split.begin(r), stop = split.begin(r + 1); p < stop; ++p) {
         order[next[bin[p]]++] = p;
       }
     }
@@ -355,10 +364,12 @@ void paint_kernel(
   // path gives every cell its contributions in the same order with 1 thread or
   // many, and a different order from the serial path.
   const bool serial = total < kSerialPaintLimit;
+  const Ranges split = split_for_threads(total);
   std::vector<int64_t> particle_bin(serial ? 0 : total);
+  std::vector<int64_t> counts(serial ? 0 : split.ranges * batch * nx, 0);
   const CheckResult check = check_and_bin<scalar_t, W>(
-      pos, check_finite ? values : nullptr, channels, total, n, g,
-      serial ? nullptr : particle_bin.data());
+      pos, check_finite ? values : nullptr, channels, split, n, g,
+      serial ? nullptr : particle_bin.data(), counts.data());
   // Raises here in immediate mode; in deferred mode the valid particles are
   // painted and the mesh poisoned (NaN weights poison it by themselves).
   report_bad_particles(
@@ -370,8 +381,9 @@ void paint_kernel(
   std::vector<int64_t> start;
   std::vector<int64_t> order;
   if (!serial) {
-    sort_by_bin(particle_bin.data(), total, batch * nx, start, order);
+    sort_by_bin(particle_bin.data(), split, batch * nx, counts, start, order);
     particle_bin = std::vector<int64_t>();
+    counts = std::vector<int64_t>();
   }
   dispatch_channels(channels, [&](auto channel_count) {
     constexpr int C = decltype(channel_count)::value;
