@@ -55,7 +55,7 @@ import torch
 
 from .fourier import gradient_inverse_laplacian, multiply_real
 from .ops._arguments import order_number
-from .pm import StepFactors, kick_drift_kick
+from .pm import StepFactors, add_scaled, kick_drift_kick
 
 __all__ = ["adjoint_integrate", "AutogradForce", "ParticleMeshForce"]
 
@@ -68,12 +68,11 @@ def _migrating_step(migrate):
     arithmetic in the same order, so identity migration gives identical numbers)."""
 
     def step(positions, momenta, forces, factors, force_function):
-        dtype = positions.dtype
-        momenta = momenta + forces * factors.first_kick.to(dtype)
-        positions = positions + momenta * factors.drift.to(dtype)
+        momenta = add_scaled(momenta, forces, factors.first_kick)
+        positions = add_scaled(positions, momenta, factors.drift)
         positions, momenta = migrate(positions, momenta)
         forces = force_function(positions, factors.a_end)
-        momenta = momenta + forces * factors.second_kick.to(dtype)
+        momenta = add_scaled(momenta, forces, factors.second_kick)
         return positions, momenta, forces
 
     return step

@@ -128,6 +128,14 @@ def step_factors(table: GrowthTable, scale_factors: torch.Tensor, scheme: str = 
     return factors
 
 
+def add_scaled(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``x + y * factor`` (``factor`` a 0-d tensor, cast to ``x``'s dtype) with exactly
+    the rounding of those two ops (no fused multiply-add: the adjoint undoes the
+    updates step by step), but one new buffer instead of two (the product is
+    written once and the sum lands on it; addition commutes bit for bit)."""
+    return torch.mul(y, factor.to(x.dtype)).add_(x)
+
+
 def kick_drift_kick(positions, momenta, forces, factors: StepFactors, force_function):
     """One step: returns ``(positions, momenta, forces)`` at ``factors.a_end``.
 
@@ -135,9 +143,8 @@ def kick_drift_kick(positions, momenta, forces, factors: StepFactors, force_func
     step is reused); ``force_function(positions, a)`` computes the new ones.
     Nothing is modified in place, so autograd sees every step.
     """
-    dtype = positions.dtype
-    momenta = momenta + forces * factors.first_kick.to(dtype)
-    positions = positions + momenta * factors.drift.to(dtype)
+    momenta = add_scaled(momenta, forces, factors.first_kick)
+    positions = add_scaled(positions, momenta, factors.drift)
     forces = force_function(positions, factors.a_end)
-    momenta = momenta + forces * factors.second_kick.to(dtype)
+    momenta = add_scaled(momenta, forces, factors.second_kick)
     return positions, momenta, forces

@@ -24,7 +24,7 @@ from .distributed.decomposition import PencilDecomposition
 from .distributed.layout import balanced_grid
 from .mesh import LocalMesh
 from .fourier import FourierKernels
-from .pm import StepFactors, compute_forces, step_factors
+from .pm import StepFactors, add_scaled, compute_forces, step_factors
 from .resources import check_memory, estimate_memory
 from .adjoint import ParticleMeshForce, adjoint_integrate
 from .ordering import restore_id_order, sort_particles
@@ -638,16 +638,15 @@ class Simulation(nn.Module):
     def _step(self, positions, momenta, forces, ids, factor: StepFactors, cosmology=None, sort=False):
         """One kick-drift-kick step with the migration after the drift (and the sort
         into spatial order after it when ``sort``)."""
-        dtype = positions.dtype
-        momenta = momenta + forces * factor.first_kick.to(dtype)
-        positions = positions + momenta * factor.drift.to(dtype)
+        momenta = add_scaled(momenta, forces, factor.first_kick)
+        positions = add_scaled(positions, momenta, factor.drift)
         _, positions, ids, momenta = self.force_mesh.migrate(
             positions, ids, momenta, capacity=self.particle_capacity
         )
         if sort:
             positions, ids, momenta = sort_particles(self.force_mesh, positions, ids, momenta)
         forces = self.forces(positions, factor.a_end, ids, cosmology)
-        momenta = momenta + forces * factor.second_kick.to(dtype)
+        momenta = add_scaled(momenta, forces, factor.second_kick)
         return positions, momenta, forces, ids
 
     def evolve(self, positions, momenta, table, callback=None, *, ids=None, start: int = 0, stop: int | None = None,
