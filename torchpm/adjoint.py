@@ -303,7 +303,7 @@ class ParticleMeshForce:
         forces are :meth:`evaluate`'s bit for bit (the reversed trajectory relies on
         it). The readout of the forces and the two position gradients at the same
         positions go through one helper, :func:`_readout_and_position_gradient` (one
-        halo fill; for now the readout op and the position-gradient op, two passes).
+        halo fill, one pass over the particles).
 
         Args:
             positions: ``(B, N, 3)``.
