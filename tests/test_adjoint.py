@@ -101,36 +101,8 @@ def test_particle_mesh_force_pull_back(options, device):
     """The hand-written pull-back of the PM force equals autograd through compute_forces
     (positions, 1.5 Omega_m, the correction's parameters and a), with empty slots of
     zero mass; its evaluation gives the plain forces bit for bit."""
-    torch.manual_seed(1)
-    correction = NeuralSplineCorrection(k_max=2.0, knots=5, hidden=(6,), dtype=torch.float64)
-    with torch.no_grad():
-        for parameter in correction.parameters():
-            parameter.add_(0.1 * torch.randn(parameter.shape, dtype=torch.float64))
-    correction = correction.to(device)
-    omega_c = torch.tensor(0.26, dtype=torch.float64, requires_grad=True)
-    sim = torchpm.Simulation(
-        (4, 4, 6), (40.0, 40.0, 55.0), a_start=0.2, steps=2, dtype=torch.float64, force_correction=correction,
-        cosmology=torchpm.Planck15(Omega_c=omega_c), **options,
-    ).to(device)
-    with torch.no_grad():
-        x, _, _ = sim.lpt(sim.linear_field(sim.white_noise(batch=2, seed=4)))
-    weights = torch.ones(x.shape[:2], dtype=torch.float64, device=device)
-    weights[:, ::7] = 0.0
-    parameters = [omega_c, *correction.parameters()]
+    by_hand, plain, x, parameters, _ = _particle_mesh_force(device, **options)
     a = torch.tensor(0.5, dtype=torch.float64, device=device)
-
-    def plain(positions, a):
-        return torchpm.pm.compute_forces(
-            positions, sim.kernels("force"), a=a, particle_mass=sim.particle_mass,
-            force_scale=1.5 * sim.cosmology.Omega_m, force_correction=correction, weights=weights,
-            order=sim.paint_order,
-        )
-
-    by_hand = ParticleMeshForce(
-        plain, sim.kernels("force"), particle_mass=sim.particle_mass,
-        force_scale=lambda: 1.5 * sim.cosmology.Omega_m, force_correction=correction,
-        weights=lambda: weights, order=sim.paint_order,
-    )
     value, saved = by_hand.evaluate(x, a)
     with torch.no_grad():
         assert torch.equal(value, plain(x, a))
@@ -261,9 +233,11 @@ def test_four_channel_paint_channel_zero_is_the_density(dtype, weighted, count):
         torch.testing.assert_close(together[:, 1:], mesh.paint(positions, cotangent, order=order))
 
 
-def _particle_mesh_force(device, batch=2, dtype=torch.float64, order="cic", empty_slots=True):
+def _particle_mesh_force(device, batch=2, dtype=torch.float64, empty_slots=True, **options):
     """A ParticleMeshForce with a force correction off the identity and Omega_c needing
-    grad; returns ``(force, plain force function, positions, parameters, sim)``."""
+    grad (``options``: more Simulation arguments, default ``mesh_factor=2``, CIC);
+    returns ``(force, plain force function, positions, parameters, sim)``."""
+    options = {"mesh_factor": 2, **options}
     torch.manual_seed(1)
     correction = NeuralSplineCorrection(k_max=2.0, knots=5, hidden=(6,), dtype=torch.float64)
     with torch.no_grad():
@@ -272,8 +246,8 @@ def _particle_mesh_force(device, batch=2, dtype=torch.float64, order="cic", empt
     correction = correction.to(device=device, dtype=dtype)
     omega_c = torch.tensor(0.26, dtype=torch.float64, requires_grad=True)
     sim = torchpm.Simulation(
-        (4, 4, 6), (40.0, 40.0, 55.0), mesh_factor=2, a_start=0.2, steps=3, dtype=dtype,
-        force_correction=correction, cosmology=torchpm.Planck15(Omega_c=omega_c), paint_order=order,
+        (4, 4, 6), (40.0, 40.0, 55.0), a_start=0.2, steps=3, dtype=dtype,
+        force_correction=correction, cosmology=torchpm.Planck15(Omega_c=omega_c), **options,
     ).to(device)
     with torch.no_grad():
         x, _, _ = sim.lpt(sim.linear_field(sim.white_noise(batch=batch, seed=4)))
@@ -317,7 +291,7 @@ def test_evaluate_and_pull_equals_evaluate_then_pull_back(order, device):
     """evaluate_and_pull = evaluate + pull_back (float64, to rounding), and both equal
     autograd through compute_forces; the ``cotangent_dot_forces`` callable gets the forces
     and its value is used for the 1.5 Omega_m adjoint."""
-    force, plain, x, parameters, _ = _particle_mesh_force(device, order=order)
+    force, plain, x, parameters, _ = _particle_mesh_force(device, paint_order=order)
     a = torch.tensor(0.5, dtype=torch.float64, device=device)
     cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(device)
     value, saved = force.evaluate(x, a)
