@@ -137,13 +137,6 @@ at::Tensor check_gradient_values(
   return values;
 }
 
-void check_readout_channels(const char* op, int64_t readout_channels, int64_t channels) {
-  TORCH_CHECK_VALUE(
-      readout_channels >= 0 && readout_channels <= channels, op,
-      ": expected `readout_channels` between 0 and the ", channels,
-      " channels of `mesh`, got ", readout_channels, ".");
-}
-
 at::Tensor check_mesh(
     const char* op,
     const char* name,
@@ -267,6 +260,29 @@ void throw_non_finite(
       << (late.empty() ? "" : " ") << late;
   throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
                         msg.str());
+}
+
+PositionGradientArguments check_position_gradient_arguments(
+    const char* op,
+    const at::Tensor& mesh_in,
+    const at::Tensor& positions_in,
+    const std::optional<at::Tensor>& values_in,
+    int64_t readout_channels,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order) {
+  PositionGradientArguments args;
+  args.positions = check_positions(op, positions_in);
+  bool has_channel_dim = false;
+  args.channels = 1;
+  args.mesh = check_mesh(op, "mesh", mesh_in, args.positions, args.channels, has_channel_dim);
+  TORCH_CHECK_VALUE(
+      readout_channels >= 0 && readout_channels <= args.channels, op,
+      ": expected `readout_channels` between 0 and the ", args.channels,
+      " channels of `mesh`, got ", readout_channels, ".");
+  args.values = check_gradient_values(op, values_in, args.positions, args.channels, has_channel_dim);
+  args.geometry = make_geometry(op, args.mesh.sizes().slice(2), offset, periodic, order);
+  return args;
 }
 
 }  // namespace torchpm

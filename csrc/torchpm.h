@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
 
 namespace torchpm {
 
@@ -89,9 +90,51 @@ at::Tensor check_gradient_values(
     int64_t channels,
     bool has_channel_dim);
 
-// Validates `readout_channels` of the fused readout and position gradient:
-// 0 .. channels of the mesh.
-void check_readout_channels(const char* op, int64_t readout_channels, int64_t channels);
+// The checked arguments of a position gradient, or of the fused readout and
+// position gradient (`readout_channels` K: 0 .. the channels of the mesh).
+struct PositionGradientArguments {
+  at::Tensor positions;  // (B, N, 3) contiguous
+  at::Tensor mesh;       // (B, C, nx, ny, nz) contiguous
+  at::Tensor values;     // (B, N, C) contiguous, or undefined
+  int64_t channels;
+  StencilGeometry geometry;
+};
+
+PositionGradientArguments check_position_gradient_arguments(
+    const char* op,
+    const at::Tensor& mesh,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& values,
+    int64_t readout_channels,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order);
+
+// The registered `_position_gradient` and `_readout_and_position_gradient` of a
+// backend, from its `impl(op, mesh, positions, values, K, offset, periodic,
+// order) -> (gradient (B, N, 3), readout (B, N, K))`.
+using PositionGradientImpl = std::tuple<at::Tensor, at::Tensor> (*)(
+    const char*, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    int64_t, at::IntArrayRef, std::array<bool, 3>, int64_t);
+
+template <PositionGradientImpl impl>
+at::Tensor position_gradient_op(
+    const at::Tensor& mesh, const at::Tensor& positions, const std::optional<at::Tensor>& values,
+    at::IntArrayRef offset, std::array<bool, 3> periodic, int64_t order) {
+  return std::get<0>(
+      impl("torchpm._position_gradient", mesh, positions, values, 0, offset, periodic, order));
+}
+
+template <PositionGradientImpl impl>
+std::tuple<at::Tensor, at::Tensor> readout_and_position_gradient_op(
+    const at::Tensor& mesh, const at::Tensor& positions, const std::optional<at::Tensor>& values,
+    int64_t readout_channels, at::IntArrayRef offset, std::array<bool, 3> periodic,
+    int64_t order) {
+  auto [gradient, read] = impl(
+      "torchpm._readout_and_position_gradient", mesh, positions, values, readout_channels,
+      offset, periodic, order);
+  return {read, gradient};
+}
 
 // Called by a backend when its fused check found `bad` rejected particles: finds
 // the worst offender with ATen ops (slow, only on the error path) and throws.

@@ -124,6 +124,22 @@ C10_ALWAYS_INLINE acc_t interpolate(const scalar_t* mc, const Stencil<acc_t, W>&
   return acc;
 }
 
+// Reads `count` channels (channel_stride apart, from `m`) around one particle
+// into out[0 .. count); false when one of them is not finite. The readout and the
+// fused readout + position gradient both read through it, so they agree bit for bit.
+template <typename scalar_t, typename acc_t, int W>
+C10_ALWAYS_INLINE bool read_channels(
+    const scalar_t* m, int64_t channel_stride, int64_t count, const Stencil<acc_t, W>& s,
+    scalar_t* out) {
+  bool finite = true;
+  for (int64_t ch = 0; ch < count; ++ch) {
+    const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
+    out[ch] = static_cast<scalar_t>(acc);
+    finite = finite && std::isfinite(acc);
+  }
+  return finite;
+}
+
 // Visits particles [begin, end) in chunks, calling visit(p, stencil) for each
 // valid particle; returns the number of rejected ones. A chunk whose first and
 // last particles lie within a few cells of each other in x and y (spatial or
@@ -518,13 +534,8 @@ at::Tensor readout_cpu(
                 pos, begin, end, g, field, batch, n, nc,
                 [&](int64_t p, const Stencil<acc_t, W>& s) {
                   const scalar_t* m = field + (batch == 1 ? 0 : p / n) * nc * channel_stride;
-                  bool finite = true;
-                  for (int64_t ch = 0; ch < nc; ++ch) {
-                    const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
-                    result[p * nc + ch] = static_cast<scalar_t>(acc);
-                    finite = finite && std::isfinite(acc);
-                  }
-                  local_non_finite += finite ? 0 : 1;
+                  local_non_finite +=
+                      read_channels<scalar_t, acc_t, W>(m, channel_stride, nc, s, result + p * nc) ? 0 : 1;
                 });
             non_finite += local_non_finite;
           });
@@ -555,13 +566,13 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
     std::array<bool, 3> periodic,
     int64_t order) {
   report_earlier_errors(op);
-  auto positions = check_positions(op, positions_in);
-  int64_t channels = 1;
-  bool has_channel_dim = false;
-  auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim);
-  check_readout_channels(op, readout_channels, channels);
-  const at::Tensor values = check_gradient_values(op, values_in, positions, channels, has_channel_dim);
-  const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
+  const auto args = check_position_gradient_arguments(
+      op, mesh_in, positions_in, values_in, readout_channels, offset, periodic, order);
+  const at::Tensor& positions = args.positions;
+  const at::Tensor& mesh = args.mesh;
+  const at::Tensor& values = args.values;
+  const int64_t channels = args.channels;
+  const StencilGeometry& g = args.geometry;
   const int64_t batch = positions.size(0);
   const int64_t n = positions.size(1);
   auto out = at::empty({batch, n, 3}, positions.options());
@@ -588,13 +599,8 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
                 pos, begin, end, g, field, batch, n, nc,
                 [&](int64_t p, const Stencil<acc_t, W>& s) {
                   const scalar_t* m = field + (batch == 1 ? 0 : p / n) * nc * channel_stride;
-                  bool finite = true;
-                  for (int64_t ch = 0; ch < readout_channels; ++ch) {
-                    const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
-                    read_out[p * readout_channels + ch] = static_cast<scalar_t>(acc);
-                    finite = finite && std::isfinite(acc);
-                  }
-                  local_non_finite += finite ? 0 : 1;
+                  local_non_finite += read_channels<scalar_t, acc_t, W>(
+                      m, channel_stride, readout_channels, s, read_out + p * readout_channels) ? 0 : 1;
                   acc_t v[C > 0 ? C : 1];
                   if constexpr (C > 0) {
                     for (int ch = 0; ch < C; ++ch) {
@@ -652,38 +658,13 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
   return {out, read};
 }
 
-at::Tensor position_gradient_cpu(
-    const at::Tensor& mesh,
-    const at::Tensor& positions,
-    const std::optional<at::Tensor>& values,
-    at::IntArrayRef offset,
-    std::array<bool, 3> periodic,
-    int64_t order) {
-  return std::get<0>(position_gradient_impl(
-      "torchpm._position_gradient", mesh, positions, values, 0, offset, periodic, order));
-}
-
-std::tuple<at::Tensor, at::Tensor> readout_and_position_gradient_cpu(
-    const at::Tensor& mesh,
-    const at::Tensor& positions,
-    const std::optional<at::Tensor>& values,
-    int64_t readout_channels,
-    at::IntArrayRef offset,
-    std::array<bool, 3> periodic,
-    int64_t order) {
-  auto [gradient, read] = position_gradient_impl(
-      "torchpm._readout_and_position_gradient", mesh, positions, values, readout_channels,
-      offset, periodic, order);
-  return {read, gradient};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
   m.impl("paint", &paint_cpu);
   m.impl("readout", &readout_cpu);
-  m.impl("_position_gradient", &position_gradient_cpu);
-  m.impl("_readout_and_position_gradient", &readout_and_position_gradient_cpu);
+  m.impl("_position_gradient", &position_gradient_op<position_gradient_impl>);
+  m.impl("_readout_and_position_gradient", &readout_and_position_gradient_op<position_gradient_impl>);
 }
 
 }  // namespace torchpm

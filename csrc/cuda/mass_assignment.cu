@@ -302,6 +302,21 @@ __device__ __forceinline__ acc_t interpolate(const scalar_t* mc, const Stencil<a
   return acc;
 }
 
+// Reads `count` channels around one particle into out[0 .. count); false when one
+// is not finite. Shared by the readout and the fused readout + position gradient.
+template <typename scalar_t, typename acc_t, int W>
+__device__ __forceinline__ bool read_channels(
+    const scalar_t* m, int64_t channel_stride, int64_t count, const Stencil<acc_t, W>& s,
+    scalar_t* out) {
+  bool finite = true;
+  for (int64_t ch = 0; ch < count; ++ch) {
+    const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
+    out[ch] = static_cast<scalar_t>(acc);
+    finite = finite && ::isfinite(acc);
+  }
+  return finite;
+}
+
 template <typename scalar_t, int W>
 __global__ void readout_kernel(
     const scalar_t* __restrict__ mesh,
@@ -327,12 +342,7 @@ __global__ void readout_kernel(
   }
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
   const scalar_t* m = mesh + (p / per_batch) * channels * channel_stride;
-  bool finite = true;
-  for (int64_t ch = 0; ch < channels; ++ch) {
-    const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
-    out[p * channels + ch] = static_cast<scalar_t>(acc);
-    finite = finite && ::isfinite(acc);
-  }
+  const bool finite = read_channels<scalar_t, acc_t, W>(m, channel_stride, channels, s, out + p * channels);
   if (check_finite) {
     count_in_warp(!finite, bad + kBadValues);
   }
@@ -368,12 +378,8 @@ __global__ void position_gradient_kernel(
   const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
   const scalar_t* m = mesh + (p / per_batch) * channels * channel_stride;
   if (readout_channels > 0) {
-    bool finite = true;
-    for (int64_t ch = 0; ch < readout_channels; ++ch) {
-      const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
-      read[p * readout_channels + ch] = static_cast<scalar_t>(acc);
-      finite = finite && ::isfinite(acc);
-    }
+    const bool finite = read_channels<scalar_t, acc_t, W>(
+        m, channel_stride, readout_channels, s, read + p * readout_channels);
     count_in_warp(!finite, bad_read + kBadValues);
   }
   acc_t grad[3] = {0, 0, 0};
@@ -501,13 +507,13 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
     std::array<bool, 3> periodic,
     int64_t order) {
   report_earlier_errors(op);
-  auto positions = check_positions(op, positions_in);
-  int64_t channels = 1;
-  bool has_channel_dim = false;
-  auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim);
-  check_readout_channels(op, readout_channels, channels);
-  const at::Tensor values = check_gradient_values(op, values_in, positions, channels, has_channel_dim);
-  const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
+  const auto args = check_position_gradient_arguments(
+      op, mesh_in, positions_in, values_in, readout_channels, offset, periodic, order);
+  const at::Tensor& positions = args.positions;
+  const at::Tensor& mesh = args.mesh;
+  const at::Tensor& values = args.values;
+  const int64_t channels = args.channels;
+  const StencilGeometry& g = args.geometry;
   const c10::cuda::CUDAGuard guard(positions.device());
   const int64_t total = positions.size(0) * positions.size(1);
   auto out = at::empty({positions.size(0), positions.size(1), 3}, positions.options());
@@ -538,38 +544,13 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
   return {out, read};
 }
 
-at::Tensor position_gradient_cuda(
-    const at::Tensor& mesh,
-    const at::Tensor& positions,
-    const std::optional<at::Tensor>& values,
-    at::IntArrayRef offset,
-    std::array<bool, 3> periodic,
-    int64_t order) {
-  return std::get<0>(position_gradient_impl(
-      "torchpm._position_gradient", mesh, positions, values, 0, offset, periodic, order));
-}
-
-std::tuple<at::Tensor, at::Tensor> readout_and_position_gradient_cuda(
-    const at::Tensor& mesh,
-    const at::Tensor& positions,
-    const std::optional<at::Tensor>& values,
-    int64_t readout_channels,
-    at::IntArrayRef offset,
-    std::array<bool, 3> periodic,
-    int64_t order) {
-  auto [gradient, read] = position_gradient_impl(
-      "torchpm._readout_and_position_gradient", mesh, positions, values, readout_channels,
-      offset, periodic, order);
-  return {read, gradient};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("paint", &paint_cuda);
   m.impl("readout", &readout_cuda);
-  m.impl("_position_gradient", &position_gradient_cuda);
-  m.impl("_readout_and_position_gradient", &readout_and_position_gradient_cuda);
+  m.impl("_position_gradient", &position_gradient_op<position_gradient_impl>);
+  m.impl("_readout_and_position_gradient", &readout_and_position_gradient_op<position_gradient_impl>);
 }
 
 }  // namespace torchpm
