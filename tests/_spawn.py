@@ -17,6 +17,7 @@ import os
 import time
 import traceback
 
+import pytest
 import torch.multiprocessing as mp
 
 # Bound on every collective of the pool's main group: a case that breaks the
@@ -98,3 +99,29 @@ def run_world(world_size, module_name, case_ids, tmp_path, timeout_s=600):
             if case_id + "#seconds" in reported:
                 outcome[case_id][f"{rank}#seconds"] = reported[case_id + "#seconds"]
     return outcome
+
+
+def rank_errors(outcome) -> str:
+    """The errors of one case's ``{rank: error or None}`` (timing entries left out), one
+    block per failing rank; empty when every rank passed."""
+    errors = {rank: error for rank, error in outcome.items() if not str(rank).endswith("#seconds") and error}
+    return "\n".join(f"--- rank {rank} ---\n{error}" for rank, error in sorted(errors.items()))
+
+
+def world_results_fixture(module_name, case_ids, prefix, timeout_s=600):
+    """A module-scoped pytest fixture ``world_results``: ``world_results(world_size)``
+    runs every case of ``case_ids(world_size)`` in one pool the first time and returns
+    the :func:`run_world` outcome (cached for the module)."""
+    results = {}
+
+    @pytest.fixture(scope="module")
+    def world_results(tmp_path_factory):
+        def get(world_size):
+            if world_size not in results:
+                tmp = tmp_path_factory.mktemp(f"{prefix}{world_size}")
+                results[world_size] = run_world(world_size, module_name, case_ids(world_size), tmp, timeout_s=timeout_s)
+            return results[world_size]
+
+        return get
+
+    return world_results

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _spawn import run_world
+from _spawn import rank_errors, world_results_fixture
 
 pytestmark = pytest.mark.distributed
 
@@ -322,26 +322,14 @@ def case_check_off(grid, ctx):
 # ----------------------------------------------------------------------------
 # The pytest side: one pool of processes per world size, one test per case.
 
-_RESULTS: dict[int, dict] = {}
-
-
-@pytest.fixture(scope="module")
-def world_results(tmp_path_factory):
-    def get(world_size):
-        if world_size not in _RESULTS:
-            tmp = tmp_path_factory.mktemp(f"agreement_world{world_size}")
-            _RESULTS[world_size] = run_world(world_size, __name__, case_ids(world_size), tmp, timeout_s=300)
-        return _RESULTS[world_size]
-
-    return get
+world_results = world_results_fixture(__name__, case_ids, "agreement_world", timeout_s=300)
 
 
 @pytest.mark.parametrize("world_size,case_id", [(w, c) for w in sorted(GRIDS) for c in case_ids(w)])
 def test_ranks_disagree(world_results, world_size, case_id):
-    outcome = world_results(world_size)[case_id]
-    errors = {rank: err for rank, err in outcome.items() if not str(rank).endswith("#seconds") and err}
+    errors = rank_errors(world_results(world_size)[case_id])
     if errors:
-        pytest.fail("\n".join(f"--- rank {rank} ---\n{err}" for rank, err in sorted(errors.items())))
+        pytest.fail(errors)
 
 
 def test_setting_from_environment(monkeypatch):

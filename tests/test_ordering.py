@@ -15,7 +15,7 @@ from torchpm.config import SettingError
 from torchpm.mesh import LocalMesh
 from torchpm.ordering import permute, restore_id_order, sort_particles, spatial_order, spatial_order_reference
 
-from _spawn import run_world
+from _spawn import rank_errors, run_world
 
 TOLERANCE = 1e-12
 
@@ -225,6 +225,5 @@ def run_case(case_id, ctx):
 
 
 def test_two_ranks(tmp_path):
-    outcome = run_world(2, __name__, ["grid-2x1"], tmp_path, timeout_s=240)["grid-2x1"]
-    errors = {rank: error for rank, error in outcome.items() if not str(rank).endswith("#seconds") and error}
-    assert not errors, "\n".join(f"--- rank {rank} ---\n{error}" for rank, error in sorted(errors.items()))
+    errors = rank_errors(run_world(2, __name__, ["grid-2x1"], tmp_path, timeout_s=240)["grid-2x1"])
+    assert not errors, errors
