@@ -3,6 +3,7 @@
 
 #include <sstream>
 
+#include "finite_difference.h"
 #include "torchpm.h"
 
 namespace torchpm {
@@ -282,6 +283,81 @@ PositionGradientArguments check_position_gradient_arguments(
       " channels of `mesh`, got ", readout_channels, ".");
   args.values = check_gradient_values(op, values_in, args.positions, args.channels, has_channel_dim);
   args.geometry = make_geometry(op, args.mesh.sizes().slice(2), offset, periodic, order);
+  return args;
+}
+
+FiniteDifferenceArguments check_finite_difference_arguments(
+    const char* op,
+    const at::Tensor& input,
+    const at::Tensor& scale,
+    std::array<bool, 3> periodic,
+    bool transpose) {
+  const char* name = transpose ? "grad" : "field";
+  TORCH_CHECK_VALUE(input.defined(), op, ": `", name, "` is undefined.");
+  check_floating(op, name, input);
+  if (transpose) {
+    TORCH_CHECK_VALUE(
+        input.dim() == 5 && input.size(1) == 3, op, ": expected `grad` of shape (B, 3, ox, oy, oz), got ",
+        format_list(input.sizes()), ".");
+  } else {
+    TORCH_CHECK_VALUE(
+        input.dim() == 4, op, ": expected `field` of shape (B, nx, ny, nz), got ",
+        format_list(input.sizes()), ".");
+  }
+  FiniteDifferenceArguments args;
+  args.batch = input.size(0);
+  const int64_t first = transpose ? 2 : 1;
+  for (int d = 0; d < 3; ++d) {
+    const int64_t size = input.size(first + d);
+    const int64_t cut = periodic[d] ? 0 : 2 * kFiniteDifferenceReach;
+    args.periodic[d] = periodic[d];
+    args.shift[d] = periodic[d] ? 0 : kFiniteDifferenceReach;
+    if (transpose) {
+      TORCH_CHECK_VALUE(
+          size >= 1, op, ": expected `grad` to have at least 1 node along axis ", d, ", got shape ",
+          format_list(input.sizes()), ".");
+      args.gradient[d] = size;
+      args.field[d] = size + cut;
+    } else {
+      TORCH_CHECK_VALUE(
+          size >= 1 + cut, op, ": expected `field` to have at least ", 1 + cut, " nodes along axis ", d,
+          periodic[d] ? "" : " (not periodic: the stencil reaches 2 nodes to each side)",
+          ", got shape ", format_list(input.sizes()), ".");
+      args.field[d] = size;
+      args.gradient[d] = size - cut;
+    }
+    TORCH_CHECK_VALUE(
+        args.field[d] <= kMaxAxisSize, op, ": axis ", d, " of ", args.field[d], " nodes exceeds the largest ",
+        "supported size ", kMaxAxisSize, ".");
+  }
+  // 3 * batch * the larger of the two meshes must stay addressable.
+  double elements = 3.0 * static_cast<double>(args.batch);
+  for (int d = 0; d < 3; ++d) {
+    elements *= static_cast<double>(args.field[d]);
+  }
+  TORCH_CHECK_VALUE(
+      elements * static_cast<double>(input.element_size()) < 9.0e18, op, ": a gradient of ", elements,
+      " elements of ", input.scalar_type(), " would not be addressable.");
+  TORCH_CHECK_VALUE(scale.defined(), op, ": `scale` is undefined.");
+  TORCH_CHECK_VALUE(
+      scale.dim() == 1 && scale.size(0) == 3 && scale.scalar_type() == input.scalar_type() &&
+          scale.device() == input.device(),
+      op, ": expected `scale` to be a (3,) tensor of `", name, "`'s dtype and device (", input.scalar_type(),
+      ", ", input.device(), "), got shape ", format_list(scale.sizes()), ", ", scale.scalar_type(), ", ",
+      scale.device(), ".");
+  // Read in place when everything after the batch dimension is contiguous (for
+  // example channels 1..3 of a 4-channel paint); copied otherwise.
+  bool inner_contiguous = true;
+  int64_t expected = 1;
+  for (int64_t d = input.dim() - 1; d >= 1; --d) {
+    if (input.size(d) != 1 && input.stride(d) != expected) {
+      inner_contiguous = false;
+    }
+    expected *= input.size(d);
+  }
+  args.input = inner_contiguous ? input : input.contiguous();
+  args.batch_stride = args.batch > 1 ? args.input.stride(0) : expected;
+  args.scale = scale.contiguous();
   return args;
 }
 

@@ -39,6 +39,14 @@ std::tuple<at::Tensor, at::Tensor> readout_and_position_gradient_missing(
   no_cuda_kernels("torchpm._readout_and_position_gradient");
 }
 
+at::Tensor fd4_gradient_missing(const at::Tensor&, const at::Tensor&, std::array<bool, 3>) {
+  no_cuda_kernels("torchpm._fd4_gradient");
+}
+
+at::Tensor fd4_gradient_transpose_missing(const at::Tensor&, const at::Tensor&, std::array<bool, 3>) {
+  no_cuda_kernels("torchpm._fd4_gradient_transpose");
+}
+
 at::Tensor pack_blocks_missing(const at::Tensor&, int64_t, at::IntArrayRef) {
   no_cuda_kernels("torchpm.pack_blocks");
 }
@@ -55,6 +63,8 @@ TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("readout", &readout_missing);
   m.impl("_position_gradient", &position_gradient_missing);
   m.impl("_readout_and_position_gradient", &readout_and_position_gradient_missing);
+  m.impl("_fd4_gradient", &fd4_gradient_missing);
+  m.impl("_fd4_gradient_transpose", &fd4_gradient_transpose_missing);
   m.impl("pack_blocks", &pack_blocks_missing);
   m.impl("unpack_blocks", &unpack_blocks_missing);
 }

@@ -61,6 +61,16 @@ TORCH_LIBRARY(torchpm, m) {
   m.def(
       "_readout_and_position_gradient(Tensor mesh, Tensor positions, Tensor? values, "
       "int readout_channels, int[] offset, bool[3] periodic, int order=2) -> (Tensor, Tensor)");
+  // The force field from the potential in real space (finite_difference.h):
+  // field (B, nx, ny, nz) -> (B, 3, ox, oy, oz), channel i = scale[i] * D_i
+  // field with D the 4-point finite difference (Fourier multiplier i (8 sin w -
+  // sin 2w) / 6, unit node spacing). Along a periodic axis the stencil wraps and
+  // o = n; along the others it stays inside the field and o = n - 4 (a block
+  // whose halo of 2 is filled). scale: (3,), the field's dtype and device.
+  // _fd4_gradient_transpose is the transpose of that map (grad (B, 3, ox, oy,
+  // oz) -> (B, nx, ny, nz)), its backward with respect to the field.
+  m.def("_fd4_gradient(Tensor field, Tensor scale, bool[3] periodic) -> Tensor");
+  m.def("_fd4_gradient_transpose(Tensor grad, Tensor scale, bool[3] periodic) -> Tensor");
   // Spatial order of particles (torchpm/ordering.py): the permutation (B, N)
   // int64 that sorts each batch member's particles by the (x, y) row of the
   // block (shape, offset; coordinates wrapped with period) they lie in, and by

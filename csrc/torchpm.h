@@ -136,6 +136,29 @@ std::tuple<at::Tensor, at::Tensor> readout_and_position_gradient_op(
   return {read, gradient};
 }
 
+// The checked arguments of _fd4_gradient (transpose false: `input` is the field
+// (B, nx, ny, nz)) and of _fd4_gradient_transpose (transpose true: `input` is a
+// gradient (B, 3, ox, oy, oz)). Along a periodic axis the gradient has the
+// field's size and the stencil wraps; along the others it has 2 *
+// kFiniteDifferenceReach planes fewer (the stencil stays inside the field).
+struct FiniteDifferenceArguments {
+  at::Tensor input;  // contiguous after the batch dimension
+  at::Tensor scale;  // (3,) contiguous, the input's dtype and device
+  int64_t batch;
+  int64_t batch_stride;  // of `input`: a channel slice of a larger mesh is read in place
+  int64_t field[3];     // (nx, ny, nz)
+  int64_t gradient[3];  // (ox, oy, oz)
+  int64_t shift[3];     // field index of gradient index 0: 0 periodic, kFiniteDifferenceReach otherwise
+  bool periodic[3];
+};
+
+FiniteDifferenceArguments check_finite_difference_arguments(
+    const char* op,
+    const at::Tensor& input,
+    const at::Tensor& scale,
+    std::array<bool, 3> periodic,
+    bool transpose);
+
 // Called by a backend when its fused check found `bad` rejected particles: finds
 // the worst offender with ATen ops (slow, only on the error path) and throws.
 // `late`: empty when raised inside the call (nothing was returned); otherwise

@@ -53,7 +53,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .fourier import gradient_inverse_laplacian, multiply_real
+from .fourier import gradient_inverse_laplacian, gradient_transpose_k, multiply_real
 from .ops._arguments import order_number
 from .pm import StepFactors, add_scaled, kick_drift_kick
 
@@ -125,9 +125,12 @@ class ParticleMeshForce:
       ``d/dx <rho_bar, paint(x, w)> = d/dx <w, readout(rho_bar, x)>`` with
       ``rho_bar = IDFT[L C Z]``, both in one pass over the particles,
       ``Z = sum_i conj(G'_i) DFT(paint(x, c_i))``: the three components combine into
-      one field in Fourier space, so the backward costs one 3-channel paint, one
-      3-channel forward DFT and one 1-channel inverse DFT (the transpose of a real
-      convolution ``IDFT K DFT`` is ``IDFT conj(K) DFT``);
+      one field (the transpose of a real convolution ``IDFT K DFT`` is
+      ``IDFT conj(K) DFT``). With the real-space ``"fd4"`` gradient they combine
+      before the transform, ``Z = DFT(sum_i D_i^T paint(x, c_i))`` with the
+      stencil's transpose, so the backward costs one 3-channel paint, one
+      1-channel forward DFT and one 1-channel inverse DFT (a 3-channel forward
+      DFT with the Fourier gradient);
     * to ``1.5 Omega_m``: ``<c, F> / (1.5 Omega_m)`` (the forces are linear in it);
     * to the filter ``C`` (hence the correction's parameters and ``a``):
       ``(h / N) L Re(DFT(rho) conj(Z))``, ``h`` the Hermitian weights of the rfft
@@ -185,27 +188,24 @@ class ParticleMeshForce:
         return a, scale, filter_
 
     def _force_field(self, density_k, scale, filter_):
-        """``(gradient, field)``: the scaled gradient kernels ``G'_i`` and the 3-channel
-        force field ``IDFT[K_i DFT(rho)]``, with :func:`~torchpm.pm.compute_forces`'s
-        arithmetic (bit for bit)."""
+        """``(gradient_scale, field)``: the per-axis factors of the gradient ``G'_i = f_i
+        G_i`` and the 3-channel force field ``IDFT[K_i DFT(rho)]``, with
+        :func:`~torchpm.pm.compute_forces`'s arithmetic (bit for bit)."""
         kernels = self.kernels
         plain_scale = scale.detach() if isinstance(scale, torch.Tensor) else scale
-        gradient = [g * (plain_scale * (self.particle_mass / c)) for g, c in zip(kernels.gradient, kernels.cell_size)]
-        gradient = [g.to(kernels.gradient[0].dtype) for g in gradient]
+        gradient_scale = [plain_scale * (self.particle_mass / c) for c in kernels.cell_size]
         plain_filter = filter_.detach() if isinstance(filter_, torch.Tensor) else filter_
-        return gradient, gradient_inverse_laplacian(density_k, kernels, plain_filter, gradient)
+        return gradient_scale, gradient_inverse_laplacian(density_k, kernels, plain_filter, gradient_scale)
 
-    def _density_adjoint(self, cotangent_k, density_k, gradient, filter_):
-        """``(rho_bar, filter_adjoint)`` from the spectrum ``cotangent_k`` ``(B, 3, ...)`` of
-        the painted cotangent: ``rho_bar = IDFT[L C Z]`` (``(B, *local_real_shape)``) and
+    def _density_adjoint(self, cotangent_mesh, density_k, gradient_scale, filter_):
+        """``(rho_bar, filter_adjoint)`` from the painted cotangent ``(B, 3,
+        *local_real_shape)``: ``rho_bar = IDFT[L C Z]`` (``(B, *local_real_shape)``) and
         ``(h/N) L Re(rho_k conj(Z))`` summed to the filter's shape (None when the filter
-        needs no gradient), ``Z = sum_i conj(G'_i) cotangent_k[:, i]``."""
+        needs no gradient), ``Z = sum_i conj(G'_i) DFT(cotangent_mesh[:, i])``
+        (:func:`~torchpm.fourier.gradient_transpose_k`: with the real-space gradient,
+        the DFT of the stencil's transpose, one forward FFT)."""
         kernels, mesh = self.kernels, self.kernels.mesh
-        # Z = sum_i conj(G'_i) X_i, accumulated in place (one buffer).
-        combined = cotangent_k[:, 0] * gradient[0].conj()
-        for axis in (1, 2):
-            combined.add_(cotangent_k[:, axis] * gradient[axis].conj())
-        del cotangent_k
+        combined = gradient_transpose_k(cotangent_mesh, kernels, gradient_scale)
         potential = multiply_real(combined, kernels.inverse_laplacian_pair, paired=True)
         filter_adjoint = None
         if filter_ is not None:
@@ -269,11 +269,10 @@ class ParticleMeshForce:
         mesh = self.kernels.mesh
         positions = saved["positions"]
         with torch.no_grad():
-            cotangent_k = mesh.rfftn(mesh.paint(positions, cotangent, order=self.order))
             density_adjoint, filter_adjoint = self._density_adjoint(
-                cotangent_k, saved["density_k"], saved["gradient"], saved["filter"]
+                mesh.paint(positions, cotangent, order=self.order), saved["density_k"], saved["gradient"],
+                saved["filter"]
             )
-            del cotangent_k
             # Both position gradients in one pass over the particles: the readout's,
             # d/dx <c, readout(f, x)>, and the paint's, d/dx <rho_bar, paint(x, w)> =
             # d/dx <w, readout(rho_bar, x)>, as one 4-channel field with 4 values.
@@ -331,11 +330,10 @@ class ParticleMeshForce:
             if mesh.is_local:
                 density = density.contiguous()
             density_k = mesh.rfftn(density)
-            cotangent_k = mesh.rfftn(painted[:, 1:])
-            del painted, density
+            del density
             gradient, field = self._force_field(density_k, scale, filter_)
-            density_adjoint, filter_adjoint = self._density_adjoint(cotangent_k, density_k, gradient, filter_)
-            del cotangent_k
+            density_adjoint, filter_adjoint = self._density_adjoint(painted[:, 1:], density_k, gradient, filter_)
+            del painted
             forces, grad_positions = _readout_and_position_gradient(
                 mesh,
                 torch.cat([field, density_adjoint.unsqueeze(1)], dim=1),

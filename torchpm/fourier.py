@@ -23,6 +23,7 @@ __all__ = [
     "gradient_inverse_laplacian",
     "multiply_real",
     "stack_products",
+    "gradient_transpose_k",
     "GRADIENTS",
     "LAPLACIANS",
 ]
@@ -71,6 +72,11 @@ class FourierKernels:
             window compensation ``1/W^2`` when asked for; ``-gradient * inverse_laplacian``
             is ``-G L``, i.e. ``-grad (grad^2)^-1``.
         k_magnitude: ``|k|`` in h/Mpc (exact), real, broadcastable like the block.
+        real_space_gradient: True when ``gradient="fd4"`` is applied in real space
+            (:func:`gradient_inverse_laplacian`: one inverse FFT and the 4-point
+            stencil, :func:`torchpm.ops.fd4_gradient`, instead of three inverse
+            FFTs; equal up to rounding). False for ``"exact"``, or on a process grid
+            whose blocks are too thin for the stencil's halo.
     """
 
     def __init__(
@@ -122,6 +128,8 @@ class FourierKernels:
             k_squared = k_squared + (wi / ci) ** 2
             k_squared_fd = k_squared_fd + (2.0 * torch.sin(wi / 2.0) / ci) ** 2
         self.gradient = tuple(gradients)
+        halo = getattr(mesh, "fd4_halo", lambda: None)()
+        self.real_space_gradient = gradient == "fd4" and halo is not None
         # d_i^2 with "exact" is -k_i^2 on the whole axis, Nyquist plane included: unlike
         # the first derivative (odd in k, so sin(pi x) vanishes on the grid), it is even,
         # and cos(pi x) has the well-defined second derivative -k_N^2 cos(pi x). The
@@ -195,23 +203,66 @@ def stack_products(field_k: torch.Tensor, factors) -> torch.Tensor:
     return out
 
 
-def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, scale=None, gradient=None) -> torch.Tensor:
+def _real_space_scale(kernels: FourierKernels, gradient_scale):
+    """The per-axis factors of the real-space stencil: ``gradient_scale[i] / c_i`` (the
+    Fourier kernel ``G_i`` carries ``1/c_i``), a (3,) tensor keeping any graph."""
+    factors = (1.0, 1.0, 1.0) if gradient_scale is None else tuple(gradient_scale)
+    if len(factors) != 3:
+        raise ValueError(f"`gradient_scale` must have 3 entries, got {len(factors)}")
+    return [f / c for f, c in zip(factors, kernels.cell_size)]
+
+
+def _fourier_gradient(kernels: FourierKernels, gradient_scale):
+    """The Fourier gradient kernels times ``gradient_scale`` (1-d, so this is free)."""
+    if gradient_scale is None:
+        return kernels.gradient
+    return [(g * f).to(kernels.gradient[0].dtype) for g, f in zip(kernels.gradient, gradient_scale)]
+
+
+def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, scale=None, gradient_scale=None) -> torch.Tensor:
     """``-grad grad^-2`` of a field given in Fourier space, in real space.
+
+    With ``kernels.real_space_gradient`` (``"fd4"``) the potential is transformed
+    once and the 4-point stencil applied to it in real space
+    (:meth:`mesh.fd4_gradient`); otherwise the three components are formed in
+    Fourier space and transformed together. The two agree up to rounding.
 
     Args:
         field_k: ``(B, *local_fourier_shape)`` complex (the DFT of a dimensionless field).
         kernels: the :class:`FourierKernels` of the mesh.
         scale: optional real factor (tensor broadcastable against ``field_k``, or
             a number) applied to the potential, e.g. a force-correction filter.
-        gradient: optional replacement for ``kernels.gradient`` (e.g. the same
-            kernels times per-axis constants; they are 1-d, so this is free).
+        gradient_scale: optional 3 per-axis factors (numbers or 0-d tensors,
+            differentiable) of the components, e.g. mesh units and ``1.5 Omega_m``.
 
     Returns:
         ``(B, 3, *local_real_shape)``: component ``i`` is ``-d_i (grad^2)^-1 field``
-        in Mpc/h (divide by the cell size for mesh units).
+        in Mpc/h (divide by the cell size for mesh units), times ``gradient_scale[i]``.
     """
     potential = multiply_real(field_k, kernels.inverse_laplacian_pair, paired=True)
     if scale is not None:
         potential = multiply_real(potential, scale)
+    mesh = kernels.mesh
     # -d_i grad^-2 = -(i g_i)(-1/k^2) = +(i g_i) / k^2
-    return kernels.mesh.irfftn(stack_products(potential, gradient or kernels.gradient))
+    if kernels.real_space_gradient:
+        return mesh.fd4_gradient(mesh.irfftn(potential), _real_space_scale(kernels, gradient_scale))
+    return mesh.irfftn(stack_products(potential, _fourier_gradient(kernels, gradient_scale)))
+
+
+def gradient_transpose_k(field: torch.Tensor, kernels: FourierKernels, gradient_scale=None) -> torch.Tensor:
+    """The spectrum of the transpose of the gradient part of
+    :func:`gradient_inverse_laplacian`: ``sum_i conj(f_i G_i) DFT(field[:, i])`` for a
+    real ``(B, 3, *local_real_shape)`` field (``f = gradient_scale``), complex
+    ``(B, *local_fourier_shape)``. With ``kernels.real_space_gradient`` it is the DFT
+    of :meth:`mesh.fd4_gradient_transpose` (one forward FFT instead of three). Not
+    differentiable with respect to ``gradient_scale`` (adjoint code takes care of it)."""
+    mesh = kernels.mesh
+    if kernels.real_space_gradient:
+        factors = [f.detach() if isinstance(f, torch.Tensor) else f for f in _real_space_scale(kernels, gradient_scale)]
+        return mesh.rfftn(mesh.fd4_gradient_transpose(field, factors))
+    gradient = _fourier_gradient(kernels, gradient_scale)
+    field_k = mesh.rfftn(field)
+    combined = field_k[:, 0] * gradient[0].conj()
+    for axis in (1, 2):
+        combined.add_(field_k[:, axis] * gradient[axis].conj())
+    return combined

@@ -75,12 +75,11 @@ def compute_forces(
         a_tensor = torch.as_tensor(a, dtype=kernels.dtype, device=positions.device)
         filter_ = force_correction(kernels.k_magnitude, a_tensor)
     # Mesh units (1/c_i), the mean-1 normalisation and 1.5 Omega_m go into the 1-d
-    # gradient kernels: no extra pass over the mesh or the particles.
+    # gradient's per-axis factors: no extra pass over the mesh or the particles.
     if isinstance(force_scale, torch.Tensor):
         force_scale = force_scale.to(device=positions.device)
-    gradient = [g * (force_scale * (particle_mass / c)) for g, c in zip(kernels.gradient, kernels.cell_size)]
-    gradient = [g.to(kernels.gradient[0].dtype) for g in gradient]
-    field = gradient_inverse_laplacian(density_k, kernels, filter_, gradient)
+    gradient_scale = [force_scale * (particle_mass / c) for c in kernels.cell_size]
+    field = gradient_inverse_laplacian(density_k, kernels, filter_, gradient_scale)
     return mesh.readout(field, positions, order=order)  # (B, N, 3), the 3 components in one pass
 
 

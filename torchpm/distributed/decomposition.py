@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..ops import check as _check_deferred_errors
 from ..ops import halo_widths
+from ..ops.finite_difference import FD4_REACH, _scale_vector
 from ..ops import paint as _paint
 from ..ops import readout as _readout
 from . import fft as _fft
@@ -329,6 +330,81 @@ class PencilDecomposition:
         """
         widths = self._checked_halo("add_halo", field, width)
         return _halo.add_halo(field, widths, self._axes)
+
+    # ------------------------------------------------------ finite differences
+
+    def fd4_halo(self):
+        """Halo widths ``((lo_x, hi_x), (lo_y, hi_y))`` of the 4-point finite difference
+        (:meth:`fd4_gradient`): 2 on split axes, 0 elsewhere; None when a block along a
+        split axis has fewer than 2 planes (a halo comes from one neighbour), and the
+        gradient is then taken in Fourier space (:class:`torchpm.fourier.FourierKernels`)."""
+        widths = tuple((FD4_REACH, FD4_REACH) if self.grid_shape[axis] > 1 else (0, 0) for axis in (0, 1))
+        for (lo, _), sizes in zip(widths, (self.layout.real_x, self.layout.real_y)):
+            if lo > min(sizes):
+                return None
+        return widths
+
+    def _fd4_geometry(self, method):
+        widths = self.fd4_halo()
+        if widths is None:
+            raise ValueError(
+                f"PencilDecomposition.{method}: a block along a split axis has fewer than {FD4_REACH} planes "
+                f"(blocks {self.layout.real_x} along x, {self.layout.real_y} along y); the stencil's halo "
+                f"cannot come from one neighbour"
+            )
+        return widths, [self.grid_shape[0] == 1, self.grid_shape[1] == 1, True]
+
+    def fd4_gradient(self, field: torch.Tensor, scale) -> torch.Tensor:
+        """``(B, 3, *local_real_shape)``: channel ``i`` is ``scale[i] * D_i field``, ``D`` the
+        4-point finite difference of the global periodic mesh in nodes
+        (:func:`torchpm.ops.fd4_gradient`; Fourier multiplier ``i (8 sin w - sin 2w) / 6``).
+
+        ``field``: ``(B, *local_real_shape)``; ``scale``: 3 factors (numbers, 0-d tensors
+        or a (3,) tensor, differentiable). On split axes the stencil's halo is filled
+        from the neighbours first. Collective on a grid; differentiable.
+        """
+        if self.is_local:
+            return torch.ops.torchpm._fd4_gradient(
+                field, _scale_vector(scale, field, "fd4_gradient"), [True, True, True])
+        prepared = []
+
+        def check():
+            self._check_trailing(field, self.local_real_shape, "field", "fd4_gradient")
+            if field.dim() != 4:
+                raise ValueError(f"PencilDecomposition.fd4_gradient: expected `field` of shape (B, "
+                                 f"*{self.local_real_shape}), got {tuple(field.shape)}")
+            widths, periodic = self._fd4_geometry("fd4_gradient")
+            prepared.append((widths, periodic, _scale_vector(scale, field, "fd4_gradient"),
+                             self.pad_halo(field, widths)))
+
+        self._checked_collective("fd4_gradient", check, field, "field")
+        widths, periodic, scale, padded = prepared[0]
+        return torch.ops.torchpm._fd4_gradient(_halo.fill_halo(padded, widths, self._axes), scale, periodic)
+
+    def fd4_gradient_transpose(self, grad: torch.Tensor, scale) -> torch.Tensor:
+        """The transpose of :meth:`fd4_gradient` (same ``scale``): ``(B, 3,
+        *local_real_shape)`` to ``(B, *local_real_shape)``, ``-sum_i scale[i] D_i grad[:, i]``.
+        On a grid the stencil's reach into the halo is added into the neighbours
+        (:meth:`add_halo`). Collective on a grid; differentiable."""
+        if self.is_local:
+            return torch.ops.torchpm._fd4_gradient_transpose(
+                grad, _scale_vector(scale, grad, "fd4_gradient_transpose"), [True, True, True])
+        prepared = []
+
+        def check():
+            if not isinstance(grad, torch.Tensor) or grad.dim() != 5 or grad.shape[1] != 3:
+                raise ValueError(
+                    f"PencilDecomposition.fd4_gradient_transpose: expected `grad` of shape (B, 3, "
+                    f"*{self.local_real_shape}), got {tuple(grad.shape) if isinstance(grad, torch.Tensor) else grad!r}"
+                )
+            self._check_trailing(grad, self.local_real_shape, "grad", "fd4_gradient_transpose")
+            widths, periodic = self._fd4_geometry("fd4_gradient_transpose")
+            vector = _scale_vector(scale, grad, "fd4_gradient_transpose")
+            prepared.append((widths, torch.ops.torchpm._fd4_gradient_transpose(grad, vector, periodic)))
+
+        self._checked_collective("fd4_gradient_transpose", check, grad, "grad")
+        widths, haloed = prepared[0]
+        return self.strip_halo(_halo.add_halo(haloed, widths, self._axes), widths)
 
     def _checked_halo(self, method, field, width):
         """The local checks of a halo exchange and the ranks' agreement on it; returns the widths."""

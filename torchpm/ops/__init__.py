@@ -2,6 +2,7 @@
 
 from .error_checking import check, get_error_checking, set_error_checking
 from .mass_assignment import cic_paint, cic_readout, halo_widths, paint, readout
+from .finite_difference import fd4_gradient, fd4_gradient_transpose
 from ._reference import (
     cic_paint_reference,
     cic_readout_reference,
@@ -19,6 +20,8 @@ __all__ = [
     "cic_paint",
     "cic_readout",
     "halo_widths",
+    "fd4_gradient",
+    "fd4_gradient_transpose",
     "paint_reference",
     "readout_reference",
     "position_gradient_reference",

@@ -1,0 +1,196 @@
+// CPU kernels of torchpm::_fd4_gradient and torchpm::_fd4_gradient_transpose
+// (finite_difference.h): the three scaled 4-point derivatives of a field, and
+// the transpose of that map. One task per (batch member, x, y) row of the
+// output; along z the interior is a plain loop the compiler vectorises, and
+// the two planes at each end (where the stencil wraps or leaves the array)
+// take the general path.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../finite_difference.h"
+#include "../torchpm.h"
+
+namespace torchpm {
+namespace {
+
+constexpr int64_t R = kFiniteDifferenceReach;
+
+inline int64_t wrap(int64_t i, int64_t n) {
+  i %= n;
+  return i < 0 ? i + n : i;
+}
+
+// Index of node `i` along an axis of `n` nodes: wrapped when periodic, -1 when
+// outside a non-periodic axis.
+inline int64_t node(int64_t i, int64_t n, bool periodic) {
+  if (periodic) {
+    return wrap(i, n);
+  }
+  return (i >= 0 && i < n) ? i : -1;
+}
+
+template <typename scalar_t>
+void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
+  const scalar_t* f = a.input.data_ptr<scalar_t>();
+  const scalar_t* scale = a.scale.data_ptr<scalar_t>();
+  const scalar_t s[3] = {scale[0] / scalar_t(12), scale[1] / scalar_t(12), scale[2] / scalar_t(12)};
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t nx = a.field[0], ny = a.field[1], nz = a.field[2];
+  const int64_t ox = a.gradient[0], oy = a.gradient[1], oz = a.gradient[2];
+  const int64_t tz = a.shift[2];
+  const int64_t channel = ox * oy * oz;
+  // Output z with every z stencil node inside the row without wrapping.
+  const int64_t inner_lo = std::min(oz, a.periodic[2] ? R : int64_t(0));
+  const int64_t inner_hi = std::max(inner_lo, a.periodic[2] ? nz - R : oz);
+  const int64_t rows = a.batch * ox * oy;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (ox * oy);
+      const int64_t jx = (row / oy) % ox;
+      const int64_t jy = row % oy;
+      const int64_t ix = jx + a.shift[0];
+      const int64_t iy = jy + a.shift[1];
+      auto line = [&](int64_t x, int64_t y) {
+        return f + b * a.batch_stride + (node(x, nx, a.periodic[0]) * ny + node(y, ny, a.periodic[1])) * nz + tz;
+      };
+      const scalar_t* xp1 = line(ix + 1, iy);
+      const scalar_t* xm1 = line(ix - 1, iy);
+      const scalar_t* xp2 = line(ix + 2, iy);
+      const scalar_t* xm2 = line(ix - 2, iy);
+      const scalar_t* yp1 = line(ix, iy + 1);
+      const scalar_t* ym1 = line(ix, iy - 1);
+      const scalar_t* yp2 = line(ix, iy + 2);
+      const scalar_t* ym2 = line(ix, iy - 2);
+      const scalar_t* c = line(ix, iy);  // c[k] is the node of output z = k
+      scalar_t* gx = o + (b * 3 * ox * oy + jx * oy + jy) * oz;
+      scalar_t* gy = gx + channel;
+      scalar_t* gz = gy + channel;
+      for (int64_t k = 0; k < oz; ++k) {
+        gx[k] = s[0] * fd4_difference(xp1[k], xm1[k], xp2[k], xm2[k]);
+      }
+      for (int64_t k = 0; k < oz; ++k) {
+        gy[k] = s[1] * fd4_difference(yp1[k], ym1[k], yp2[k], ym2[k]);
+      }
+      for (int64_t k = inner_lo; k < inner_hi; ++k) {
+        gz[k] = s[2] * fd4_difference(c[k + 1], c[k - 1], c[k + 2], c[k - 2]);
+      }
+      // Wrapped ends (periodic z only; otherwise the inner loop covers all).
+      const scalar_t* row0 = c - tz;
+      auto at = [&](int64_t k) { return row0[wrap(k, nz)]; };
+      for (int64_t k = 0; k < oz; ++k) {
+        if (k == inner_lo) {
+          k = inner_hi;
+          if (k >= oz) {
+            break;
+          }
+        }
+        gz[k] = s[2] * fd4_difference(at(k + 1), at(k - 1), at(k + 2), at(k - 2));
+      }
+    }
+  });
+}
+
+// The transpose: field[j] = -sum_i s_i (D_i grad_i)[j - shift], grad taken as
+// zero outside a non-periodic axis (finite_difference.h: the stencil is
+// antisymmetric, so its transpose is its negative on the shifted nodes).
+template <typename scalar_t>
+void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
+  const scalar_t* g = a.input.data_ptr<scalar_t>();
+  const scalar_t* scale = a.scale.data_ptr<scalar_t>();
+  const scalar_t s[3] = {scale[0] / scalar_t(12), scale[1] / scalar_t(12), scale[2] / scalar_t(12)};
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t nx = a.field[0], ny = a.field[1], nz = a.field[2];
+  const int64_t ox = a.gradient[0], oy = a.gradient[1], oz = a.gradient[2];
+  const int64_t tz = a.shift[2];
+  const int64_t channel = ox * oy * oz;
+  // Field z (j) whose gradient nodes j - tz - 2 .. j - tz + 2 all lie in the row
+  // without wrapping.
+  const int64_t inner_lo = std::min(nz, tz + R);
+  const int64_t inner_hi = std::max(inner_lo, tz + oz - R);
+  const std::vector<scalar_t> zeros(oz, scalar_t(0));
+  const int64_t rows = a.batch * nx * ny;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t b = row / (nx * ny);
+      const int64_t jx = (row / ny) % nx;
+      const int64_t jy = row % ny;
+      const int64_t mx = jx - a.shift[0];
+      const int64_t my = jy - a.shift[1];
+      // Row (x, y) of gradient channel `ch`, the zero row outside the array.
+      auto line = [&](int64_t ch, int64_t x, int64_t y) {
+        const int64_t i = node(x, ox, a.periodic[0]);
+        const int64_t k = node(y, oy, a.periodic[1]);
+        if (i < 0 || k < 0) {
+          return zeros.data();
+        }
+        return g + b * a.batch_stride + ch * channel + (i * oy + k) * oz;
+      };
+      const scalar_t* xp1 = line(0, mx + 1, my);
+      const scalar_t* xm1 = line(0, mx - 1, my);
+      const scalar_t* xp2 = line(0, mx + 2, my);
+      const scalar_t* xm2 = line(0, mx - 2, my);
+      const scalar_t* yp1 = line(1, mx, my + 1);
+      const scalar_t* ym1 = line(1, mx, my - 1);
+      const scalar_t* yp2 = line(1, mx, my + 2);
+      const scalar_t* ym2 = line(1, mx, my - 2);
+      const scalar_t* c = line(2, mx, my);
+      scalar_t* f = o + row * nz;
+      // Field z = j reads gradient z = j - tz (+ the stencil along z).
+      for (int64_t j = inner_lo; j < inner_hi; ++j) {
+        const int64_t k = j - tz;
+        f[j] = -(s[0] * fd4_difference(xp1[k], xm1[k], xp2[k], xm2[k]) +
+                 s[1] * fd4_difference(yp1[k], ym1[k], yp2[k], ym2[k]) +
+                 s[2] * fd4_difference(c[k + 1], c[k - 1], c[k + 2], c[k - 2]));
+      }
+      auto at = [&](const scalar_t* r, int64_t k) {
+        const int64_t i = node(k, oz, a.periodic[2]);
+        return i < 0 ? scalar_t(0) : r[i];
+      };
+      for (int64_t j = 0; j < nz; ++j) {
+        if (j == inner_lo) {
+          j = inner_hi;
+          if (j >= nz) {
+            break;
+          }
+        }
+        const int64_t k = j - tz;
+        f[j] = -(s[0] * fd4_difference(at(xp1, k), at(xm1, k), at(xp2, k), at(xm2, k)) +
+                 s[1] * fd4_difference(at(yp1, k), at(ym1, k), at(yp2, k), at(ym2, k)) +
+                 s[2] * fd4_difference(at(c, k + 1), at(c, k - 1), at(c, k + 2), at(c, k - 2)));
+      }
+    }
+  });
+}
+
+at::Tensor fd4_gradient_cpu(const at::Tensor& field, const at::Tensor& scale, std::array<bool, 3> periodic) {
+  const auto a = check_finite_difference_arguments("torchpm._fd4_gradient", field, scale, periodic, false);
+  auto out = at::empty({a.batch, 3, a.gradient[0], a.gradient[1], a.gradient[2]}, a.input.options());
+  if (out.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(a.input.scalar_type(), "fd4_gradient_cpu", [&] { gradient_kernel<scalar_t>(a, out); });
+  }
+  return out;
+}
+
+at::Tensor fd4_gradient_transpose_cpu(
+    const at::Tensor& grad, const at::Tensor& scale, std::array<bool, 3> periodic) {
+  const auto a = check_finite_difference_arguments("torchpm._fd4_gradient_transpose", grad, scale, periodic, true);
+  auto out = at::empty({a.batch, a.field[0], a.field[1], a.field[2]}, a.input.options());
+  if (out.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(
+        a.input.scalar_type(), "fd4_gradient_transpose_cpu", [&] { transpose_kernel<scalar_t>(a, out); });
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
+  m.impl("_fd4_gradient", &fd4_gradient_cpu);
+  m.impl("_fd4_gradient_transpose", &fd4_gradient_transpose_cpu);
+}
+
+}  // namespace torchpm
