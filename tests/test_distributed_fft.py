@@ -32,7 +32,7 @@ FAILFAST_TIMEOUT = datetime.timedelta(seconds=3)
 
 CASE_KINDS = [
     "layout", "fft", "fft_float32", "transpose_adjoint", "fft_adjoint", "kvector",
-    "halo", "halo_adjoint", "gradcheck_fft", "gradcheck_halo",
+    "halo", "halo_adjoint", "gradcheck_fft", "gradcheck_halo", "fd4",
 ]
 
 
@@ -387,6 +387,50 @@ def case_halo_adjoint(grid, ctx):
         (grad,) = torch.autograd.grad(d.add_halo(ag, width), ag, grad_outputs=b)
         assert torch.equal(grad, d.fill_halo(b, width)), f"backward of add_halo, width {width}"
     del coords
+
+
+def case_fd4(grid, ctx):
+    """The real-space 4-point gradient on a grid (halo of 2 filled from the neighbours)
+    is the single-device periodic one's local block; its transpose (halo added back)
+    likewise, and it is the backward of the gradient. A block thinner than the halo
+    sends the force kernels back to the Fourier gradient, which still agrees."""
+    from torchpm.fourier import FourierKernels, gradient_inverse_laplacian
+    from torchpm.mesh import LocalMesh
+    from torchpm.ops import fd4_gradient, fd4_gradient_transpose
+
+    coords = coords_of(ctx, grid)
+    scale = (0.5, -1.5, 2.0)
+    for seed, shape in enumerate(SHAPES[:3]):
+        d = decomposition(shape, grid, ctx)
+        assert d.fd4_halo() is not None, repr(d)
+        whole = global_random((2, *shape), 300 + seed)
+        local = whole[real_slices(shape, grid, coords)].contiguous()
+        expected = fd4_gradient(whole, scale)
+        size = expected.abs().max().item()
+        channels = (slice(None), slice(None), *real_slices(shape, grid, coords)[1:])
+        assert_close(d.fd4_gradient(local, scale), expected[channels], size, f"fd4_gradient {shape}")
+        other = global_random(expected.shape, 400 + seed)
+        other_local = other[channels].contiguous()
+        expected_t = fd4_gradient_transpose(other, scale)
+        assert_close(d.fd4_gradient_transpose(other_local, scale), expected_t[real_slices(shape, grid, coords)],
+                     expected_t.abs().max().item(), f"fd4_gradient_transpose {shape}")
+        leaf = local.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(d.fd4_gradient(leaf, scale), leaf, grad_outputs=other_local)
+        assert_close(grad, d.fd4_gradient_transpose(other_local, scale), expected_t.abs().max().item(),
+                     f"backward of fd4_gradient {shape}")
+    if grid[0] > 1:
+        shape = (grid[0], 8, 6)  # one x plane per rank: no room for a halo of 2
+        d = decomposition(shape, grid, ctx)
+        assert d.fd4_halo() is None
+        kernels = FourierKernels(d, (1.0, 1.0, 1.0), dtype=torch.float64)
+        assert not kernels.real_space_gradient
+        whole = global_random((1, *shape), 500)
+        local = whole[real_slices(shape, grid, coords)].contiguous()
+        field = gradient_inverse_laplacian(d.rfftn(local), kernels)
+        single = FourierKernels(LocalMesh(shape), (1.0, 1.0, 1.0), dtype=torch.float64)
+        expected = gradient_inverse_laplacian(torch.fft.rfftn(whole, dim=(-3, -2, -1)), single)
+        channels = (slice(None), slice(None), *real_slices(shape, grid, coords)[1:])
+        assert_close(field, expected[channels], expected.abs().max().item(), "Fourier gradient on thin blocks")
 
 
 def case_gradcheck_fft(grid, ctx, shape=GRAD_SHAPE, fast_mode=True):
