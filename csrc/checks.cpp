@@ -361,4 +361,15 @@ FiniteDifferenceArguments check_finite_difference_arguments(
   return args;
 }
 
+std::tuple<at::Tensor, at::Tensor> check_add_scaled_arguments(
+    const char* op, const at::Tensor& x, const at::Tensor& y) {
+  TORCH_CHECK_VALUE(x.defined() && y.defined(), op, ": `x` and `y` must be defined.");
+  check_floating(op, "x", x);
+  TORCH_CHECK_VALUE(
+      x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() && x.device() == y.device(), op,
+      ": expected `y` of the shape, dtype and device of `x` ", format_list(x.sizes()), ", ", x.scalar_type(),
+      ", ", x.device(), "; got ", format_list(y.sizes()), ", ", y.scalar_type(), ", ", y.device(), ".");
+  return {x.contiguous(), y.contiguous()};
+}
+
 }  // namespace torchpm

@@ -71,6 +71,11 @@ TORCH_LIBRARY(torchpm, m) {
   // oz) -> (B, nx, ny, nz)), its backward with respect to the field.
   m.def("_fd4_gradient(Tensor field, Tensor scale, bool[3] periodic) -> Tensor");
   m.def("_fd4_gradient_transpose(Tensor grad, Tensor scale, bool[3] periodic) -> Tensor");
+  // x + y * factor (factor rounded to x's dtype first), with the rounding of
+  // torch.mul then torch.add (no fused multiply-add) in one pass: the kick and
+  // drift updates of the integrator (torchpm/pm.py add_scaled). x and y of one
+  // shape, dtype and device.
+  m.def("_add_scaled(Tensor x, Tensor y, float factor) -> Tensor");
   // Spatial order of particles (torchpm/ordering.py): the permutation (B, N)
   // int64 that sorts each batch member's particles by the (x, y) row of the
   // block (shape, offset; coordinates wrapped with period) they lie in, and by

@@ -159,6 +159,11 @@ FiniteDifferenceArguments check_finite_difference_arguments(
     std::array<bool, 3> periodic,
     bool transpose);
 
+// The checked (x, y) of _add_scaled: float32 or float64 tensors of one shape,
+// dtype and device, returned contiguous.
+std::tuple<at::Tensor, at::Tensor> check_add_scaled_arguments(
+    const char* op, const at::Tensor& x, const at::Tensor& y);
+
 // Called by a backend when its fused check found `bad` rejected particles: finds
 // the worst offender with ATen ops (slow, only on the error path) and throws.
 // `late`: empty when raised inside the call (nothing was returned); otherwise

@@ -157,6 +157,13 @@ def test_bad_arguments_raise(device, call, message):
         call(device)
 
 
+def test_scale_of_the_wrong_type_raises():
+    with pytest.raises(TypeError, match="`scale` must be 3 numbers or a \\(3,\\) tensor"):
+        fd4_gradient(torch.zeros(1, 6, 5, 7), (1.0, "a", 1.0))
+    with pytest.raises(TypeError, match="`scale` must be 3 numbers"):
+        fd4_gradient(torch.zeros(1, 6, 5, 7), 2.0)
+
+
 def test_fake_kernels_give_the_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -130,8 +130,29 @@ def step_factors(table: GrowthTable, scale_factors: torch.Tensor, scheme: str = 
 def add_scaled(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """``x + y * factor`` (``factor`` a 0-d tensor, cast to ``x``'s dtype) with exactly
     the rounding of those two ops (no fused multiply-add: the adjoint undoes the
-    updates step by step), but one new buffer instead of two (the product is
-    written once and the sum lands on it; addition commutes bit for bit)."""
+    updates step by step, and a run with gradients must take the same steps as one
+    without).
+
+    Without a graph to record (and a factor on the CPU, read without a device
+    sync) it is one pass over memory, ``torch.ops.torchpm._add_scaled``; otherwise
+    torch's product, with the sum landing on it (one new buffer instead of two;
+    addition commutes bit for bit). Both round alike.
+    """
+    needs_graph = torch.is_grad_enabled() and (
+        x.requires_grad or y.requires_grad or (isinstance(factor, torch.Tensor) and factor.requires_grad)
+    )
+    if (
+        not needs_graph
+        and isinstance(factor, torch.Tensor)
+        and factor.device.type == "cpu"
+        and factor.dim() == 0
+        and x.shape == y.shape
+        and x.dtype == y.dtype
+        and x.dtype in (torch.float32, torch.float64)
+        and x.device == y.device
+        and not torch.compiler.is_compiling()
+    ):
+        return torch.ops.torchpm._add_scaled(x, y, factor.item())
     return torch.mul(y, factor.to(x.dtype)).add_(x)
 
 

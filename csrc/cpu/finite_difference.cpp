@@ -80,7 +80,7 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
       }
       // Wrapped ends (periodic z only; otherwise the inner loop covers all).
       const scalar_t* row0 = c - tz;
-      auto at = [&](int64_t k) { return row0[wrap(k, nz)]; };
+      auto value = [&](int64_t k) { return row0[wrap(k, nz)]; };
       for (int64_t k = 0; k < oz; ++k) {
         if (k == inner_lo) {
           k = inner_hi;
@@ -88,7 +88,7 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
             break;
           }
         }
-        gz[k] = s[2] * fd4_difference(at(k + 1), at(k - 1), at(k + 2), at(k - 2));
+        gz[k] = s[2] * fd4_difference(value(k + 1), value(k - 1), value(k + 2), value(k - 2));
       }
     }
   });
@@ -146,7 +146,7 @@ void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
                  s[1] * fd4_difference(yp1[k], ym1[k], yp2[k], ym2[k]) +
                  s[2] * fd4_difference(c[k + 1], c[k - 1], c[k + 2], c[k - 2]));
       }
-      auto at = [&](const scalar_t* r, int64_t k) {
+      auto value = [&](const scalar_t* r, int64_t k) {
         const int64_t i = node(k, oz, a.periodic[2]);
         return i < 0 ? scalar_t(0) : r[i];
       };
@@ -158,9 +158,9 @@ void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
           }
         }
         const int64_t k = j - tz;
-        f[j] = -(s[0] * fd4_difference(at(xp1, k), at(xm1, k), at(xp2, k), at(xm2, k)) +
-                 s[1] * fd4_difference(at(yp1, k), at(ym1, k), at(yp2, k), at(ym2, k)) +
-                 s[2] * fd4_difference(at(c, k + 1), at(c, k - 1), at(c, k + 2), at(c, k - 2)));
+        f[j] = -(s[0] * fd4_difference(value(xp1, k), value(xm1, k), value(xp2, k), value(xm2, k)) +
+                 s[1] * fd4_difference(value(yp1, k), value(ym1, k), value(yp2, k), value(ym2, k)) +
+                 s[2] * fd4_difference(value(c, k + 1), value(c, k - 1), value(c, k + 2), value(c, k - 2)));
       }
     }
   });

@@ -71,17 +71,18 @@ __global__ void gradient_kernel(const scalar_t* __restrict__ f, const scalar_t* 
     const int64_t jx = (t / (oz * oy)) % ox;
     const int64_t b = t / (oz * oy * ox);
     const int64_t ix = jx + g.shift[0], iy = jy + g.shift[1], iz = jz + g.shift[2];
-    auto at = [&](int64_t x, int64_t y, int64_t z) {
+    auto value = [&](int64_t x, int64_t y, int64_t z) {
       return f[b * g.batch_stride + (node(x, nx, g.periodic[0]) * ny + node(y, ny, g.periodic[1])) * nz +
                node(z, nz, g.periodic[2])];
     };
     const int64_t channel = ox * oy * oz;
     scalar_t* o = out + b * 3 * channel + (jx * oy + jy) * oz + jz;
-    o[0] = s0 * fd4_difference(at(ix + 1, iy, iz), at(ix - 1, iy, iz), at(ix + 2, iy, iz), at(ix - 2, iy, iz));
-    o[channel] =
-        s1 * fd4_difference(at(ix, iy + 1, iz), at(ix, iy - 1, iz), at(ix, iy + 2, iz), at(ix, iy - 2, iz));
-    o[2 * channel] =
-        s2 * fd4_difference(at(ix, iy, iz + 1), at(ix, iy, iz - 1), at(ix, iy, iz + 2), at(ix, iy, iz - 2));
+    o[0] = s0 * fd4_difference(value(ix + 1, iy, iz), value(ix - 1, iy, iz), value(ix + 2, iy, iz),
+                               value(ix - 2, iy, iz));
+    o[channel] = s1 * fd4_difference(value(ix, iy + 1, iz), value(ix, iy - 1, iz), value(ix, iy + 2, iz),
+                                     value(ix, iy - 2, iz));
+    o[2 * channel] = s2 * fd4_difference(value(ix, iy, iz + 1), value(ix, iy, iz - 1), value(ix, iy, iz + 2),
+                                         value(ix, iy, iz - 2));
   }
 }
 
@@ -100,18 +101,18 @@ __global__ void transpose_kernel(const scalar_t* __restrict__ grad, const scalar
     const int64_t b = t / (nz * ny * nx);
     const int64_t mx = jx - g.shift[0], my = jy - g.shift[1], mz = jz - g.shift[2];
     // Gradient channel ch at (x, y, z), zero outside a non-periodic axis.
-    auto at = [&](int64_t ch, int64_t x, int64_t y, int64_t z) {
+    auto value = [&](int64_t ch, int64_t x, int64_t y, int64_t z) {
       const int64_t i = node(x, ox, g.periodic[0]);
       const int64_t k = node(y, oy, g.periodic[1]);
       const int64_t l = node(z, oz, g.periodic[2]);
       return (i < 0 || k < 0 || l < 0) ? scalar_t(0) : grad[b * g.batch_stride + ch * channel + (i * oy + k) * oz + l];
     };
-    out[t] = -(s0 * fd4_difference(at(0, mx + 1, my, mz), at(0, mx - 1, my, mz), at(0, mx + 2, my, mz),
-                                   at(0, mx - 2, my, mz)) +
-               s1 * fd4_difference(at(1, mx, my + 1, mz), at(1, mx, my - 1, mz), at(1, mx, my + 2, mz),
-                                   at(1, mx, my - 2, mz)) +
-               s2 * fd4_difference(at(2, mx, my, mz + 1), at(2, mx, my, mz - 1), at(2, mx, my, mz + 2),
-                                   at(2, mx, my, mz - 2)));
+    out[t] = -(s0 * fd4_difference(value(0, mx + 1, my, mz), value(0, mx - 1, my, mz), value(0, mx + 2, my, mz),
+                                   value(0, mx - 2, my, mz)) +
+               s1 * fd4_difference(value(1, mx, my + 1, mz), value(1, mx, my - 1, mz), value(1, mx, my + 2, mz),
+                                   value(1, mx, my - 2, mz)) +
+               s2 * fd4_difference(value(2, mx, my, mz + 1), value(2, mx, my, mz - 1), value(2, mx, my, mz + 2),
+                                   value(2, mx, my, mz - 2)));
   }
 }
 

@@ -3,6 +3,7 @@
 from .error_checking import check, get_error_checking, set_error_checking
 from .mass_assignment import cic_paint, cic_readout, halo_widths, paint, readout
 from .finite_difference import fd4_gradient, fd4_gradient_transpose
+from . import updates as _updates  # noqa: F401  (registers the fake kernel and autograd)
 from ._reference import (
     cic_paint_reference,
     cic_readout_reference,

@@ -42,7 +42,14 @@ def _scale_vector(scale, like: torch.Tensor, op: str) -> torch.Tensor:
             raise TypeError(f"{op}: `scale` must be 3 numbers or a (3,) tensor, got {scale!r}") from None
         if len(items) != 3:
             raise ValueError(f"{op}: `scale` must have 3 entries, got {len(items)}")
-        vector = torch.stack([torch.as_tensor(s, dtype=torch.float64, device=like.device).reshape(()) for s in items])
+        if any(isinstance(s, torch.Tensor) for s in items):
+            vector = torch.stack([torch.as_tensor(s, dtype=torch.float64, device=like.device).reshape(()) for s in items])
+        else:  # plain numbers: one small tensor (one host-to-device copy on a GPU)
+            try:
+                numbers = [float(s) for s in items]
+            except (TypeError, ValueError):
+                raise TypeError(f"{op}: `scale` must be 3 numbers or a (3,) tensor, got {scale!r}") from None
+            vector = torch.tensor(numbers, dtype=torch.float64, device=like.device)
     if vector.shape != (3,):
         raise ValueError(f"{op}: `scale` must have shape (3,), got {tuple(vector.shape)}")
     return vector.to(dtype=like.dtype, device=like.device)
