@@ -233,8 +233,9 @@ def lpt_initial_state(
     dtype = psi1.dtype
     inverse_cell = torch.tensor([1.0 / c for c in cell_size], dtype=dtype, device=psi1.device)
 
-    def per_particle(psi):  # (B, 3, *grid) in Mpc/h -> (B, N, 3) in cells
-        return psi.reshape(batch, 3, -1).transpose(1, 2) * inverse_cell
+    def per_particle(psi):  # (B, 3, *grid) in Mpc/h -> (B, N, 3) in cells, contiguous
+        # (the state the integrator updates then stays in one layout: one-pass updates)
+        return psi.reshape(batch, 3, -1).transpose(1, 2).contiguous() * inverse_cell
 
     D1, f1 = growth.D1.to(dtype), growth.f1.to(dtype)
     momentum_factor = (growth.a**2 * growth.E).to(dtype)

@@ -133,8 +133,9 @@ def add_scaled(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.
     updates step by step, and a run with gradients must take the same steps as one
     without).
 
-    Without a graph to record (and a factor on the CPU, read without a device
-    sync) it is one pass over memory, ``torch.ops.torchpm._add_scaled``; otherwise
+    Without a graph to record (contiguous tensors, and a factor on the CPU, read
+    without a device sync) it is one pass over memory,
+    ``torch.ops.torchpm._add_scaled``; otherwise
     torch's product, with the sum landing on it (one new buffer instead of two;
     addition commutes bit for bit). Both round alike.
     """
@@ -150,6 +151,8 @@ def add_scaled(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.
         and x.dtype == y.dtype
         and x.dtype in (torch.float32, torch.float64)
         and x.device == y.device
+        and x.is_contiguous()
+        and y.is_contiguous()
         and not torch.compiler.is_compiling()
     ):
         return torch.ops.torchpm._add_scaled(x, y, factor.item())
