@@ -203,20 +203,26 @@ def stack_products(field_k: torch.Tensor, factors) -> torch.Tensor:
     return out
 
 
-def _real_space_scale(kernels: FourierKernels, gradient_scale):
-    """The per-axis factors of the real-space stencil: ``gradient_scale[i] / c_i`` (the
-    Fourier kernel ``G_i`` carries ``1/c_i``), a (3,) tensor keeping any graph."""
+def _gradient_factors(gradient_scale):
+    """The 3 per-axis factors (1 each when None)."""
     factors = (1.0, 1.0, 1.0) if gradient_scale is None else tuple(gradient_scale)
     if len(factors) != 3:
         raise ValueError(f"`gradient_scale` must have 3 entries, got {len(factors)}")
-    return [f / c for f, c in zip(factors, kernels.cell_size)]
+    return factors
+
+
+def _real_space_scale(kernels: FourierKernels, gradient_scale):
+    """The 3 per-axis factors of the real-space stencil, ``gradient_scale[i] / c_i`` (the
+    Fourier kernel ``G_i`` carries ``1/c_i``), numbers or 0-d tensors keeping any graph."""
+    return [f / c for f, c in zip(_gradient_factors(gradient_scale), kernels.cell_size)]
 
 
 def _fourier_gradient(kernels: FourierKernels, gradient_scale):
     """The Fourier gradient kernels times ``gradient_scale`` (1-d, so this is free)."""
     if gradient_scale is None:
         return kernels.gradient
-    return [(g * f).to(kernels.gradient[0].dtype) for g, f in zip(kernels.gradient, gradient_scale)]
+    factors = _gradient_factors(gradient_scale)
+    return [(g * f).to(kernels.gradient[0].dtype) for g, f in zip(kernels.gradient, factors)]
 
 
 def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, scale=None, gradient_scale=None) -> torch.Tensor:

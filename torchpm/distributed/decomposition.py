@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..ops import check as _check_deferred_errors
 from ..ops import halo_widths
-from ..ops.finite_difference import FD4_REACH, _scale_vector
+from ..ops.finite_difference import FD4_REACH, _scale_vector, fd4_gradient, fd4_gradient_transpose
 from ..ops import paint as _paint
 from ..ops import readout as _readout
 from . import fft as _fft
@@ -364,8 +364,7 @@ class PencilDecomposition:
         from the neighbours first. Collective on a grid; differentiable.
         """
         if self.is_local:
-            return torch.ops.torchpm._fd4_gradient(
-                field, _scale_vector(scale, field, "fd4_gradient"), [True, True, True])
+            return fd4_gradient(field, scale, True)
         prepared = []
 
         def check():
@@ -387,8 +386,7 @@ class PencilDecomposition:
         On a grid the stencil's reach into the halo is added into the neighbours
         (:meth:`add_halo`). Collective on a grid; differentiable."""
         if self.is_local:
-            return torch.ops.torchpm._fd4_gradient_transpose(
-                grad, _scale_vector(scale, grad, "fd4_gradient_transpose"), [True, True, True])
+            return fd4_gradient_transpose(grad, scale, True)
         prepared = []
 
         def check():
