@@ -12,6 +12,8 @@
 #include <string>
 #include <tuple>
 
+#include "finite_difference.h"
+
 namespace torchpm {
 
 // Positions whose magnitude exceeds this many cells are rejected: beyond it the
@@ -151,6 +153,18 @@ struct FiniteDifferenceArguments {
   int64_t shift[3];     // field index of gradient index 0: 0 periodic, kFiniteDifferenceReach otherwise
   bool periodic[3];
 };
+
+inline FiniteDifferenceGeometry geometry_of(const FiniteDifferenceArguments& a) {
+  FiniteDifferenceGeometry g;
+  g.batch_stride = a.batch_stride;
+  for (int d = 0; d < 3; ++d) {
+    g.field[d] = a.field[d];
+    g.gradient[d] = a.gradient[d];
+    g.shift[d] = a.shift[d];
+    g.periodic[d] = a.periodic[d];
+  }
+  return g;
+}
 
 FiniteDifferenceArguments check_finite_difference_arguments(
     const char* op,

@@ -35,7 +35,10 @@ def fourier_fd4(field, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(8, 6, 5), (1, 2, 3), (4, 7, 16), (5, 1, 9)])
+# Small fields go node by node through the functions the CUDA kernels are made of
+# (csrc/finite_difference.h), larger ones (>= 4096 output nodes) through the CPU's
+# row kernel: both are in every list below.
+@pytest.mark.parametrize("shape", [(8, 6, 5), (1, 2, 3), (4, 7, 16), (5, 1, 9), (24, 20, 18), (3, 40, 50)])
 def test_periodic_matches_fourier_multiplier(device, dtype, shape):
     torch.manual_seed(0)
     field = torch.randn(2, *shape, dtype=dtype, device=device)
@@ -48,10 +51,10 @@ def test_periodic_matches_fourier_multiplier(device, dtype, shape):
 
 
 @pytest.mark.parametrize("periodic", PERIODIC)
-def test_polynomials_are_differentiated_exactly(device, periodic):
+@pytest.mark.parametrize("shape", [(9, 10, 11), (24, 22, 20)])
+def test_polynomials_are_differentiated_exactly(device, periodic, shape):
     """``D x^3 = 3 x^2`` and ``D x^4 = 4 x^3`` along a non-periodic axis (the stencil is
     exact to degree 4); a periodic axis sees a constant and gives 0."""
-    shape = (9, 10, 11)
     axes = [torch.arange(n, dtype=torch.float64, device=device) for n in shape]
     x, y, z = torch.meshgrid(*axes, indexing="ij")
     coefficients = [0.0 if p else 1.0 for p in periodic]
@@ -70,9 +73,10 @@ def test_polynomials_are_differentiated_exactly(device, periodic):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("periodic", PERIODIC)
-def test_transpose_is_the_adjoint(device, dtype, periodic):
+@pytest.mark.parametrize("shape", [(9, 6, 7), (20, 18, 16)])
+def test_transpose_is_the_adjoint(device, dtype, periodic, shape):
     torch.manual_seed(1)
-    field = torch.randn(2, 9, 6, 7, dtype=dtype, device=device)
+    field = torch.randn(2, *shape, dtype=dtype, device=device)
     scale = torch.tensor([0.5, -2.0, 1.25], dtype=dtype, device=device)
     gradient = fd4_gradient(field, scale, periodic)
     other = torch.randn_like(gradient)
@@ -82,6 +86,24 @@ def test_transpose_is_the_adjoint(device, dtype, periodic):
     rhs = (field.double() * back.double()).sum()
     tolerance = 1e-12 if dtype == torch.float64 else 1e-5
     assert abs(lhs - rhs) <= tolerance * (gradient.double().norm() * other.double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_node_by_node_path_equals_the_row_kernel_bit_for_bit(device, dtype):
+    """A large field (row kernel on the CPU) against crops of it small enough for the
+    node-by-node path: with non-periodic x and y the stencil is local, so each crop's
+    gradient is a block of the whole one, and both paths round alike."""
+    torch.manual_seed(7)
+    field = torch.randn(1, 20, 20, 20, dtype=dtype, device=device)
+    scale = (0.3, -1.7, 2.9)
+    whole = fd4_gradient(field, scale, (False, False, True))
+    assert whole[0, 0].numel() >= 4096
+    for x0 in range(0, 16, 5):
+        for y0 in range(0, 16, 5):
+            crop = field[:, x0 : x0 + 9, y0 : y0 + 9].contiguous()
+            part = fd4_gradient(crop, scale, (False, False, True))
+            assert part[0, 0].numel() < 4096
+            assert torch.equal(part, whole[:, :, x0 : x0 + 5, y0 : y0 + 5]), (x0, y0)
 
 
 @pytest.mark.parametrize("periodic", [(True, True, True), (False, True, False)])

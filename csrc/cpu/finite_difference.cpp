@@ -3,7 +3,8 @@
 // the transpose of that map. One task per (batch member, x, y) row of the
 // output; along z the interior is a plain loop the compiler vectorises, and
 // the two planes at each end (where the stencil wraps or leaves the array)
-// take the general path.
+// take the general path. Small fields go node by node through the functions
+// the CUDA kernels are made of. Both round alike (same expression, same order).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -19,19 +20,9 @@ namespace {
 
 constexpr int64_t R = kFiniteDifferenceReach;
 
-inline int64_t wrap(int64_t i, int64_t n) {
-  i %= n;
-  return i < 0 ? i + n : i;
-}
-
-// Index of node `i` along an axis of `n` nodes: wrapped when periodic, -1 when
-// outside a non-periodic axis.
-inline int64_t node(int64_t i, int64_t n, bool periodic) {
-  if (periodic) {
-    return wrap(i, n);
-  }
-  return (i >= 0 && i < n) ? i : -1;
-}
+// Fields of fewer output nodes than this go node by node through the CUDA
+// kernel's own function (finite_difference.h): the tests' small fields run it.
+constexpr int64_t kPointwiseNodes = 4096;
 
 template <typename scalar_t>
 void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
@@ -46,6 +37,13 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
   // Output z with every z stencil node inside the row without wrapping.
   const int64_t inner_lo = std::min(oz, a.periodic[2] ? R : int64_t(0));
   const int64_t inner_hi = std::max(inner_lo, a.periodic[2] ? nz - R : oz);
+  if (a.batch * channel < kPointwiseNodes) {
+    const FiniteDifferenceGeometry geometry = geometry_of(a);
+    for (int64_t t = 0; t < a.batch * channel; ++t) {
+      fd4_gradient_at(f, s, geometry, t, o);
+    }
+    return;
+  }
   const int64_t rows = a.batch * ox * oy;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
@@ -55,7 +53,8 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
       const int64_t ix = jx + a.shift[0];
       const int64_t iy = jy + a.shift[1];
       auto line = [&](int64_t x, int64_t y) {
-        return f + b * a.batch_stride + (node(x, nx, a.periodic[0]) * ny + node(y, ny, a.periodic[1])) * nz + tz;
+        return f + b * a.batch_stride +
+               (fd4_node(x, nx, a.periodic[0]) * ny + fd4_node(y, ny, a.periodic[1])) * nz + tz;
       };
       const scalar_t* xp1 = line(ix + 1, iy);
       const scalar_t* xm1 = line(ix - 1, iy);
@@ -80,7 +79,7 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
       }
       // Wrapped ends (periodic z only; otherwise the inner loop covers all).
       const scalar_t* row0 = c - tz;
-      auto value = [&](int64_t k) { return row0[wrap(k, nz)]; };
+      auto value = [&](int64_t k) { return row0[fd4_node(k, nz, true)]; };
       for (int64_t k = 0; k < oz; ++k) {
         if (k == inner_lo) {
           k = inner_hi;
@@ -94,9 +93,7 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
   });
 }
 
-// The transpose: field[j] = -sum_i s_i (D_i grad_i)[j - shift], grad taken as
-// zero outside a non-periodic axis (finite_difference.h: the stencil is
-// antisymmetric, so its transpose is its negative on the shifted nodes).
+// The transpose (fd4_transpose_at in finite_difference.h), row by row.
 template <typename scalar_t>
 void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
   const scalar_t* g = a.input.data_ptr<scalar_t>();
@@ -111,8 +108,15 @@ void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
   // without wrapping.
   const int64_t inner_lo = std::min(nz, tz + R);
   const int64_t inner_hi = std::max(inner_lo, tz + oz - R);
-  const std::vector<scalar_t> zeros(oz, scalar_t(0));
   const int64_t rows = a.batch * nx * ny;
+  if (rows * nz < kPointwiseNodes) {
+    const FiniteDifferenceGeometry geometry = geometry_of(a);
+    for (int64_t t = 0; t < rows * nz; ++t) {
+      o[t] = fd4_transpose_at(g, s, geometry, t);
+    }
+    return;
+  }
+  const std::vector<scalar_t> zeros(oz, scalar_t(0));
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / (nx * ny);
@@ -122,8 +126,8 @@ void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
       const int64_t my = jy - a.shift[1];
       // Row (x, y) of gradient channel `ch`, the zero row outside the array.
       auto line = [&](int64_t ch, int64_t x, int64_t y) {
-        const int64_t i = node(x, ox, a.periodic[0]);
-        const int64_t k = node(y, oy, a.periodic[1]);
+        const int64_t i = fd4_node(x, ox, a.periodic[0]);
+        const int64_t k = fd4_node(y, oy, a.periodic[1]);
         if (i < 0 || k < 0) {
           return zeros.data();
         }
@@ -147,7 +151,7 @@ void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
                  s[2] * fd4_difference(c[k + 1], c[k - 1], c[k + 2], c[k - 2]));
       }
       auto value = [&](const scalar_t* r, int64_t k) {
-        const int64_t i = node(k, oz, a.periodic[2]);
+        const int64_t i = fd4_node(k, oz, a.periodic[2]);
         return i < 0 ? scalar_t(0) : r[i];
       };
       for (int64_t j = 0; j < nz; ++j) {
