@@ -305,35 +305,36 @@ FiniteDifferenceArguments check_finite_difference_arguments(
         format_list(input.sizes()), ".");
   }
   FiniteDifferenceArguments args;
+  FiniteDifferenceGeometry& g = args.geometry;
   args.batch = input.size(0);
   const int64_t first = transpose ? 2 : 1;
   for (int d = 0; d < 3; ++d) {
     const int64_t size = input.size(first + d);
     const int64_t cut = periodic[d] ? 0 : 2 * kFiniteDifferenceReach;
-    args.periodic[d] = periodic[d];
-    args.shift[d] = periodic[d] ? 0 : kFiniteDifferenceReach;
+    g.periodic[d] = periodic[d];
+    g.shift[d] = periodic[d] ? 0 : kFiniteDifferenceReach;
     if (transpose) {
       TORCH_CHECK_VALUE(
           size >= 1, op, ": expected `grad` to have at least 1 node along axis ", d, ", got shape ",
           format_list(input.sizes()), ".");
-      args.gradient[d] = size;
-      args.field[d] = size + cut;
+      g.gradient[d] = size;
+      g.field[d] = size + cut;
     } else {
       TORCH_CHECK_VALUE(
           size >= 1 + cut, op, ": expected `field` to have at least ", 1 + cut, " nodes along axis ", d,
           periodic[d] ? "" : " (not periodic: the stencil reaches 2 nodes to each side)",
           ", got shape ", format_list(input.sizes()), ".");
-      args.field[d] = size;
-      args.gradient[d] = size - cut;
+      g.field[d] = size;
+      g.gradient[d] = size - cut;
     }
     TORCH_CHECK_VALUE(
-        args.field[d] <= kMaxAxisSize, op, ": axis ", d, " of ", args.field[d], " nodes exceeds the largest ",
+        g.field[d] <= kMaxAxisSize, op, ": axis ", d, " of ", g.field[d], " nodes exceeds the largest ",
         "supported size ", kMaxAxisSize, ".");
   }
   // 3 * batch * the larger of the two meshes must stay addressable.
   double elements = 3.0 * static_cast<double>(args.batch);
   for (int d = 0; d < 3; ++d) {
-    elements *= static_cast<double>(args.field[d]);
+    elements *= static_cast<double>(g.field[d]);
   }
   TORCH_CHECK_VALUE(
       elements * static_cast<double>(input.element_size()) < 9.0e18, op, ": a gradient of ", elements,
@@ -356,7 +357,7 @@ FiniteDifferenceArguments check_finite_difference_arguments(
     expected *= input.size(d);
   }
   args.input = inner_contiguous ? input : input.contiguous();
-  args.batch_stride = args.batch > 1 ? args.input.stride(0) : expected;
+  g.batch_stride = args.batch > 1 ? args.input.stride(0) : expected;
   args.scale = scale.contiguous();
   return args;
 }

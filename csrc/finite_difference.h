@@ -15,9 +15,13 @@
 // larger fields is checked against the same oracles).
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/macros/Macros.h>
 
+#include <array>
 #include <cstdint>
+
+#include "stencil.h"
 
 namespace torchpm {
 
@@ -31,9 +35,13 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE T fd4_difference(T p1, T m1, T p2, T m2) {
   return T(8) * (p1 - m1) - (p2 - m2);
 }
 
-// Plain-old-data geometry of one call (FiniteDifferenceArguments in torchpm.h):
-// the field (nx, ny, nz) and gradient (ox, oy, oz) shapes, the field index of
-// gradient index 0 per axis, the input's batch stride.
+// Plain-old-data geometry of one call, passed to the CUDA kernels by value: the
+// field (nx, ny, nz) and gradient (ox, oy, oz) shapes (along a periodic axis the
+// gradient has the field's size and the stencil wraps; along the others it has
+// 2 * kFiniteDifferenceReach planes fewer and stays inside the field), the field
+// index of gradient index 0 per axis (0 periodic, kFiniteDifferenceReach
+// otherwise), and the input's batch stride (a channel slice of a larger mesh is
+// read in place).
 struct FiniteDifferenceGeometry {
   int64_t batch_stride;
   int64_t field[3];
@@ -42,22 +50,36 @@ struct FiniteDifferenceGeometry {
   bool periodic[3];
 };
 
-// Index `i` along an axis of `n` nodes: wrapped when periodic, -1 outside a
-// non-periodic axis. The stencil reaches 2 nodes past an end, so one addition
-// or subtraction wraps it unless the axis has a single node; the (slow on a
-// GPU, 64-bit) remainder is left for that case.
+// The checked arguments of _fd4_gradient (transpose false: `input` is the field
+// (B, nx, ny, nz)) and of _fd4_gradient_transpose (transpose true: `input` is a
+// gradient (B, 3, ox, oy, oz)). Validated in checks.cpp.
+struct FiniteDifferenceArguments {
+  at::Tensor input;  // contiguous after the batch dimension
+  at::Tensor scale;  // (3,) contiguous, the input's dtype and device
+  int64_t batch;
+  FiniteDifferenceGeometry geometry;
+};
+
+FiniteDifferenceArguments check_finite_difference_arguments(
+    const char* op,
+    const at::Tensor& input,
+    const at::Tensor& scale,
+    std::array<bool, 3> periodic,
+    bool transpose);
+
+// The per-axis factors the kernels multiply by: scale / 12 (fd4_difference
+// leaves out the 1/12).
+template <typename T>
+struct Fd4Factors {
+  T s[3];
+  C10_HOST_DEVICE explicit Fd4Factors(const T* scale) : s{scale[0] / T(12), scale[1] / T(12), scale[2] / T(12)} {}
+};
+
+// Index `i` along an axis of `n` nodes: wrapped when periodic (wrap_index), -1
+// outside a non-periodic axis.
 C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t fd4_node(int64_t i, int64_t n, bool periodic) {
   if (periodic) {
-    if (i < 0) {
-      i += n;
-    } else if (i >= n) {
-      i -= n;
-    }
-    if (i < 0 || i >= n) {
-      i %= n;
-      i = i < 0 ? i + n : i;
-    }
-    return i;
+    return wrap_index(i, n);
   }
   return (i >= 0 && i < n) ? i : -1;
 }

@@ -181,6 +181,41 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool make_stencil(
   return true;
 }
 
+// d/dx of sum_ch value(ch) * interpolate(m + ch * channel_stride) at a stencil
+// made with derivatives, into grad[3]. Separable: per (x, y) node pair the z sums
+// with the weights and with their derivatives, then the (x, y) factors. The CPU
+// and CUDA position gradients are both this function. C > 0: the channel count
+// known at compile time, else `channels`.
+template <typename scalar_t, typename acc_t, int W, int C, typename Value>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void position_gradient_at(
+    const scalar_t* m, int64_t channel_stride, int64_t channels, const Stencil<acc_t, W>& s,
+    const Value& value, acc_t grad[3]) {
+  const int64_t nc = C > 0 ? C : channels;
+  grad[0] = grad[1] = grad[2] = acc_t(0);
+  TORCHPM_UNROLL
+  for (int a = 0; a < W; ++a) {
+    TORCHPM_UNROLL
+    for (int b = 0; b < W; ++b) {
+      const int64_t row = s.offset[0][a] + s.offset[1][b];
+      acc_t along_z = 0;
+      acc_t along_z_derivative = 0;
+      TORCHPM_UNROLL
+      for (int c = 0; c < W; ++c) {
+        const int64_t idx = row + s.offset[2][c];
+        acc_t sum = 0;
+        for (int64_t ch = 0; ch < nc; ++ch) {
+          sum += value(ch) * static_cast<acc_t>(m[ch * channel_stride + idx]);
+        }
+        along_z += s.weight[2][c] * sum;
+        along_z_derivative += s.derivative[2][c] * sum;
+      }
+      grad[0] += s.derivative[0][a] * s.weight[1][b] * along_z;
+      grad[1] += s.weight[0][a] * s.derivative[1][b] * along_z;
+      grad[2] += s.weight[0][a] * s.weight[1][b] * along_z_derivative;
+    }
+  }
+}
+
 // Calls f(std::integral_constant<int, W>{}) with W = order (1 NGP .. 4 PCS), so
 // a kernel written once as a template over W is instantiated for every order.
 template <typename F>

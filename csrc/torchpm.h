@@ -12,8 +12,6 @@
 #include <string>
 #include <tuple>
 
-#include "finite_difference.h"
-
 namespace torchpm {
 
 // Positions whose magnitude exceeds this many cells are rejected: beyond it the
@@ -137,41 +135,6 @@ std::tuple<at::Tensor, at::Tensor> readout_and_position_gradient_op(
       offset, periodic, order);
   return {read, gradient};
 }
-
-// The checked arguments of _fd4_gradient (transpose false: `input` is the field
-// (B, nx, ny, nz)) and of _fd4_gradient_transpose (transpose true: `input` is a
-// gradient (B, 3, ox, oy, oz)). Along a periodic axis the gradient has the
-// field's size and the stencil wraps; along the others it has 2 *
-// kFiniteDifferenceReach planes fewer (the stencil stays inside the field).
-struct FiniteDifferenceArguments {
-  at::Tensor input;  // contiguous after the batch dimension
-  at::Tensor scale;  // (3,) contiguous, the input's dtype and device
-  int64_t batch;
-  int64_t batch_stride;  // of `input`: a channel slice of a larger mesh is read in place
-  int64_t field[3];     // (nx, ny, nz)
-  int64_t gradient[3];  // (ox, oy, oz)
-  int64_t shift[3];     // field index of gradient index 0: 0 periodic, kFiniteDifferenceReach otherwise
-  bool periodic[3];
-};
-
-inline FiniteDifferenceGeometry geometry_of(const FiniteDifferenceArguments& a) {
-  FiniteDifferenceGeometry g;
-  g.batch_stride = a.batch_stride;
-  for (int d = 0; d < 3; ++d) {
-    g.field[d] = a.field[d];
-    g.gradient[d] = a.gradient[d];
-    g.shift[d] = a.shift[d];
-    g.periodic[d] = a.periodic[d];
-  }
-  return g;
-}
-
-FiniteDifferenceArguments check_finite_difference_arguments(
-    const char* op,
-    const at::Tensor& input,
-    const at::Tensor& scale,
-    std::array<bool, 3> periodic,
-    bool transpose);
 
 // The checked (x, y) of _add_scaled: float32 or float64 tensors of one shape,
 // dtype and device, returned contiguous.

@@ -26,19 +26,19 @@ constexpr int64_t kPointwiseNodes = 4096;
 
 template <typename scalar_t>
 void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
+  const FiniteDifferenceGeometry& geometry = a.geometry;
   const scalar_t* f = a.input.data_ptr<scalar_t>();
-  const scalar_t* scale = a.scale.data_ptr<scalar_t>();
-  const scalar_t s[3] = {scale[0] / scalar_t(12), scale[1] / scalar_t(12), scale[2] / scalar_t(12)};
+  const Fd4Factors<scalar_t> factors(a.scale.data_ptr<scalar_t>());
+  const scalar_t* s = factors.s;
   scalar_t* o = out.data_ptr<scalar_t>();
-  const int64_t nx = a.field[0], ny = a.field[1], nz = a.field[2];
-  const int64_t ox = a.gradient[0], oy = a.gradient[1], oz = a.gradient[2];
-  const int64_t tz = a.shift[2];
+  const int64_t nx = geometry.field[0], ny = geometry.field[1], nz = geometry.field[2];
+  const int64_t ox = geometry.gradient[0], oy = geometry.gradient[1], oz = geometry.gradient[2];
+  const int64_t tz = geometry.shift[2];
   const int64_t channel = ox * oy * oz;
   // Output z with every z stencil node inside the row without wrapping.
-  const int64_t inner_lo = std::min(oz, a.periodic[2] ? R : int64_t(0));
-  const int64_t inner_hi = std::max(inner_lo, a.periodic[2] ? nz - R : oz);
+  const int64_t inner_lo = std::min(oz, geometry.periodic[2] ? R : int64_t(0));
+  const int64_t inner_hi = std::max(inner_lo, geometry.periodic[2] ? nz - R : oz);
   if (a.batch * channel < kPointwiseNodes) {
-    const FiniteDifferenceGeometry geometry = geometry_of(a);
     for (int64_t t = 0; t < a.batch * channel; ++t) {
       fd4_gradient_at(f, s, geometry, t, o);
     }
@@ -50,11 +50,11 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
       const int64_t b = row / (ox * oy);
       const int64_t jx = (row / oy) % ox;
       const int64_t jy = row % oy;
-      const int64_t ix = jx + a.shift[0];
-      const int64_t iy = jy + a.shift[1];
+      const int64_t ix = jx + geometry.shift[0];
+      const int64_t iy = jy + geometry.shift[1];
       auto line = [&](int64_t x, int64_t y) {
-        return f + b * a.batch_stride +
-               (fd4_node(x, nx, a.periodic[0]) * ny + fd4_node(y, ny, a.periodic[1])) * nz + tz;
+        return f + b * geometry.batch_stride +
+               (fd4_node(x, nx, geometry.periodic[0]) * ny + fd4_node(y, ny, geometry.periodic[1])) * nz + tz;
       };
       const scalar_t* xp1 = line(ix + 1, iy);
       const scalar_t* xm1 = line(ix - 1, iy);
@@ -96,13 +96,14 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
 // The transpose (fd4_transpose_at in finite_difference.h), row by row.
 template <typename scalar_t>
 void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
+  const FiniteDifferenceGeometry& geometry = a.geometry;
   const scalar_t* g = a.input.data_ptr<scalar_t>();
-  const scalar_t* scale = a.scale.data_ptr<scalar_t>();
-  const scalar_t s[3] = {scale[0] / scalar_t(12), scale[1] / scalar_t(12), scale[2] / scalar_t(12)};
+  const Fd4Factors<scalar_t> factors(a.scale.data_ptr<scalar_t>());
+  const scalar_t* s = factors.s;
   scalar_t* o = out.data_ptr<scalar_t>();
-  const int64_t nx = a.field[0], ny = a.field[1], nz = a.field[2];
-  const int64_t ox = a.gradient[0], oy = a.gradient[1], oz = a.gradient[2];
-  const int64_t tz = a.shift[2];
+  const int64_t nx = geometry.field[0], ny = geometry.field[1], nz = geometry.field[2];
+  const int64_t ox = geometry.gradient[0], oy = geometry.gradient[1], oz = geometry.gradient[2];
+  const int64_t tz = geometry.shift[2];
   const int64_t channel = ox * oy * oz;
   // Field z (j) whose gradient nodes j - tz - 2 .. j - tz + 2 all lie in the row
   // without wrapping.
@@ -110,7 +111,6 @@ void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
   const int64_t inner_hi = std::max(inner_lo, tz + oz - R);
   const int64_t rows = a.batch * nx * ny;
   if (rows * nz < kPointwiseNodes) {
-    const FiniteDifferenceGeometry geometry = geometry_of(a);
     for (int64_t t = 0; t < rows * nz; ++t) {
       o[t] = fd4_transpose_at(g, s, geometry, t);
     }
@@ -122,16 +122,16 @@ void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
       const int64_t b = row / (nx * ny);
       const int64_t jx = (row / ny) % nx;
       const int64_t jy = row % ny;
-      const int64_t mx = jx - a.shift[0];
-      const int64_t my = jy - a.shift[1];
+      const int64_t mx = jx - geometry.shift[0];
+      const int64_t my = jy - geometry.shift[1];
       // Row (x, y) of gradient channel `ch`, the zero row outside the array.
       auto line = [&](int64_t ch, int64_t x, int64_t y) {
-        const int64_t i = fd4_node(x, ox, a.periodic[0]);
-        const int64_t k = fd4_node(y, oy, a.periodic[1]);
+        const int64_t i = fd4_node(x, ox, geometry.periodic[0]);
+        const int64_t k = fd4_node(y, oy, geometry.periodic[1]);
         if (i < 0 || k < 0) {
           return zeros.data();
         }
-        return g + b * a.batch_stride + ch * channel + (i * oy + k) * oz;
+        return g + b * geometry.batch_stride + ch * channel + (i * oy + k) * oz;
       };
       const scalar_t* xp1 = line(0, mx + 1, my);
       const scalar_t* xm1 = line(0, mx - 1, my);
@@ -151,7 +151,7 @@ void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
                  s[2] * fd4_difference(c[k + 1], c[k - 1], c[k + 2], c[k - 2]));
       }
       auto value = [&](const scalar_t* r, int64_t k) {
-        const int64_t i = fd4_node(k, oz, a.periodic[2]);
+        const int64_t i = fd4_node(k, oz, geometry.periodic[2]);
         return i < 0 ? scalar_t(0) : r[i];
       };
       for (int64_t j = 0; j < nz; ++j) {
@@ -172,7 +172,8 @@ void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
 
 at::Tensor fd4_gradient_cpu(const at::Tensor& field, const at::Tensor& scale, std::array<bool, 3> periodic) {
   const auto a = check_finite_difference_arguments("torchpm._fd4_gradient", field, scale, periodic, false);
-  auto out = at::empty({a.batch, 3, a.gradient[0], a.gradient[1], a.gradient[2]}, a.input.options());
+  const int64_t* shape = a.geometry.gradient;
+  auto out = at::empty({a.batch, 3, shape[0], shape[1], shape[2]}, a.input.options());
   if (out.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES(a.input.scalar_type(), "fd4_gradient_cpu", [&] { gradient_kernel<scalar_t>(a, out); });
   }
@@ -182,7 +183,8 @@ at::Tensor fd4_gradient_cpu(const at::Tensor& field, const at::Tensor& scale, st
 at::Tensor fd4_gradient_transpose_cpu(
     const at::Tensor& grad, const at::Tensor& scale, std::array<bool, 3> periodic) {
   const auto a = check_finite_difference_arguments("torchpm._fd4_gradient_transpose", grad, scale, periodic, true);
-  auto out = at::empty({a.batch, a.field[0], a.field[1], a.field[2]}, a.input.options());
+  const int64_t* shape = a.geometry.field;
+  auto out = at::empty({a.batch, shape[0], shape[1], shape[2]}, a.input.options());
   if (out.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES(
         a.input.scalar_type(), "fd4_gradient_transpose_cpu", [&] { transpose_kernel<scalar_t>(a, out); });

@@ -607,34 +607,17 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
                       v[ch] = val ? static_cast<acc_t>(val[p * C + ch]) : acc_t(1);
                     }
                   }
-                  // Separable: per (x, y) node pair, the z sums with the weights and
-                  // with their derivatives, then the (x, y) factors.
-                  acc_t grad[3] = {0, 0, 0};
-                  for (int a = 0; a < W; ++a) {
-                    for (int b = 0; b < W; ++b) {
-                      const int64_t row = s.offset[0][a] + s.offset[1][b];
-                      acc_t along_z = 0;
-                      acc_t along_z_derivative = 0;
-                      for (int c = 0; c < W; ++c) {
-                        const int64_t idx = row + s.offset[2][c];
-                        acc_t sum = 0;
-                        for (int64_t ch = 0; ch < nc; ++ch) {
-                          acc_t vc;
-                          if constexpr (C > 0) {
-                            vc = v[ch];
-                          } else {
-                            vc = val ? static_cast<acc_t>(val[p * nc + ch]) : acc_t(1);
-                          }
-                          sum += vc * static_cast<acc_t>(m[ch * channel_stride + idx]);
+                  acc_t grad[3];
+                  position_gradient_at<scalar_t, acc_t, W, C>(
+                      m, channel_stride, nc, s,
+                      [&](int64_t ch) {
+                        if constexpr (C > 0) {
+                          return v[ch];
+                        } else {
+                          return val ? static_cast<acc_t>(val[p * nc + ch]) : acc_t(1);
                         }
-                        along_z += s.weight[2][c] * sum;
-                        along_z_derivative += s.derivative[2][c] * sum;
-                      }
-                      grad[0] += s.derivative[0][a] * s.weight[1][b] * along_z;
-                      grad[1] += s.weight[0][a] * s.derivative[1][b] * along_z;
-                      grad[2] += s.weight[0][a] * s.weight[1][b] * along_z_derivative;
-                    }
-                  }
+                      },
+                      grad);
                   for (int d = 0; d < 3; ++d) {
                     result[3 * p + d] = static_cast<scalar_t>(grad[d]);
                   }

@@ -29,20 +29,20 @@ unsigned int blocks_for(int64_t count) {
 template <typename scalar_t>
 __global__ void gradient_kernel(const scalar_t* __restrict__ f, const scalar_t* __restrict__ scale,
                                 FiniteDifferenceGeometry g, scalar_t* __restrict__ out, int64_t count) {
-  const scalar_t s[3] = {scale[0] / scalar_t(12), scale[1] / scalar_t(12), scale[2] / scalar_t(12)};
+  const Fd4Factors<scalar_t> factors(scale);
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < count;
        t += int64_t(gridDim.x) * blockDim.x) {
-    fd4_gradient_at(f, s, g, t, out);
+    fd4_gradient_at(f, factors.s, g, t, out);
   }
 }
 
 template <typename scalar_t>
 __global__ void transpose_kernel(const scalar_t* __restrict__ grad, const scalar_t* __restrict__ scale,
                                  FiniteDifferenceGeometry g, scalar_t* __restrict__ out, int64_t count) {
-  const scalar_t s[3] = {scale[0] / scalar_t(12), scale[1] / scalar_t(12), scale[2] / scalar_t(12)};
+  const Fd4Factors<scalar_t> factors(scale);
   for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < count;
        t += int64_t(gridDim.x) * blockDim.x) {
-    out[t] = fd4_transpose_at(grad, s, g, t);
+    out[t] = fd4_transpose_at(grad, factors.s, g, t);
   }
 }
 
@@ -50,13 +50,14 @@ at::Tensor fd4_gradient_cuda(const at::Tensor& field, const at::Tensor& scale, s
   const char* op = "torchpm._fd4_gradient";
   const auto a = check_finite_difference_arguments(op, field, scale, periodic, false);
   const c10::cuda::CUDAGuard guard(a.input.device());
-  auto out = at::empty({a.batch, 3, a.gradient[0], a.gradient[1], a.gradient[2]}, a.input.options());
-  const int64_t count = a.batch * a.gradient[0] * a.gradient[1] * a.gradient[2];
+  const int64_t* shape = a.geometry.gradient;
+  auto out = at::empty({a.batch, 3, shape[0], shape[1], shape[2]}, a.input.options());
+  const int64_t count = a.batch * shape[0] * shape[1] * shape[2];
   if (count > 0) {
     const auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES(a.input.scalar_type(), "fd4_gradient_cuda", [&] {
       gradient_kernel<scalar_t><<<blocks_for(count), kThreads, 0, stream>>>(
-          a.input.data_ptr<scalar_t>(), a.scale.data_ptr<scalar_t>(), geometry_of(a), out.data_ptr<scalar_t>(),
+          a.input.data_ptr<scalar_t>(), a.scale.data_ptr<scalar_t>(), a.geometry, out.data_ptr<scalar_t>(),
           count);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -69,13 +70,14 @@ at::Tensor fd4_gradient_transpose_cuda(
   const char* op = "torchpm._fd4_gradient_transpose";
   const auto a = check_finite_difference_arguments(op, grad, scale, periodic, true);
   const c10::cuda::CUDAGuard guard(a.input.device());
-  auto out = at::empty({a.batch, a.field[0], a.field[1], a.field[2]}, a.input.options());
+  const int64_t* shape = a.geometry.field;
+  auto out = at::empty({a.batch, shape[0], shape[1], shape[2]}, a.input.options());
   const int64_t count = out.numel();
   if (count > 0) {
     const auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES(a.input.scalar_type(), "fd4_gradient_transpose_cuda", [&] {
       transpose_kernel<scalar_t><<<blocks_for(count), kThreads, 0, stream>>>(
-          a.input.data_ptr<scalar_t>(), a.scale.data_ptr<scalar_t>(), geometry_of(a), out.data_ptr<scalar_t>(),
+          a.input.data_ptr<scalar_t>(), a.scale.data_ptr<scalar_t>(), a.geometry, out.data_ptr<scalar_t>(),
           count);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });

@@ -382,30 +382,10 @@ __global__ void position_gradient_kernel(
         m, channel_stride, readout_channels, s, read + p * readout_channels);
     count_in_warp(!finite, bad_read + kBadValues);
   }
-  acc_t grad[3] = {0, 0, 0};
-#pragma unroll
-  for (int a = 0; a < W; ++a) {
-#pragma unroll
-    for (int b = 0; b < W; ++b) {
-      const int64_t row = s.offset[0][a] + s.offset[1][b];
-      acc_t along_z = 0;
-      acc_t along_z_derivative = 0;
-#pragma unroll
-      for (int c = 0; c < W; ++c) {
-        const int64_t idx = row + s.offset[2][c];
-        acc_t sum = 0;
-        for (int64_t ch = 0; ch < channels; ++ch) {
-          const acc_t v = values ? static_cast<acc_t>(values[p * channels + ch]) : acc_t(1);
-          sum += v * static_cast<acc_t>(m[ch * channel_stride + idx]);
-        }
-        along_z += s.weight[2][c] * sum;
-        along_z_derivative += s.derivative[2][c] * sum;
-      }
-      grad[0] += s.derivative[0][a] * s.weight[1][b] * along_z;
-      grad[1] += s.weight[0][a] * s.derivative[1][b] * along_z;
-      grad[2] += s.weight[0][a] * s.weight[1][b] * along_z_derivative;
-    }
-  }
+  acc_t grad[3];
+  position_gradient_at<scalar_t, acc_t, W, 0>(
+      m, channel_stride, channels, s,
+      [&](int64_t ch) { return values ? static_cast<acc_t>(values[p * channels + ch]) : acc_t(1); }, grad);
   out[3 * p + 0] = static_cast<scalar_t>(grad[0]);
   out[3 * p + 1] = static_cast<scalar_t>(grad[1]);
   out[3 * p + 2] = static_cast<scalar_t>(grad[2]);
