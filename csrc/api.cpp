@@ -33,14 +33,24 @@ Periodic saved_periodic(AutogradContext* ctx) {
   return {list.get(0), list.get(1), list.get(2)};
 }
 
-// CUDA paint adds with atomics: under torch::globalContext deterministic
-// algorithms, throw (or warn, when only a warning was asked for) like ATen's
-// own nondeterministic kernels do. Python switches to its pure-torch twin
-// instead; that twin has no C++ copy.
-void check_deterministic(const at::Tensor& positions) {
-  if (positions.is_cuda()) {
-    at::globalContext().alertNotDeterministic("torchpm::cic_paint on CUDA (atomic adds)");
+// CUDA paint adds with atomics. Under torch::globalContext deterministic
+// algorithms the C++ API paints node by node instead (_paint_deterministic,
+// node_paint.h), as Python does.
+at::Tensor paint_for_autograd(
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    Periodic periodic) {
+  if (positions.is_cuda() && at::globalContext().deterministicAlgorithms()) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("torchpm::_paint_deterministic", "")
+                         .typed<at::Tensor(
+                             const at::Tensor&, const std::optional<at::Tensor>&,
+                             at::IntArrayRef, at::IntArrayRef, Periodic, int64_t, bool)>();
+    return op.call(positions, weights, shape, offset, periodic, /*order=*/2, /*check_finite=*/true);
   }
+  return ops::cic_paint(positions, weights, shape, offset, periodic);
 }
 
 struct PositionGradient : torch::autograd::Function<PositionGradient> {
@@ -82,10 +92,9 @@ struct Paint : torch::autograd::Function<Paint> {
       at::IntArrayRef shape,
       at::IntArrayRef offset,
       Periodic periodic) {
-    check_deterministic(positions);
     ctx->save_for_backward({positions, weights.value_or(at::Tensor())});
     save_geometry(ctx, offset, periodic);
-    return ops::cic_paint(positions, weights, shape, offset, periodic);
+    return paint_for_autograd(positions, weights, shape, offset, periodic);
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grad_outputs) {

@@ -286,6 +286,25 @@ PositionGradientArguments check_position_gradient_arguments(
   return args;
 }
 
+PaintArguments check_paint_arguments(
+    const char* op,
+    const at::Tensor& positions_in,
+    const std::optional<at::Tensor>& weights_in,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order) {
+  PaintArguments args;
+  args.positions = check_positions(op, positions_in);
+  args.geometry = make_geometry(op, shape, offset, periodic, order);
+  if (weights_in.has_value()) {
+    args.weights = check_particle_values(
+        op, "weights", *weights_in, args.positions, args.channels, args.has_channel_dim);
+  }
+  check_mesh_size(op, args.positions.size(0), args.channels, args.geometry, args.positions.scalar_type());
+  return args;
+}
+
 FiniteDifferenceArguments check_finite_difference_arguments(
     const char* op,
     const at::Tensor& input,

@@ -42,6 +42,14 @@ TORCH_LIBRARY(torchpm, m) {
   m.def(
       "paint(Tensor positions, Tensor? weights, int[] shape, int[] offset, "
       "bool[3] periodic, int order=2, bool check_finite=True) -> Tensor");
+  // The same paint computed node by node (node_paint.h): every node sums its
+  // contributions in an order fixed by the input, without atomics, so the
+  // result is the same on every run and device. torchpm.ops.paint takes it on
+  // CUDA under torch.use_deterministic_algorithms(True), where `paint` adds
+  // with atomics; on the CPU `paint` is deterministic already.
+  m.def(
+      "_paint_deterministic(Tensor positions, Tensor? weights, int[] shape, int[] offset, "
+      "bool[3] periodic, int order=2, bool check_finite=True) -> Tensor");
   // Readout: mesh (B, nx, ny, nz) or (B, C, nx, ny, nz) at positions (B, N, 3)
   // -> values (B, N) or (B, N, C). check_finite: raise when a particle reads a
   // NaN/Inf mesh value.

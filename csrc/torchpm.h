@@ -69,6 +69,36 @@ at::Tensor check_particle_values(
     int64_t& channels,
     bool& has_channel_dim);
 
+// The checked arguments of a paint (the scatter op and the node-by-node one).
+struct PaintArguments {
+  at::Tensor positions;  // (B, N, 3) contiguous
+  at::Tensor weights;    // (B, N, C) contiguous, or undefined (unit weights)
+  int64_t channels = 1;
+  bool has_channel_dim = false;  // weights were (B, N, C): the mesh keeps its C axis
+  StencilGeometry geometry{};
+};
+
+PaintArguments check_paint_arguments(
+    const char* op,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order);
+
+// The particles of a node-by-node paint (node_paint.h) in the order of their
+// keys (B N,) int64: a stable sort, so particles of one key keep their order.
+// `values` (B, N, C) may be undefined (unit weights), and so is its sorted copy.
+struct ParticlesByKey {
+  at::Tensor keys;       // (B N,) sorted
+  at::Tensor positions;  // (B N, 3)
+  at::Tensor values;     // (B N, C) or undefined
+};
+
+ParticlesByKey sort_particles_by_key(
+    const at::Tensor& keys, const at::Tensor& positions, const at::Tensor& values);
+
 // Validates a mesh (B, nx, ny, nz) or (B, C, nx, ny, nz) against positions and
 // returns a contiguous (B, C, nx, ny, nz) view.
 at::Tensor check_mesh(

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../error_checking.h"
+#include "../node_paint.h"
 #include "../stencil.h"
 #include "../torchpm.h"
 
@@ -473,16 +474,11 @@ at::Tensor paint_cpu(
     bool check_finite) {
   const char* op = "torchpm.paint";
   report_earlier_errors(op);
-  auto positions = check_positions(op, positions_in);
-  const StencilGeometry g = make_geometry(op, shape, offset, periodic, order);
-  int64_t channels = 1;
-  bool has_channel_dim = false;
-  at::Tensor weights;
-  if (weights_in.has_value()) {
-    weights = check_particle_values(
-        op, "weights", *weights_in, positions, channels, has_channel_dim);
-  }
-  check_mesh_size(op, positions.size(0), channels, g, positions.scalar_type());
+  const auto args = check_paint_arguments(op, positions_in, weights_in, shape, offset, periodic, order);
+  const at::Tensor& positions = args.positions;
+  const at::Tensor& weights = args.weights;
+  const int64_t channels = args.channels;
+  const StencilGeometry& g = args.geometry;
   auto mesh = at::zeros(
       {positions.size(0), channels, shape[0], shape[1], shape[2]},
       positions.options());
@@ -494,7 +490,94 @@ at::Tensor paint_cpu(
       });
     });
   }
-  return has_channel_dim ? mesh : mesh.squeeze(1);
+  return args.has_channel_dim ? mesh : mesh.squeeze(1);
+}
+
+// The node-by-node paint (node_paint.h): the same passes as on CUDA, each a
+// parallel loop over the function CUDA runs per thread, so the CPU tests check
+// the GPU's arithmetic. (The scatter paint above is the CPU's fast path; it is
+// deterministic already.)
+template <typename scalar_t, int W>
+void paint_by_node(const PaintArguments& args, bool check_finite, at::Tensor& mesh) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const StencilGeometry& g = args.geometry;
+  const int64_t batch = args.positions.size(0);
+  const int64_t n = args.positions.size(1);
+  const int64_t total = batch * n;
+  const int64_t channels = args.channels;
+  const scalar_t* pos = args.positions.data_ptr<scalar_t>();
+  const scalar_t* values = args.weights.defined() ? args.weights.data_ptr<scalar_t>() : nullptr;
+
+  auto keys = at::empty({total}, args.positions.options().dtype(at::kLong));
+  int64_t* key = keys.data_ptr<int64_t>();
+  std::atomic<int64_t> bad{0};
+  std::atomic<int64_t> bad_values{0};
+  at::parallel_for(0, total, 1 << 12, [&](int64_t begin, int64_t end) {
+    int64_t local_bad = 0;
+    int64_t local_bad_values = 0;
+    for (int64_t p = begin; p < end; ++p) {
+      local_bad += cell_key<scalar_t, acc_t, W>(pos + 3 * p, g, p / n, key[p]) ? 0 : 1;
+      if (check_finite && values) {
+        bool finite = true;
+        for (int64_t ch = 0; ch < channels; ++ch) {
+          finite = finite && std::isfinite(values[p * channels + ch]);
+        }
+        local_bad_values += finite ? 0 : 1;
+      }
+    }
+    bad += local_bad;
+    bad_values += local_bad_values;
+  });
+  // Raises here in immediate mode; in deferred mode the mesh is painted and
+  // poisoned (paint_node).
+  report_bad_particles(
+      kPaintOp, {bad.load(), bad_values.load()}, CallDiagnosis(args.positions, args.weights, g));
+
+  const auto sorted = sort_particles_by_key(keys, args.positions, args.weights);
+  const int64_t cells = g.shape[0] * g.shape[1] * g.shape[2];
+  const int64_t key_count = batch * (cells + 1);
+  auto start = at::empty({key_count + 1}, keys.options());
+  int64_t* first = start.data_ptr<int64_t>();
+  const int64_t* sorted_keys = sorted.keys.data_ptr<int64_t>();
+  at::parallel_for(0, key_count + 1, 1 << 12, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      first[k] = first_of_key(sorted_keys, total, k);
+    }
+  });
+
+  const SortedParticles<scalar_t> particles{
+      sorted.positions.data_ptr<scalar_t>(),
+      sorted.values.defined() ? sorted.values.data_ptr<scalar_t>() : nullptr, first, channels};
+  scalar_t* out = mesh.data_ptr<scalar_t>();
+  at::parallel_for(0, batch * cells, 1 << 10, [&](int64_t begin, int64_t end) {
+    for (int64_t node = begin; node < end; ++node) {
+      paint_node_at<scalar_t, acc_t, W>(particles, g, node, out);
+    }
+  });
+}
+
+at::Tensor paint_deterministic_cpu(
+    const at::Tensor& positions_in,
+    const std::optional<at::Tensor>& weights_in,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order,
+    bool check_finite) {
+  // Errors name the paint the user called (torchpm.paint takes this op).
+  const char* op = "torchpm.paint";
+  report_earlier_errors(op);
+  const auto args = check_paint_arguments(op, positions_in, weights_in, shape, offset, periodic, order);
+  auto mesh = at::empty(
+      {args.positions.size(0), args.channels, shape[0], shape[1], shape[2]}, args.positions.options());
+  if (mesh.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "paint_deterministic_cpu", [&] {
+      dispatch_order(op, order, [&](auto width) {
+        paint_by_node<scalar_t, decltype(width)::value>(args, check_finite, mesh);
+      });
+    });
+  }
+  return args.has_channel_dim ? mesh : mesh.squeeze(1);
 }
 
 at::Tensor readout_cpu(
@@ -645,6 +728,7 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
 
 TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
   m.impl("paint", &paint_cpu);
+  m.impl("_paint_deterministic", &paint_deterministic_cpu);
   m.impl("readout", &readout_cpu);
   m.impl("_position_gradient", &position_gradient_op<position_gradient_impl>);
   m.impl("_readout_and_position_gradient", &readout_and_position_gradient_op<position_gradient_impl>);

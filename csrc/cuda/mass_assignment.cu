@@ -4,9 +4,10 @@
 // Paint scatters with atomic adds, so the order in which a cell receives its
 // contributions (and hence float rounding) varies between runs. Under
 // torch.use_deterministic_algorithms(True) the op raises, as torch's own
-// non-deterministic CUDA ops do; torchpm.ops.paint then takes the
-// deterministic pure-torch path instead of calling this kernel. Readout and the
-// position gradient gather without atomics and are deterministic.
+// non-deterministic CUDA ops do; torchpm.ops.paint then calls
+// _paint_deterministic instead, the same paint computed node by node without
+// atomics (node_paint.h, kernels below). Readout and the position gradient
+// gather without atomics and are deterministic.
 //
 // float32 atomicAdd on the GPU flushes denormal operands and results to zero
 // (as --ftz=true arithmetic does): painted contributions below ~1.2e-38 are
@@ -32,6 +33,7 @@
 #include <mutex>
 
 #include "../error_checking.h"
+#include "../node_paint.h"
 #include "../stencil.h"
 #include "../torchpm.h"
 
@@ -401,16 +403,11 @@ at::Tensor paint_cuda(
     bool check_finite) {
   const char* op = "torchpm.paint";
   report_earlier_errors(op);
-  auto positions = check_positions(op, positions_in);
-  const StencilGeometry g = make_geometry(op, shape, offset, periodic, order);
-  int64_t channels = 1;
-  bool has_channel_dim = false;
-  at::Tensor weights;
-  if (weights_in.has_value()) {
-    weights = check_particle_values(
-        op, "weights", *weights_in, positions, channels, has_channel_dim);
-  }
-  check_mesh_size(op, positions.size(0), channels, g, positions.scalar_type());
+  const auto args = check_paint_arguments(op, positions_in, weights_in, shape, offset, periodic, order);
+  const at::Tensor& positions = args.positions;
+  const at::Tensor& weights = args.weights;
+  const int64_t channels = args.channels;
+  const StencilGeometry& g = args.geometry;
   at::globalContext().alertNotDeterministic("torchpm::paint (CUDA atomics)");
   const c10::cuda::CUDAGuard guard(positions.device());
   auto mesh = at::zeros(
@@ -436,7 +433,119 @@ at::Tensor paint_cuda(
     });
     report_after_launch(kPaintOp, counters, in_capture, CallDiagnosis(positions, weights, g));
   }
-  return has_channel_dim ? mesh : mesh.squeeze(1);
+  return args.has_channel_dim ? mesh : mesh.squeeze(1);
+}
+
+// The node-by-node paint (node_paint.h), one thread per particle, key or node.
+template <typename scalar_t, int W>
+__global__ void cell_key_kernel(
+    const scalar_t* __restrict__ positions,
+    const scalar_t* __restrict__ values,
+    int64_t channels,
+    int64_t per_batch,
+    int64_t total,
+    StencilGeometry g,
+    bool check_finite,
+    int64_t* __restrict__ keys,
+    unsigned long long* __restrict__ bad) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (p >= total) {
+    return;
+  }
+  const bool valid = cell_key<scalar_t, acc_t, W>(positions + 3 * p, g, p / per_batch, keys[p]);
+  count_in_warp(!valid, bad + kBadPositions);
+  if (check_finite) {
+    bool finite = true;
+    for (int64_t ch = 0; ch < channels; ++ch) {
+      finite = finite && ::isfinite(static_cast<acc_t>(values[p * channels + ch]));
+    }
+    count_in_warp(!finite, bad + kBadValues);
+  }
+}
+
+// Grid-stride loops: any count with at most 2^31 - 1 blocks.
+unsigned int strided_blocks(int64_t count) {
+  const int64_t blocks = (count + kThreads - 1) / kThreads;
+  return static_cast<unsigned int>(std::min<int64_t>(blocks, std::numeric_limits<int32_t>::max()));
+}
+
+__global__ void first_of_key_kernel(
+    const int64_t* __restrict__ sorted, int64_t total, int64_t keys, int64_t* __restrict__ start) {
+  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < keys;
+       k += int64_t(gridDim.x) * blockDim.x) {
+    start[k] = first_of_key(sorted, total, k);
+  }
+}
+
+template <typename scalar_t, int W>
+__global__ void paint_node_kernel(
+    SortedParticles<scalar_t> particles, StencilGeometry g, int64_t nodes, scalar_t* __restrict__ mesh) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t node = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; node < nodes;
+       node += int64_t(gridDim.x) * blockDim.x) {
+    paint_node_at<scalar_t, acc_t, W>(particles, g, node, mesh);
+  }
+}
+
+at::Tensor paint_deterministic_cuda(
+    const at::Tensor& positions_in,
+    const std::optional<at::Tensor>& weights_in,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order,
+    bool check_finite) {
+  // Errors name the paint the user called (torchpm.paint takes this op).
+  const char* op = "torchpm.paint";
+  report_earlier_errors(op);
+  const auto args = check_paint_arguments(op, positions_in, weights_in, shape, offset, periodic, order);
+  const at::Tensor& positions = args.positions;
+  const at::Tensor& weights = args.weights;
+  const StencilGeometry& g = args.geometry;
+  const c10::cuda::CUDAGuard guard(positions.device());
+  auto mesh = at::empty(
+      {positions.size(0), args.channels, shape[0], shape[1], shape[2]}, positions.options());
+  if (mesh.numel() == 0) {
+    return args.has_channel_dim ? mesh : mesh.squeeze(1);
+  }
+  const int64_t total = positions.size(0) * positions.size(1);
+  const int64_t cells = g.shape[0] * g.shape[1] * g.shape[2];
+  const int64_t key_count = positions.size(0) * (cells + 1);
+  auto keys = at::empty({total}, positions.options().dtype(at::kLong));
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  DeviceCounters* counters = total > 0 ? &counters_for(op, positions.device()) : nullptr;
+  const bool in_capture = capturing();
+  AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "paint_deterministic_cuda", [&] {
+    dispatch_order(op, order, [&](auto width) {
+      constexpr int W = decltype(width)::value;
+      if (total > 0) {
+        cell_key_kernel<scalar_t, W><<<blocks_for(op, total), kThreads, 0, stream>>>(
+            positions.data_ptr<scalar_t>(),
+            weights.defined() ? weights.data_ptr<scalar_t>() : nullptr, args.channels,
+            positions.size(1), total, g, check_finite && weights.defined(),
+            keys.data_ptr<int64_t>(), slot_pointer(*counters, kPaintOp));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      const auto sorted = sort_particles_by_key(keys, positions, weights);
+      auto start = at::empty({key_count + 1}, keys.options());
+      first_of_key_kernel<<<strided_blocks(key_count + 1), kThreads, 0, stream>>>(
+          sorted.keys.data_ptr<int64_t>(), total, key_count + 1, start.data_ptr<int64_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const SortedParticles<scalar_t> particles{
+          sorted.positions.data_ptr<scalar_t>(),
+          sorted.values.defined() ? sorted.values.data_ptr<scalar_t>() : nullptr,
+          start.data_ptr<int64_t>(), args.channels};
+      const int64_t nodes = positions.size(0) * cells;
+      paint_node_kernel<scalar_t, W><<<strided_blocks(nodes), kThreads, 0, stream>>>(
+          particles, g, nodes, mesh.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  if (counters) {
+    report_after_launch(kPaintOp, *counters, in_capture, CallDiagnosis(positions, weights, g));
+  }
+  return args.has_channel_dim ? mesh : mesh.squeeze(1);
 }
 
 at::Tensor readout_cuda(
@@ -528,6 +637,7 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
 
 TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("paint", &paint_cuda);
+  m.impl("_paint_deterministic", &paint_deterministic_cuda);
   m.impl("readout", &readout_cuda);
   m.impl("_position_gradient", &position_gradient_op<position_gradient_impl>);
   m.impl("_readout_and_position_gradient", &readout_and_position_gradient_op<position_gradient_impl>);

@@ -1,8 +1,8 @@
 """Pure-torch mass assignment (NGP, CIC, TSC, PCS): paint, readout, position gradient.
 
 These are the twins of the C++/CUDA kernels: the oracle the tests compare
-against and the deterministic path taken on CUDA under
-``torch.use_deterministic_algorithms(True)``. They are built from ``floor``,
+against, and what second derivatives through a position gradient
+differentiate. They are built from ``floor``,
 ``index_put_(accumulate=True)`` and gathers, so torch's own autograd
 differentiates them. Semantics (stencil convention, geometry, errors) match
 :mod:`torchpm.ops.mass_assignment`; ``order`` is the stencil width 1..4.

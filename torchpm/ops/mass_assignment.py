@@ -89,10 +89,13 @@ def halo_widths(order) -> tuple[int, int]:
     return below, above
 
 
-def _use_reference(tensor):
-    # CUDA paint scatters with atomics; honour deterministic mode with the
-    # deterministic pure-torch path (index_put_ with accumulate=True).
-    return tensor.is_cuda and torch.are_deterministic_algorithms_enabled()
+def _paint_op(tensor):
+    """The paint op for ``tensor``'s device and mode: CUDA paint scatters with
+    atomics, so under ``torch.use_deterministic_algorithms(True)`` it is the same
+    paint computed node by node (``_paint_deterministic``, no atomics)."""
+    if tensor.is_cuda and torch.are_deterministic_algorithms_enabled():
+        return _ops._paint_deterministic
+    return _ops.paint
 
 
 def paint(
@@ -125,12 +128,15 @@ def paint(
 
     Differentiable in ``positions`` and ``weights``. On CUDA the kernel adds with
     atomics, so float rounding may differ between runs; under
-    ``torch.use_deterministic_algorithms(True)`` a deterministic pure-torch path
-    is used instead (readout and the gradients of paint and readout in the
-    positions gather without atomics and keep their kernels). float32 atomic
-    adds on CUDA flush denormal numbers to zero: contributions below about
-    1.2e-38 are lost (float64 keeps them). The CPU kernel is deterministic and
-    independent of the number of threads.
+    ``torch.use_deterministic_algorithms(True)`` the same paint is computed node
+    by node instead (``torch.ops.torchpm._paint_deterministic``: particles
+    sorted by cell, each node sums its contributions in a fixed order; no
+    atomics; its extra memory is a few tens of bytes per particle and 8 per
+    mesh cell). Readout and the gradients of paint and readout in the positions
+    gather without atomics and keep their kernels. float32 atomic adds on CUDA
+    flush denormal numbers to zero: contributions below about 1.2e-38 are lost
+    (float64 and the node-by-node paint keep them). The CPU kernel is
+    deterministic and independent of the number of threads.
     """
     op = "paint"
     positions = args.tensor_argument(positions, "positions", op)
@@ -140,12 +146,7 @@ def paint(
     periodic = args.periodic_argument(periodic, op)
     p = args.order_number(order, op)
     check_finite = args.bool_argument(check_finite, "check_finite", op)
-    if _use_reference(positions):
-        _paint_checks(positions, weights, shape, offset, p)
-        if check_finite and weights is not None and not bool(torch.isfinite(weights).all()):
-            raise ValueError(f"{op}: `weights` contains NaN or Inf values")
-        return _reference.paint_reference(positions, weights, shape, offset, periodic, p)
-    return _ops.paint(positions, weights, shape, offset, periodic, p, check_finite)
+    return _paint_op(positions)(positions, weights, shape, offset, periodic, p, check_finite)
 
 
 def readout(
@@ -268,6 +269,9 @@ def _paint_fake(positions, weights, shape, offset, periodic, order=2, check_fini
     return positions.new_empty(batch, *shape)
 
 
+torch.library.register_fake("torchpm::_paint_deterministic")(_paint_fake)
+
+
 @torch.library.register_fake("torchpm::readout")
 def _readout_fake(mesh, positions, offset, periodic, order=2, check_finite=True):
     op = "torchpm.readout"
@@ -341,11 +345,8 @@ def _readout_backward(ctx, grad_values):
     grad_mesh = grad_positions = None
     if ctx.needs_input_grad[0]:
         shape = list(mesh.shape[-3:])
-        if _use_reference(positions):
-            # deterministic mode may have been switched on after the forward
-            grad_mesh = _reference.paint_reference(positions, grad_values, shape, offset, periodic, order)
-        else:
-            grad_mesh = _ops.paint(positions, grad_values, shape, offset, periodic, order, False)
+        # (deterministic mode may have been switched on after the forward)
+        grad_mesh = _paint_op(positions)(positions, grad_values, shape, offset, periodic, order, False)
     if ctx.needs_input_grad[1]:
         grad_positions = _ops._position_gradient(mesh, positions, grad_values, offset, periodic, order)
     return grad_mesh, grad_positions, None, None, None, None
@@ -385,6 +386,9 @@ def _position_gradient_backward(ctx, grad):
 
 
 torch.library.register_autograd("torchpm::paint", _paint_backward, setup_context=_paint_setup_context)
+torch.library.register_autograd(
+    "torchpm::_paint_deterministic", _paint_backward, setup_context=_paint_setup_context
+)
 torch.library.register_autograd("torchpm::readout", _readout_backward, setup_context=_readout_setup_context)
 torch.library.register_autograd(
     "torchpm::_position_gradient",

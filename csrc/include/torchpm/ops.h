@@ -15,6 +15,9 @@
 //    _position_gradient), so torch::autograd::grad gives the gradients
 //    Python gives. First derivatives only: a second derivative through a
 //    position gradient throws (Python has them, through the pure-torch twin).
+//    On CUDA under at::globalContext().setDeterministicAlgorithms(true) their
+//    paint is computed node by node without atomics (_paint_deterministic), as
+//    in Python; ops::cic_paint always calls the atomic kernel (and raises then).
 //
 // Geometry and shapes as in Python (torchpm/ops/mass_assignment.py): positions (B, N, 3) in
 // mesh-cell units, float32 or float64; meshes (B, nx, ny, nz) or
