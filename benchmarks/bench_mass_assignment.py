@@ -15,6 +15,14 @@ the pure-torch twin (``--reference``, all orders; the twin of PCS needs ~10 GB a
     python benchmarks/bench_mass_assignment.py                      # cpu: 64^3, 128^3
     python benchmarks/bench_mass_assignment.py --device cuda        # adds 256^3, 512^3
     python benchmarks/bench_mass_assignment.py --sizes 128 --orders cic tsc pcs --repeats 5
+
+``--deterministic`` times instead, per order, the three ways to paint: the scatter
+kernel (atomics on CUDA), the node-by-node paint that CUDA takes under
+``torch.use_deterministic_algorithms(True)`` (``_paint_deterministic``, called
+directly, so it is timed on the CPU too) and the pure-torch twin (the earlier
+deterministic path), interleaved, with the peak memory of each on CUDA:
+
+    python benchmarks/bench_mass_assignment.py --deterministic --device cuda --sizes 256 512 --orders cic tsc
 """
 
 from __future__ import annotations
@@ -116,6 +124,51 @@ def cases(n, x, order, device, reference):
     ]
 
 
+def deterministic_table(sizes, layouts, orders, device, repeats, generator):
+    """Scatter paint, node-by-node paint and pure-torch twin, timed round-robin
+    (ms, medians), their ratios to the scatter paint, and on CUDA the peak memory
+    each allocates beyond its inputs (GB)."""
+    print(f"{'n':>5} {'layout':>14} {'order':>5} {'scatter ms':>10} {'node ms':>9} {'twin ms':>9} "
+          f"{'node/scatter':>12} {'twin/node':>9}" + (f" {'peak GB scatter/node/twin':>26}" if device.type == "cuda" else ""))
+    for n in sizes:
+        for layout in layouts:
+            x = make_positions(n, layout, device, generator)
+            shape = [n, n, n]
+            for order in orders:
+                p = WIDTH[order]
+                fns = {
+                    "scatter": lambda: torch.ops.torchpm.paint(x, None, shape, [0, 0, 0], [True] * 3, p, True),
+                    "node": lambda: torch.ops.torchpm._paint_deterministic(x, None, shape, [0, 0, 0], [True] * 3, p, True),
+                    "twin": lambda: paint_reference(x, None, shape, order=p),
+                }
+                peak = {}
+                for key, fn in fns.items():
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats(device)
+                        base = torch.cuda.memory_allocated(device)
+                    fn()  # warm-up
+                    synchronize(device)
+                    if device.type == "cuda":
+                        peak[key] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
+                times = {key: [] for key in fns}
+                for _ in range(repeats):
+                    for key, fn in fns.items():
+                        start = time.perf_counter()
+                        fn()
+                        synchronize(device)
+                        times[key].append(time.perf_counter() - start)
+                t = {key: 1e3 * statistics.median(v) for key, v in times.items()}
+                line = (f"{n:>5} {layout:>14} {order:>5} {t['scatter']:>10.2f} {t['node']:>9.2f} {t['twin']:>9.2f} "
+                        f"{t['node'] / t['scatter']:>12.2f} {t['twin'] / t['node']:>9.2f}")
+                if device.type == "cuda":
+                    line += f" {peak['scatter']:>8.2f}/{peak['node']:.2f}/{peak['twin']:.2f}"
+                print(line, flush=True)
+            del x
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -126,6 +179,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=float, default=20.0, help="seconds per measurement before stopping repeats")
     parser.add_argument("--reference", action="store_true", help="also time the pure-torch twin")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="time the scatter paint, the node-by-node paint and the twin instead")
     args = parser.parse_args()
     device = torch.device(args.device)
     sizes = args.sizes or ([64, 128, 256, 512] if device.type == "cuda" else [64, 128])
@@ -136,6 +191,9 @@ def main():
         else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
     )
     print(f"# torchpm {torchpm.__version__}, torch {torch.__version__}, {name}, float32")
+    if args.deterministic:
+        deterministic_table(sizes, args.layouts, orders, device, args.repeats, torch.Generator().manual_seed(0))
+        return
     header = f"{'n':>5} {'layout':>14} {'order':>5} {'op':<20} {'Mpart/s':>9} {'x CIC time':>10}"
     print(header + (f" {'twin Mpart/s':>13} {'speedup':>8}" if args.reference else ""))
     generator = torch.Generator().manual_seed(0)
