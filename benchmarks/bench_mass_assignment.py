@@ -142,13 +142,18 @@ def deterministic_table(sizes, layouts, orders, device, repeats, generator):
                     "twin": lambda: paint_reference(x, None, shape, order=p),
                 }
                 peak = {}
-                for key, fn in fns.items():
+                for key, fn in list(fns.items()):
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                         torch.cuda.reset_peak_memory_stats(device)
                         base = torch.cuda.memory_allocated(device)
-                    fn()  # warm-up
-                    synchronize(device)
+                    try:
+                        fn()  # warm-up
+                        synchronize(device)
+                    except torch.OutOfMemoryError:  # the twin at 512^3
+                        del fns[key]
+                        peak[key] = float("nan")
+                        continue
                     if device.type == "cuda":
                         peak[key] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
                 times = {key: [] for key in fns}
@@ -158,7 +163,8 @@ def deterministic_table(sizes, layouts, orders, device, repeats, generator):
                         fn()
                         synchronize(device)
                         times[key].append(time.perf_counter() - start)
-                t = {key: 1e3 * statistics.median(v) for key, v in times.items()}
+                nan = float("nan")  # out of memory
+                t = {key: 1e3 * statistics.median(times[key]) if key in times else nan for key in ("scatter", "node", "twin")}
                 line = (f"{n:>5} {layout:>14} {order:>5} {t['scatter']:>10.2f} {t['node']:>9.2f} {t['twin']:>9.2f} "
                         f"{t['node'] / t['scatter']:>12.2f} {t['twin'] / t['node']:>9.2f}")
                 if device.type == "cuda":

@@ -6,12 +6,13 @@
 #   bash tools/gpu_session.sh test        # build, then the whole suite with the CUDA cases
 #   bash tools/gpu_session.sh sanitize    # build, then the CUDA op tests under compute-sanitizer
 #   bash tools/gpu_session.sh bench       # build, then the GPU benchmarks at 256^3 and 512^3
+#   bash tools/gpu_session.sh determinism # build, then the deterministic paint against the atomic one
 #
 # The GPU machine has torch, pytest, hypothesis, scipy, h5py, safetensors and matplotlib,
 # but not the test-only oracles astropy, colossus, pynbody and JaxPM: those tests skip
 # or are deselected here (they run in CI on the CPU).
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh test|sanitize|bench}
+phase=${1:?usage: gpu_session.sh test|sanitize|bench|determinism}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -61,6 +62,11 @@ bench)
     timeout 100 $python benchmarks/bench_adjoint.py --device cuda --no-memory --repeats 5 \
         2>&1 | tee "$out/bench_adjoint.log"
     ;;
+determinism)
+    build
+    timeout 400 $python benchmarks/bench_mass_assignment.py --deterministic --device cuda --sizes 256 512 \
+        --orders cic tsc --layouts lattice late uniform --repeats 5 2>&1 | tee "$out/bench_deterministic.log"
+    ;;
 *)
-    echo "unknown phase $phase (test, sanitize, bench)"; exit 2 ;;
+    echo "unknown phase $phase (test, sanitize, bench, determinism)"; exit 2 ;;
 esac
