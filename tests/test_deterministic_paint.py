@@ -97,18 +97,30 @@ def test_clustered_particles(device):
 
 def test_a_node_sums_its_particles_in_index_order(device):
     # float32 sums that depend on the order of their terms: 1e8 + 1 rounds to 1e8.
-    # NGP puts each particle on one node with weight 1, so node (1, 1, 1) holds the
-    # float32 sum of its particles' weights in particle order (a stable sort by
-    # cell), whatever other particles come between them.
-    def painted(weights):
-        x = torch.tensor([[[1.2, 1.1, 0.9], [3.0, 0.0, 0.0], [0.8, 1.0, 1.3], [2.0, 2.0, 2.0], [1.0, 1.4, 1.0]]])
-        w = torch.tensor([[weights[0], 5.0, weights[1], 7.0, weights[2]]])
-        mesh = ops._paint_deterministic(x.to(device), w.to(device), [4, 4, 4], [0, 0, 0], [True] * 3, 1, True)
-        return mesh[0, 1, 1, 1].item(), mesh[0, 3, 0, 0].item(), mesh[0, 2, 2, 2].item()
+    # NGP puts each particle on one node with weight 1. Node (1, 1, 1) gets 40000
+    # particles of weight 0 and three of weights w1, w2, w3 far apart in the
+    # array, with 20000 particles of another node in between: it holds the float32
+    # sum of w1, w2, w3 in particle order only if the sort by cell is stable.
+    g = torch.Generator().manual_seed(3)
+    count = 60000
+    x = 1.0 + 0.6 * (torch.rand(1, count, 3, generator=g) - 0.5)
+    other = torch.arange(count) % 3 == 1
+    x[0, other] = torch.tensor([3.0, 0.0, 0.0])
+    special = [5, 30001 - 30001 % 3, count - 3]  # not in `other`
 
-    assert painted([1e8, -1e8, 1.0]) == (1.0, 5.0, 7.0)  # (1e8 - 1e8) + 1
-    assert painted([1.0, 1e8, -1e8]) == (0.0, 5.0, 7.0)  # (1 + 1e8) - 1e8
-    assert painted([1e8, 1.0, -1e8]) == (0.0, 5.0, 7.0)
+    def painted(weights):
+        w = torch.zeros(1, count)
+        w[0, other] = 5.0
+        w[0, special] = torch.tensor(weights)
+        mesh = ops._paint_deterministic(x.to(device), w.to(device), [4, 4, 4], [0, 0, 0], [True] * 3, 1, True)
+        return mesh[0, 1, 1, 1].item(), mesh[0, 3, 0, 0].item(), torch.count_nonzero(mesh).item()
+
+    assert painted([1e8, -1e8, 1.0]) == (1.0, 100000.0, 2)  # (1e8 - 1e8) + 1
+    assert painted([1.0, 1e8, -1e8]) == (0.0, 100000.0, 1)  # (1 + 1e8) - 1e8
+    assert painted([1e8, 1.0, -1e8]) == (0.0, 100000.0, 1)
+    assert painted([-1e8, 1.0, 1e8]) == (0.0, 100000.0, 1)
+    assert painted([1.0, -1e8, 1e8]) == (0.0, 100000.0, 1)
+    assert painted([-1e8, 1e8, 1.0]) == (1.0, 100000.0, 2)
 
 
 def test_independent_of_the_number_of_threads():
@@ -253,3 +265,30 @@ def test_cuda_paint_in_deterministic_mode_is_the_node_paint(device):
     torch.testing.assert_close(first.cpu(), ops._paint_deterministic(x.cpu(), w.cpu(), [32, 32, 32], [0, 0, 0], [True] * 3, 3, True), rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(first, ops.paint(x, w, [32, 32, 32], [0, 0, 0], [True] * 3, 3, True), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(grad, ops.paint(x, w, [32, 32, 32], [0, 0, 0], [True] * 3, 2, True), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY, indirect=True)
+def test_cuda_graph_capture(device):
+    # sort, key and node kernels replay from a CUDA graph (no host synchronisation)
+    g = torch.Generator().manual_seed(14)
+    x = (torch.rand(1, 50000, 3, generator=g) * 16).to(device)
+    w = torch.rand(1, 50000, generator=g).to(device)
+    args = ([16, 16, 16], [0, 0, 0], [True] * 3, 2, True)
+    expected = ops._paint_deterministic(x, w, *args)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph asks
+        for _ in range(3):
+            ops._paint_deterministic(x, w, *args)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops._paint_deterministic(x, w, *args)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    assert torch.equal(out, expected)
+    w.mul_(2)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    assert torch.equal(out, 2 * expected)  # a power of two: the same roundings
+    torchpm.check()
