@@ -12,7 +12,8 @@ group (a FileStore), one thread each unless ``--threads-per-rank`` says otherwis
 a ``balanced_grid(R)`` process grid (2 ranks: 2 x 1 slabs; 4 ranks: 2 x 2 pencils).
 Particles = mesh cells (mesh factor 1), float32, Planck15, 2LPT at a = 0.1 then steps
 to a = 1. A step is one kick-drift-kick: drift, migration, one force evaluation
-(paint + halo add, rfftn, kernels, 3-channel irfftn, halo fill + 3-channel readout).
+(paint + halo add, rfftn, kernels, irfftn of the potential, halo fill + the 4-point
+gradient in real space, halo fill + 3-channel readout).
 Times are medians over ``--repeats`` steps after a warm-up step; each repeat takes the
 slowest rank. The breakdown times the pieces inside the steps (summed per step, slowest
 rank, median over steps): "FFT local" is the FFT time without its transposes.

@@ -9,11 +9,16 @@ factor 1, float32) on 8, 64 and 512 H100s, the bytes each rank sends per step in
 FFT transposes, the halo exchanges and the migration, and a predicted step time =
 local compute + communication (no overlap). Assumptions, stated so they can be changed:
 
-* transposes: one forward rfftn (density) and three inverse transforms (force
-  components) per step; the local complex block is ``4 N^3 / P`` bytes and a transpose
-  over a grid axis of ``P_a`` ranks sends ``(P_a - 1) / P_a`` of it;
-* halos (CIC, one plane above the block along each split axis): the paint adds one
-  channel, the readout fills three;
+* transposes: one forward rfftn (density) and, with the default real-space 4-point
+  gradient (``gradient="fd4"``, blocks at least 2 planes thick), one inverse transform
+  (the potential) per step; with a Fourier-space gradient (``"exact"``, or blocks
+  thinner than 2 planes) three inverse transforms (the force components). The local
+  complex block is ``4 N^3 / P`` bytes and a transpose over a grid axis of ``P_a``
+  ranks sends ``(P_a - 1) / P_a`` of it;
+* halos along each split axis (CIC): the paint adds one channel (one plane above the
+  block); with the real-space gradient the potential's halo is then filled once for
+  the gradient and the readout (one channel, two planes below and three above), with
+  the Fourier gradient the readout fills the three components (one plane above);
 * migration: 2 % of a rank's particles leave per step (late times, blocks >= 64
   cells thick), 32 bytes each (position, momentum, int64 id);
 * bandwidth per GPU: NCCL all-to-all inside an 8-GPU NVLink node 150 GB/s; across nodes
@@ -33,11 +38,15 @@ PMWD_512_STEP = 94.6e-3
 CONFIGS = {8: (8, 1), 64: (8, 8), 512: (64, 8)}
 
 
-def model(n, gpus):
+def model(n, gpus, gradient="fd4"):
     p0, p1 = CONFIGS[gpus]
     cells = n**3
     complex_block = 4 * cells / gpus  # bytes of the local rfft block (complex64)
-    transforms = 4
+    real_space = gradient == "fd4"
+    transforms = 2 if real_space else 4
+    # halo planes x channels moved per split axis, and halo exchanges per step
+    halo_planes = 1 + (5 if real_space else 3)
+    exchanges = 2
     # grid axis 1 (size p1) stays inside a node; axis 0 crosses nodes when there are several
     axis0_bandwidth = NVLINK if gpus <= 8 else INFINIBAND
     axis0_latency = LATENCY_NODE if gpus <= 8 else LATENCY_NETWORK
@@ -47,8 +56,8 @@ def model(n, gpus):
         + ((complex_block * (p1 - 1) / p1 / NVLINK + LATENCY_NODE) if p1 > 1 else 0)
     )
     lx, ly = n / p0, n / p1
-    halo_bytes = 4 * (1 + 3) * n * ((ly if p0 > 1 else 0) + (lx if p1 > 1 else 0))
-    halo_time = halo_bytes / axis0_bandwidth + 4 * axis0_latency
+    halo_bytes = 4 * halo_planes * n * ((ly if p0 > 1 else 0) + (lx if p1 > 1 else 0))
+    halo_time = halo_bytes / axis0_bandwidth + 2 * exchanges * axis0_latency
     migration_bytes = 0.02 * cells / gpus * 32
     migration_time = migration_bytes / axis0_bandwidth + 4 * axis0_latency
     compute = PMWD_512_STEP * cells / 512**3 / gpus
@@ -59,15 +68,16 @@ def model(n, gpus):
 
 def main():
     print("| particles | GPUs | grid | transposes MB/rank | halos MB/rank | migration MB/rank | "
-          "compute ms | communication ms | predicted step ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "compute ms | communication ms | predicted step ms | Fourier gradient: communication / step ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in (512, 1024, 2048):
         for gpus in (8, 64, 512):
             m = model(n, gpus)
+            f = model(n, gpus, gradient="fourier")
             p0, p1 = CONFIGS[gpus]
             print(f"| {n}^3 | {gpus} | {p0} x {p1} | {m['transpose'] / 1e6:.1f} | {m['halo'] / 1e6:.2f} | "
                   f"{m['migration'] / 1e6:.2f} | {m['compute'] * 1e3:.2f} | {m['communication'] * 1e3:.2f} | "
-                  f"{m['total'] * 1e3:.1f} |")
+                  f"{m['total'] * 1e3:.1f} | {f['communication'] * 1e3:.2f} / {f['total'] * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -418,6 +418,7 @@ def case_fd4(grid, ctx):
         (grad,) = torch.autograd.grad(d.fd4_gradient(leaf, scale), leaf, grad_outputs=other_local)
         assert_close(grad, d.fd4_gradient_transpose(other_local, scale), expected_t.abs().max().item(),
                      f"backward of fd4_gradient {shape}")
+        check_fd4_gradient_readout(d, shape, grid, coords, whole, local, expected, seed)
     if grid[0] > 1:
         shape = (grid[0], 8, 6)  # one x plane per rank: no room for a halo of 2
         d = decomposition(shape, grid, ctx)
@@ -431,6 +432,46 @@ def case_fd4(grid, ctx):
         expected = gradient_inverse_laplacian(torch.fft.rfftn(whole, dim=(-3, -2, -1)), single)
         channels = (slice(None), slice(None), *real_slices(shape, grid, coords)[1:])
         assert_close(field, expected[channels], expected.abs().max().item(), "Fourier gradient on thin blocks")
+
+
+def owned_positions(shape, grid, coords, seed, count=300):
+    """Global random positions (shared seed) wrapped into the box, those in this
+    rank's block along x and y (as migration leaves them)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.rand(count, 3, generator=generator, dtype=torch.float64) * 3 - 1) * torch.tensor(shape)
+    ((lx, ly, _), (ox, oy, _)), _ = expected_layout(shape, grid, coords)
+    wrapped = torch.remainder(x, torch.tensor(shape, dtype=torch.float64))
+    mine = (wrapped[:, 0] >= ox) & (wrapped[:, 0] < ox + lx) & (wrapped[:, 1] >= oy) & (wrapped[:, 1] < oy + ly)
+    return wrapped[mine][None].expand(2, -1, -1).contiguous()
+
+
+def check_fd4_gradient_readout(d, shape, grid, coords, whole, local, expected, seed):
+    """fd4_gradient_readout (one wide halo, or two exchanges on thin blocks) reads the
+    single-device gradient at owned particles, for the readout orders with the
+    smallest and the largest reach; its backward is the two-exchange path's."""
+    from torchpm.ops import readout
+
+    scale = (0.5, -1.5, 2.0)
+    for order in ("cic", "tsc"):
+        x = owned_positions(shape, grid, coords, 600 + seed)
+        want = readout(expected, x, order=order)
+        got = d.fd4_gradient_readout(local, scale, x, order=order)
+        assert_close(got, want, expected.abs().max().item(), f"fd4_gradient_readout {shape} {order}")
+        widths = d.fd4_readout_halo(order)
+        split = [axis for axis in (0, 1) if grid[axis] > 1]
+        sizes = (d.layout.real_x, d.layout.real_y)
+        thin = any(2 + max(halo_widths_of(order)) > min(sizes[axis]) for axis in split)
+        assert (widths is None) == thin, (order, widths, sizes)
+        leaf = local.clone().requires_grad_(True)
+        cotangent = global_random(got.shape, 700 + seed)
+        (grad,) = torch.autograd.grad(d.fd4_gradient_readout(leaf, scale, x, order=order), leaf, cotangent)
+        (two,) = torch.autograd.grad(d.readout(d.fd4_gradient(leaf, scale), x, order=order), leaf, cotangent)
+        assert_close(grad, two, two.abs().max().item() + 1, f"backward of fd4_gradient_readout {shape} {order}")
+
+
+def halo_widths_of(order):
+    # CIC reaches 0 planes below and 1 above, TSC 1 and 2 (torchpm.ops.halo_widths)
+    return {"cic": (0, 1), "tsc": (1, 2)}[order]
 
 
 def case_gradcheck_fft(grid, ctx, shape=GRAD_SHAPE, fast_mode=True):

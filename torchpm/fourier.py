@@ -21,6 +21,7 @@ __all__ = [
     "FourierKernels",
     "window",
     "gradient_inverse_laplacian",
+    "read_gradient_inverse_laplacian",
     "multiply_real",
     "stack_products",
     "gradient_transpose_k",
@@ -245,14 +246,34 @@ def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, s
         ``(B, 3, *local_real_shape)``: component ``i`` is ``-d_i (grad^2)^-1 field``
         in Mpc/h (divide by the cell size for mesh units), times ``gradient_scale[i]``.
     """
-    potential = multiply_real(field_k, kernels.inverse_laplacian_pair, paired=True)
-    if scale is not None:
-        potential = multiply_real(potential, scale)
+    potential = _potential_k(field_k, kernels, scale)
     mesh = kernels.mesh
     # -d_i grad^-2 = -(i g_i)(-1/k^2) = +(i g_i) / k^2
     if kernels.real_space_gradient:
         return mesh.fd4_gradient(mesh.irfftn(potential), _real_space_scale(kernels, gradient_scale))
     return mesh.irfftn(stack_products(potential, _fourier_gradient(kernels, gradient_scale)))
+
+
+def read_gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, positions: torch.Tensor,
+                                    order: str = "cic", scale=None, gradient_scale=None) -> torch.Tensor:
+    """``mesh.readout(gradient_inverse_laplacian(field_k, kernels, scale, gradient_scale),
+    positions, order=order)``: ``(B, N, 3)`` at owned particles. With the real-space
+    gradient on a process grid the potential's halo is filled once for both stencils
+    (:meth:`mesh.fd4_gradient_readout`): one halo exchange of one channel instead of a
+    second one of the three components. The same values either way, up to rounding."""
+    mesh = kernels.mesh
+    if kernels.real_space_gradient:
+        potential = mesh.irfftn(_potential_k(field_k, kernels, scale))
+        return mesh.fd4_gradient_readout(potential, _real_space_scale(kernels, gradient_scale), positions, order=order)
+    return mesh.readout(gradient_inverse_laplacian(field_k, kernels, scale, gradient_scale), positions, order=order)
+
+
+def _potential_k(field_k, kernels, scale):
+    """``-grad^-2 field`` in Fourier space (times ``scale``)."""
+    potential = multiply_real(field_k, kernels.inverse_laplacian_pair, paired=True)
+    if scale is not None:
+        potential = multiply_real(potential, scale)
+    return potential
 
 
 def gradient_transpose_k(field: torch.Tensor, kernels: FourierKernels, gradient_scale=None) -> torch.Tensor:

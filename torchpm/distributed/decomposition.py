@@ -354,6 +354,12 @@ class PencilDecomposition:
             )
         return widths, [self.grid_shape[0] == 1, self.grid_shape[1] == 1, True]
 
+    def _check_fd4_field(self, field, method):
+        self._check_trailing(field, self.local_real_shape, "field", method)
+        if field.dim() != 4:
+            raise ValueError(f"PencilDecomposition.{method}: expected `field` of shape (B, "
+                             f"*{self.local_real_shape}), got {tuple(field.shape)}")
+
     def fd4_gradient(self, field: torch.Tensor, scale) -> torch.Tensor:
         """``(B, 3, *local_real_shape)``: channel ``i`` is ``scale[i] * D_i field``, ``D`` the
         4-point finite difference of the global periodic mesh in nodes
@@ -368,10 +374,7 @@ class PencilDecomposition:
         prepared = []
 
         def check():
-            self._check_trailing(field, self.local_real_shape, "field", "fd4_gradient")
-            if field.dim() != 4:
-                raise ValueError(f"PencilDecomposition.fd4_gradient: expected `field` of shape (B, "
-                                 f"*{self.local_real_shape}), got {tuple(field.shape)}")
+            self._check_fd4_field(field, "fd4_gradient")
             widths, periodic = self._fd4_geometry("fd4_gradient")
             prepared.append((widths, periodic, _scale_vector(scale, field, "fd4_gradient"),
                              self.pad_halo(field, widths)))
@@ -403,6 +406,52 @@ class PencilDecomposition:
         self._checked_collective("fd4_gradient_transpose", check, grad, "grad")
         widths, haloed = prepared[0]
         return self.strip_halo(_halo.add_halo(haloed, widths, self._axes), widths)
+
+    def fd4_readout_halo(self, order: str = "cic"):
+        """Halo widths ``((lo_x, hi_x), (lo_y, hi_y))`` of :meth:`fd4_gradient_readout`: the
+        4-point stencil's 2 plus the readout stencil's reach (:meth:`stencil_halo`) on split
+        axes; None when a block is too thin for it (a halo comes from one neighbour) or
+        the gradient is taken in Fourier space (:meth:`fd4_halo` is None)."""
+        fd4 = self.fd4_halo()
+        if fd4 is None:
+            return None
+        widths = tuple((a + c, b + d) for (a, b), (c, d) in zip(fd4, self.stencil_halo(order)))
+        for (lo, hi), sizes in zip(widths, (self.layout.real_x, self.layout.real_y)):
+            if max(lo, hi) > min(sizes):
+                return None
+        return widths
+
+    def fd4_gradient_readout(self, field: torch.Tensor, scale, positions: torch.Tensor, *,
+                             order: str = "cic") -> torch.Tensor:
+        """``readout(fd4_gradient(field, scale), positions, order=order)``: ``(B, N, 3)``, the
+        4-point gradient (:meth:`fd4_gradient`) read at owned particles.
+
+        On a grid the potential's halo is filled once, wide enough for both stencils
+        (:meth:`fd4_readout_halo`), and the gradient is formed on the block plus the
+        readout's halo: one halo exchange of one channel instead of two (the gradient's,
+        then the three components' for the readout). Blocks too thin for that halo take
+        the two exchanges. Collective on a grid; differentiable.
+        """
+        if self.is_local:
+            return self.readout(fd4_gradient(field, scale, True), positions, order=order)
+        prepared = []
+
+        def check():
+            self._check_fd4_field(field, "fd4_gradient_readout")
+            _, periodic = self._fd4_geometry("fd4_gradient_readout")
+            widths = self.fd4_readout_halo(order)
+            _, _, offset, read_periodic = self._block_geometry(order)
+            vector = _scale_vector(scale, field, "fd4_gradient_readout")
+            padded = None if widths is None else self.pad_halo(field, widths)
+            prepared.append((widths, periodic, offset, read_periodic, vector, padded))
+
+        self._checked_collective("fd4_gradient_readout", check, field, "field",
+                                 ("halo widths of `order`", lambda: prepared[0][0] if prepared else str(order)))
+        widths, periodic, offset, read_periodic, vector, padded = prepared[0]
+        if widths is None:
+            return self.readout(self.fd4_gradient(field, vector), positions, order=order)
+        force = torch.ops.torchpm._fd4_gradient(_halo.fill_halo(padded, widths, self._axes), vector, periodic)
+        return _readout(force, positions, order=order, offset=offset, periodic=read_periodic)
 
     def _checked_halo(self, method, field, width):
         """The local checks of a halo exchange and the ranks' agreement on it; returns the widths."""
