@@ -95,6 +95,20 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE acc_t floor_of_bounded(acc_t x) {
 #endif
 }
 
+// Whether the `count` values at `v` are all finite (the paints' check_finite).
+template <typename scalar_t>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool finite_values(const scalar_t* v, int64_t count) {
+  bool finite = true;
+  for (int64_t i = 0; i < count; ++i) {
+#ifdef __CUDA_ARCH__
+    finite = finite && ::isfinite(v[i]);
+#else
+    finite = finite && std::isfinite(v[i]);
+#endif
+  }
+  return finite;
+}
+
 // Wraps i into [0, n); the common case (already inside) costs one comparison.
 C10_HOST_DEVICE inline int64_t wrap_index(int64_t i, int64_t n) {
   if (i >= 0 && i < n) {

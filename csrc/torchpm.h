@@ -87,6 +87,32 @@ PaintArguments check_paint_arguments(
     std::array<bool, 3> periodic,
     int64_t order);
 
+// The frame of a backend's paint op: the errors earlier calls left are reported
+// (error_checking.h), the arguments checked, the (B, C, nx, ny, nz) mesh
+// allocated with zeros, `paint(args, mesh)` run when there are particles, and
+// the channel axis dropped again for (B, N) or no weights.
+void report_earlier_errors(const char* caller);
+
+template <typename Paint>
+at::Tensor paint_op(
+    const char* op,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order,
+    const Paint& paint) {
+  report_earlier_errors(op);
+  const auto args = check_paint_arguments(op, positions, weights, shape, offset, periodic, order);
+  auto mesh = at::zeros(
+      {args.positions.size(0), args.channels, shape[0], shape[1], shape[2]}, args.positions.options());
+  if (args.positions.numel() > 0) {
+    paint(args, mesh);
+  }
+  return args.has_channel_dim ? mesh : mesh.squeeze(1);
+}
+
 // The particles of a node-by-node paint (node_paint.h) in the order of their
 // keys (B N,) int64: a stable sort, so particles of one key keep their order.
 // `values` (B, N, C) may be undefined (unit weights), and so is its sorted copy.

@@ -279,11 +279,7 @@ CheckResult check_and_bin(
           ++range_counts[b];
         }
         if (values) {
-          bool finite = true;
-          for (int64_t ch = 0; ch < channels; ++ch) {
-            finite = finite && std::isfinite(values[p * channels + ch]);
-          }
-          local_bad_values += finite ? 0 : 1;
+          local_bad_values += finite_values(values + p * channels, channels) ? 0 : 1;
         }
       }
       bad += local_bad;
@@ -465,32 +461,22 @@ void paint_kernel(
 }
 
 at::Tensor paint_cpu(
-    const at::Tensor& positions_in,
-    const std::optional<at::Tensor>& weights_in,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
     at::IntArrayRef shape,
     at::IntArrayRef offset,
     std::array<bool, 3> periodic,
     int64_t order,
     bool check_finite) {
   const char* op = "torchpm.paint";
-  report_earlier_errors(op);
-  const auto args = check_paint_arguments(op, positions_in, weights_in, shape, offset, periodic, order);
-  const at::Tensor& positions = args.positions;
-  const at::Tensor& weights = args.weights;
-  const int64_t channels = args.channels;
-  const StencilGeometry& g = args.geometry;
-  auto mesh = at::zeros(
-      {positions.size(0), channels, shape[0], shape[1], shape[2]},
-      positions.options());
-  if (positions.numel() > 0) {
-    AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "paint_cpu", [&] {
+  return paint_op(op, positions, weights, shape, offset, periodic, order, [&](const PaintArguments& args, at::Tensor& mesh) {
+    AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "paint_cpu", [&] {
       dispatch_order(op, order, [&](auto width) {
         paint_kernel<scalar_t, decltype(width)::value>(
-            op, positions, weights, channels, g, check_finite, mesh);
+            op, args.positions, args.weights, args.channels, args.geometry, check_finite, mesh);
       });
     });
-  }
-  return args.has_channel_dim ? mesh : mesh.squeeze(1);
+  });
 }
 
 // The node-by-node paint (node_paint.h): the same passes as on CUDA, each a
@@ -518,11 +504,7 @@ void paint_by_node(const PaintArguments& args, bool check_finite, at::Tensor& me
     for (int64_t p = begin; p < end; ++p) {
       local_bad += cell_key<scalar_t, acc_t, W>(pos + 3 * p, g, p / n, key[p]) ? 0 : 1;
       if (check_finite && values) {
-        bool finite = true;
-        for (int64_t ch = 0; ch < channels; ++ch) {
-          finite = finite && std::isfinite(values[p * channels + ch]);
-        }
-        local_bad_values += finite ? 0 : 1;
+        local_bad_values += finite_values(values + p * channels, channels) ? 0 : 1;
       }
     }
     bad += local_bad;
@@ -557,8 +539,8 @@ void paint_by_node(const PaintArguments& args, bool check_finite, at::Tensor& me
 }
 
 at::Tensor paint_deterministic_cpu(
-    const at::Tensor& positions_in,
-    const std::optional<at::Tensor>& weights_in,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
     at::IntArrayRef shape,
     at::IntArrayRef offset,
     std::array<bool, 3> periodic,
@@ -566,18 +548,13 @@ at::Tensor paint_deterministic_cpu(
     bool check_finite) {
   // Errors name the paint the user called (torchpm.paint takes this op).
   const char* op = "torchpm.paint";
-  report_earlier_errors(op);
-  const auto args = check_paint_arguments(op, positions_in, weights_in, shape, offset, periodic, order);
-  auto mesh = at::empty(
-      {args.positions.size(0), args.channels, shape[0], shape[1], shape[2]}, args.positions.options());
-  if (mesh.numel() > 0) {
+  return paint_op(op, positions, weights, shape, offset, periodic, order, [&](const PaintArguments& args, at::Tensor& mesh) {
     AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "paint_deterministic_cpu", [&] {
       dispatch_order(op, order, [&](auto width) {
         paint_by_node<scalar_t, decltype(width)::value>(args, check_finite, mesh);
       });
     });
-  }
-  return args.has_channel_dim ? mesh : mesh.squeeze(1);
+  });
 }
 
 at::Tensor readout_cpu(

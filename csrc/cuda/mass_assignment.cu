@@ -394,46 +394,34 @@ __global__ void position_gradient_kernel(
 }
 
 at::Tensor paint_cuda(
-    const at::Tensor& positions_in,
-    const std::optional<at::Tensor>& weights_in,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
     at::IntArrayRef shape,
     at::IntArrayRef offset,
     std::array<bool, 3> periodic,
     int64_t order,
     bool check_finite) {
   const char* op = "torchpm.paint";
-  report_earlier_errors(op);
-  const auto args = check_paint_arguments(op, positions_in, weights_in, shape, offset, periodic, order);
-  const at::Tensor& positions = args.positions;
-  const at::Tensor& weights = args.weights;
-  const int64_t channels = args.channels;
-  const StencilGeometry& g = args.geometry;
-  at::globalContext().alertNotDeterministic("torchpm::paint (CUDA atomics)");
-  const c10::cuda::CUDAGuard guard(positions.device());
-  auto mesh = at::zeros(
-      {positions.size(0), channels, shape[0], shape[1], shape[2]},
-      positions.options());
-  const int64_t total = positions.size(0) * positions.size(1);
-  if (total > 0) {
-    DeviceCounters& counters = counters_for(op, positions.device());
+  return paint_op(op, positions, weights, shape, offset, periodic, order, [&](const PaintArguments& args, at::Tensor& mesh) {
+    at::globalContext().alertNotDeterministic("torchpm::paint (CUDA atomics)");
+    const c10::cuda::CUDAGuard guard(args.positions.device());
+    const int64_t total = args.positions.size(0) * args.positions.size(1);
+    DeviceCounters& counters = counters_for(op, args.positions.device());
     const bool in_capture = capturing();
-    unsigned long long* bad = slot_pointer(counters, kPaintOp);
     auto stream = c10::cuda::getCurrentCUDAStream();
-    AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "paint_cuda", [&] {
+    AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "paint_cuda", [&] {
       dispatch_order(op, order, [&](auto width) {
         paint_kernel<scalar_t, decltype(width)::value>
             <<<blocks_for(op, total), kThreads, 0, stream>>>(
-                positions.data_ptr<scalar_t>(),
-                weights.defined() ? weights.data_ptr<scalar_t>() : nullptr, channels,
-                positions.size(1), total, g, check_finite && weights.defined(),
-                mesh.data_ptr<scalar_t>(),
-                bad);
+                args.positions.data_ptr<scalar_t>(),
+                args.weights.defined() ? args.weights.data_ptr<scalar_t>() : nullptr, args.channels,
+                args.positions.size(1), total, args.geometry, check_finite && args.weights.defined(),
+                mesh.data_ptr<scalar_t>(), slot_pointer(counters, kPaintOp));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
-    report_after_launch(kPaintOp, counters, in_capture, CallDiagnosis(positions, weights, g));
-  }
-  return args.has_channel_dim ? mesh : mesh.squeeze(1);
+    report_after_launch(kPaintOp, counters, in_capture, CallDiagnosis(args.positions, args.weights, args.geometry));
+  });
 }
 
 // The node-by-node paint (node_paint.h), one thread per particle, key or node.
@@ -456,11 +444,7 @@ __global__ void cell_key_kernel(
   const bool valid = cell_key<scalar_t, acc_t, W>(positions + 3 * p, g, p / per_batch, keys[p]);
   count_in_warp(!valid, bad + kBadPositions);
   if (check_finite) {
-    bool finite = true;
-    for (int64_t ch = 0; ch < channels; ++ch) {
-      finite = finite && ::isfinite(static_cast<acc_t>(values[p * channels + ch]));
-    }
-    count_in_warp(!finite, bad + kBadValues);
+    count_in_warp(!finite_values(values + p * channels, channels), bad + kBadValues);
   }
 }
 
@@ -489,8 +473,8 @@ __global__ void paint_node_kernel(
 }
 
 at::Tensor paint_deterministic_cuda(
-    const at::Tensor& positions_in,
-    const std::optional<at::Tensor>& weights_in,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
     at::IntArrayRef shape,
     at::IntArrayRef offset,
     std::array<bool, 3> periodic,
@@ -498,54 +482,42 @@ at::Tensor paint_deterministic_cuda(
     bool check_finite) {
   // Errors name the paint the user called (torchpm.paint takes this op).
   const char* op = "torchpm.paint";
-  report_earlier_errors(op);
-  const auto args = check_paint_arguments(op, positions_in, weights_in, shape, offset, periodic, order);
-  const at::Tensor& positions = args.positions;
-  const at::Tensor& weights = args.weights;
-  const StencilGeometry& g = args.geometry;
-  const c10::cuda::CUDAGuard guard(positions.device());
-  auto mesh = at::empty(
-      {positions.size(0), args.channels, shape[0], shape[1], shape[2]}, positions.options());
-  if (mesh.numel() == 0) {
-    return args.has_channel_dim ? mesh : mesh.squeeze(1);
-  }
-  const int64_t total = positions.size(0) * positions.size(1);
-  const int64_t cells = g.shape[0] * g.shape[1] * g.shape[2];
-  const int64_t key_count = positions.size(0) * (cells + 1);
-  auto keys = at::empty({total}, positions.options().dtype(at::kLong));
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  DeviceCounters* counters = total > 0 ? &counters_for(op, positions.device()) : nullptr;
-  const bool in_capture = capturing();
-  AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "paint_deterministic_cuda", [&] {
-    dispatch_order(op, order, [&](auto width) {
-      constexpr int W = decltype(width)::value;
-      if (total > 0) {
+  return paint_op(op, positions, weights, shape, offset, periodic, order, [&](const PaintArguments& args, at::Tensor& mesh) {
+    const at::Tensor& x = args.positions;
+    const StencilGeometry& g = args.geometry;
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t total = x.size(0) * x.size(1);
+    const int64_t cells = g.shape[0] * g.shape[1] * g.shape[2];
+    const int64_t key_count = x.size(0) * (cells + 1);
+    auto keys = at::empty({total}, x.options().dtype(at::kLong));
+    DeviceCounters& counters = counters_for(op, x.device());
+    const bool in_capture = capturing();
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "paint_deterministic_cuda", [&] {
+      dispatch_order(op, order, [&](auto width) {
+        constexpr int W = decltype(width)::value;
         cell_key_kernel<scalar_t, W><<<blocks_for(op, total), kThreads, 0, stream>>>(
-            positions.data_ptr<scalar_t>(),
-            weights.defined() ? weights.data_ptr<scalar_t>() : nullptr, args.channels,
-            positions.size(1), total, g, check_finite && weights.defined(),
-            keys.data_ptr<int64_t>(), slot_pointer(*counters, kPaintOp));
+            x.data_ptr<scalar_t>(), args.weights.defined() ? args.weights.data_ptr<scalar_t>() : nullptr,
+            args.channels, x.size(1), total, g, check_finite && args.weights.defined(),
+            keys.data_ptr<int64_t>(), slot_pointer(counters, kPaintOp));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
-      const auto sorted = sort_particles_by_key(keys, positions, weights);
-      auto start = at::empty({key_count + 1}, keys.options());
-      first_of_key_kernel<<<strided_blocks(key_count + 1), kThreads, 0, stream>>>(
-          sorted.keys.data_ptr<int64_t>(), total, key_count + 1, start.data_ptr<int64_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const SortedParticles<scalar_t> particles{
-          sorted.positions.data_ptr<scalar_t>(),
-          sorted.values.defined() ? sorted.values.data_ptr<scalar_t>() : nullptr,
-          start.data_ptr<int64_t>(), args.channels};
-      const int64_t nodes = positions.size(0) * cells;
-      paint_node_kernel<scalar_t, W><<<strided_blocks(nodes), kThreads, 0, stream>>>(
-          particles, g, nodes, mesh.data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const auto sorted = sort_particles_by_key(keys, x, args.weights);
+        auto start = at::empty({key_count + 1}, keys.options());
+        first_of_key_kernel<<<strided_blocks(key_count + 1), kThreads, 0, stream>>>(
+            sorted.keys.data_ptr<int64_t>(), total, key_count + 1, start.data_ptr<int64_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const SortedParticles<scalar_t> particles{
+            sorted.positions.data_ptr<scalar_t>(),
+            sorted.values.defined() ? sorted.values.data_ptr<scalar_t>() : nullptr,
+            start.data_ptr<int64_t>(), args.channels};
+        const int64_t nodes = x.size(0) * cells;
+        paint_node_kernel<scalar_t, W><<<strided_blocks(nodes), kThreads, 0, stream>>>(
+            particles, g, nodes, mesh.data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
+    report_after_launch(kPaintOp, counters, in_capture, CallDiagnosis(x, args.weights, g));
   });
-  if (counters) {
-    report_after_launch(kPaintOp, *counters, in_capture, CallDiagnosis(positions, weights, g));
-  }
-  return args.has_channel_dim ? mesh : mesh.squeeze(1);
 }
 
 at::Tensor readout_cuda(
