@@ -446,17 +446,21 @@ def owned_positions(shape, grid, coords, seed, count=300):
 
 
 def check_fd4_gradient_readout(d, shape, grid, coords, whole, local, expected, seed):
-    """fd4_gradient_readout (one wide halo, or two exchanges on thin blocks) reads the
-    single-device gradient at owned particles, for the readout orders with the
-    smallest and the largest reach; its backward is the two-exchange path's."""
+    """fd4_gradient with `halo_for` (one wide halo, or a second exchange on thin
+    blocks) read with `haloed=True` gives the single-device gradient at owned
+    particles, for the readout orders with the smallest and the largest reach; its
+    halo is the one with_stencil_halo fills; its backward is the two-exchange path's."""
     from torchpm.ops import readout
 
     scale = (0.5, -1.5, 2.0)
     for order in ("cic", "tsc"):
         x = owned_positions(shape, grid, coords, 600 + seed)
-        want = readout(expected, x, order=order)
-        got = d.fd4_gradient_readout(local, scale, x, order=order)
-        assert_close(got, want, expected.abs().max().item(), f"fd4_gradient_readout {shape} {order}")
+        haloed = d.fd4_gradient(local, scale, halo_for=order)
+        assert haloed.shape[-3:] == d.halo_shape(d.stencil_halo(order)), (order, haloed.shape)
+        assert_close(haloed, d.with_stencil_halo(d.fd4_gradient(local, scale), order), expected.abs().max().item(),
+                     f"halo of fd4_gradient(halo_for={order}) {shape}")
+        got = d.readout(haloed, x, order=order, haloed=True)
+        assert_close(got, readout(expected, x, order=order), expected.abs().max().item(), f"haloed readout {shape} {order}")
         widths = d.fd4_readout_halo(order)
         split = [axis for axis in (0, 1) if grid[axis] > 1]
         sizes = (d.layout.real_x, d.layout.real_y)
@@ -464,9 +468,10 @@ def check_fd4_gradient_readout(d, shape, grid, coords, whole, local, expected, s
         assert (widths is None) == thin, (order, widths, sizes)
         leaf = local.clone().requires_grad_(True)
         cotangent = global_random(got.shape, 700 + seed)
-        (grad,) = torch.autograd.grad(d.fd4_gradient_readout(leaf, scale, x, order=order), leaf, cotangent)
+        one = d.readout(d.fd4_gradient(leaf, scale, halo_for=order), x, order=order, haloed=True)
+        (grad,) = torch.autograd.grad(one, leaf, cotangent)
         (two,) = torch.autograd.grad(d.readout(d.fd4_gradient(leaf, scale), x, order=order), leaf, cotangent)
-        assert_close(grad, two, two.abs().max().item() + 1, f"backward of fd4_gradient_readout {shape} {order}")
+        assert_close(grad, two, two.abs().max().item() + 1, f"backward of fd4_gradient(halo_for={order}) {shape}")
 
 
 def halo_widths_of(order):

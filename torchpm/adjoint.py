@@ -139,8 +139,10 @@ class ParticleMeshForce:
     Versus autograd through :func:`~torchpm.pm.compute_forces` this skips the
     gradient of the complex kernels, the copies of the FFT backwards and the
     autograd bookkeeping, and computes the two position gradients (the costliest
-    particle pass) in one go; on a process grid the stencil's halo is filled
-    first, as the mesh's readout does. When the cotangent is known before the
+    particle pass) in one go; on a process grid the force field comes with the
+    readout's halo (from the potential's halo exchange, as in
+    :func:`~torchpm.pm.compute_forces`) and only ``rho_bar``'s halo is filled
+    before the position gradients. When the cotangent is known before the
     evaluation (the adjoint loop), :meth:`evaluate_and_pull` does both at once:
     density and cotangent in one 4-channel paint, the forces' readout and the
     position gradients at the same positions behind one helper
@@ -189,13 +191,16 @@ class ParticleMeshForce:
 
     def _force_field(self, density_k, scale, filter_):
         """``(gradient_scale, field)``: the per-axis factors of the gradient ``G'_i = f_i
-        G_i`` and the 3-channel force field ``IDFT[K_i DFT(rho)]``, with
-        :func:`~torchpm.pm.compute_forces`'s arithmetic (bit for bit)."""
+        G_i`` and the 3-channel force field ``IDFT[K_i DFT(rho)]`` with the readout's
+        halo on a process grid (``halo_for``), with :func:`~torchpm.pm.compute_forces`'s
+        arithmetic (bit for bit)."""
         kernels = self.kernels
         plain_scale = scale.detach() if isinstance(scale, torch.Tensor) else scale
         gradient_scale = [plain_scale * (self.particle_mass / c) for c in kernels.cell_size]
         plain_filter = filter_.detach() if isinstance(filter_, torch.Tensor) else filter_
-        return gradient_scale, gradient_inverse_laplacian(density_k, kernels, plain_filter, gradient_scale)
+        return gradient_scale, gradient_inverse_laplacian(
+            density_k, kernels, plain_filter, gradient_scale, halo_for=self.order
+        )
 
     def _density_adjoint(self, cotangent_mesh, density_k, gradient_scale, filter_):
         """``(rho_bar, filter_adjoint)`` from the painted cotangent ``(B, 3,
@@ -256,7 +261,7 @@ class ParticleMeshForce:
         with torch.no_grad():
             density_k = mesh.rfftn(mesh.paint(positions, weights, order=order))
             gradient, field = self._force_field(density_k, scale, filter_)
-            value = mesh.readout(field, positions, order=order)
+            value = mesh.readout(field, positions, order=order, haloed=True)
         saved = dict(
             positions=positions, a=a, scale=scale, filter=filter_, weights=weights, density_k=density_k,
             gradient=gradient, field=field, value=value,
@@ -279,7 +284,7 @@ class ParticleMeshForce:
             weights = self._unit_weights(saved["weights"], cotangent)
             grad_positions = _position_gradient(
                 mesh,
-                torch.cat([saved["field"], density_adjoint.unsqueeze(1)], dim=1),
+                torch.cat([saved["field"], mesh.with_stencil_halo(density_adjoint.unsqueeze(1), self.order)], dim=1),
                 positions,
                 torch.stack([*cotangent.unbind(-1), weights], dim=-1),
                 self.order,
@@ -302,7 +307,7 @@ class ParticleMeshForce:
         forces are :meth:`evaluate`'s bit for bit (the reversed trajectory relies on
         it). The readout of the forces and the two position gradients at the same
         positions go through one helper, :func:`_readout_and_position_gradient` (one
-        halo fill, one pass over the particles).
+        pass over the particles).
 
         Args:
             positions: ``(B, N, 3)``.
@@ -336,7 +341,7 @@ class ParticleMeshForce:
             del painted
             forces, grad_positions = _readout_and_position_gradient(
                 mesh,
-                torch.cat([field, density_adjoint.unsqueeze(1)], dim=1),
+                torch.cat([field, mesh.with_stencil_halo(density_adjoint.unsqueeze(1), order)], dim=1),
                 positions,
                 torch.stack([*cotangent.unbind(-1), weights], dim=-1),
                 order,
@@ -352,16 +357,14 @@ class ParticleMeshForce:
 
 def _readout_and_position_gradient(mesh, field, positions, values, order):
     """``(readout(field[:, :3], x), d/dx_p sum_c values[p, c] readout(field, x)[p, c])``,
-    both ``(B, N, 3)``, from a ``(B, C, *local_real_shape)`` field (``C >= 3``) and
-    ``(B, N, C)`` values: the forces from the first 3 channels (bit for bit
-    ``mesh.readout(field[:, :3], positions)``) and the position gradient of all
-    channels, at the same positions, in one pass over the particles
-    (``torch.ops.torchpm._readout_and_position_gradient``: every stencil computed
-    once; the readout part is the readout op's own arithmetic). The stencil's halo
-    is filled once for both."""
-    widths, _, offset, periodic = mesh._block_geometry(order)
-    if any(lo or hi for lo, hi in widths):
-        field = mesh.fill_halo(mesh.pad_halo(field, widths), widths)
+    both ``(B, N, 3)``, from a ``(B, C, ...)`` field (``C >= 3``) that holds the halo of
+    ``order`` (:meth:`mesh.with_stencil_halo`) and ``(B, N, C)`` values: the forces from
+    the first 3 channels (bit for bit ``mesh.readout(field[:, :3], positions,
+    haloed=True)``) and the position gradient of all channels, at the same positions,
+    in one pass over the particles (``torch.ops.torchpm._readout_and_position_gradient``:
+    every stencil computed once; the readout part is the readout op's own
+    arithmetic)."""
+    _, _, offset, periodic = mesh._block_geometry(order)
     return torch.ops.torchpm._readout_and_position_gradient(
         field, positions, values, 3, offset, periodic, order_number(order, "readout and position gradient")
     )
@@ -369,12 +372,10 @@ def _readout_and_position_gradient(mesh, field, positions, values, order):
 
 def _position_gradient(mesh, field, positions, values, order):
     """``d/dx_p sum_c values[p, c] readout(field, x)[p, c]``, ``(B, N, 3)``: what the
-    positions get from the backward of ``mesh.readout(field, positions)``, computed
-    without the readout (the halo the stencil needs is filled first, as the readout
-    does)."""
-    widths, _, offset, periodic = mesh._block_geometry(order)
-    if any(lo or hi for lo, hi in widths):
-        field = mesh.fill_halo(mesh.pad_halo(field, widths), widths)
+    positions get from the backward of ``mesh.readout(field, positions, haloed=True)``,
+    computed without the readout, from a field that holds the halo of ``order``
+    (:meth:`mesh.with_stencil_halo`)."""
+    _, _, offset, periodic = mesh._block_geometry(order)
     return torch.ops.torchpm._position_gradient(
         field, positions, values, offset, periodic, order_number(order, "position gradient")
     )

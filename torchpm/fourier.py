@@ -21,7 +21,6 @@ __all__ = [
     "FourierKernels",
     "window",
     "gradient_inverse_laplacian",
-    "read_gradient_inverse_laplacian",
     "multiply_real",
     "stack_products",
     "gradient_transpose_k",
@@ -226,7 +225,8 @@ def _fourier_gradient(kernels: FourierKernels, gradient_scale):
     return [(g * f).to(kernels.gradient[0].dtype) for g, f in zip(kernels.gradient, factors)]
 
 
-def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, scale=None, gradient_scale=None) -> torch.Tensor:
+def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, scale=None, gradient_scale=None,
+                               halo_for: str | None = None) -> torch.Tensor:
     """``-grad grad^-2`` of a field given in Fourier space, in real space.
 
     With ``kernels.real_space_gradient`` (``"fd4"``) the potential is transformed
@@ -241,31 +241,25 @@ def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, s
             a number) applied to the potential, e.g. a force-correction filter.
         gradient_scale: optional 3 per-axis factors (numbers or 0-d tensors,
             differentiable) of the components, e.g. mesh units and ``1.5 Omega_m``.
+        halo_for: optional mass-assignment order: return the components with the
+            halo a readout of that order needs on a process grid, filled, for
+            ``mesh.readout(..., haloed=True)``. With the real-space gradient that
+            halo comes with the potential's (one exchange of one channel, see
+            :meth:`mesh.fd4_gradient`).
 
     Returns:
-        ``(B, 3, *local_real_shape)``: component ``i`` is ``-d_i (grad^2)^-1 field``
-        in Mpc/h (divide by the cell size for mesh units), times ``gradient_scale[i]``.
+        ``(B, 3, *local_real_shape)`` (with ``halo_for``: ``(B, 3,
+        *mesh.halo_shape(mesh.stencil_halo(halo_for)))``): component ``i`` is
+        ``-d_i (grad^2)^-1 field`` in Mpc/h (divide by the cell size for mesh units),
+        times ``gradient_scale[i]``.
     """
     potential = _potential_k(field_k, kernels, scale)
     mesh = kernels.mesh
     # -d_i grad^-2 = -(i g_i)(-1/k^2) = +(i g_i) / k^2
     if kernels.real_space_gradient:
-        return mesh.fd4_gradient(mesh.irfftn(potential), _real_space_scale(kernels, gradient_scale))
-    return mesh.irfftn(stack_products(potential, _fourier_gradient(kernels, gradient_scale)))
-
-
-def read_gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, positions: torch.Tensor,
-                                    order: str = "cic", scale=None, gradient_scale=None) -> torch.Tensor:
-    """``mesh.readout(gradient_inverse_laplacian(field_k, kernels, scale, gradient_scale),
-    positions, order=order)``: ``(B, N, 3)`` at owned particles. With the real-space
-    gradient on a process grid the potential's halo is filled once for both stencils
-    (:meth:`mesh.fd4_gradient_readout`): one halo exchange of one channel instead of a
-    second one of the three components. The same values either way, up to rounding."""
-    mesh = kernels.mesh
-    if kernels.real_space_gradient:
-        potential = mesh.irfftn(_potential_k(field_k, kernels, scale))
-        return mesh.fd4_gradient_readout(potential, _real_space_scale(kernels, gradient_scale), positions, order=order)
-    return mesh.readout(gradient_inverse_laplacian(field_k, kernels, scale, gradient_scale), positions, order=order)
+        return mesh.fd4_gradient(mesh.irfftn(potential), _real_space_scale(kernels, gradient_scale), halo_for=halo_for)
+    field = mesh.irfftn(stack_products(potential, _fourier_gradient(kernels, gradient_scale)))
+    return field if halo_for is None else mesh.with_stencil_halo(field, halo_for)
 
 
 def _potential_k(field_k, kernels, scale):

@@ -27,7 +27,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .cosmology import GrowthTable
-from .fourier import FourierKernels, read_gradient_inverse_laplacian
+from .fourier import FourierKernels, gradient_inverse_laplacian
 
 __all__ = [
     "compute_forces",
@@ -79,9 +79,10 @@ def compute_forces(
     if isinstance(force_scale, torch.Tensor):
         force_scale = force_scale.to(device=positions.device)
     gradient_scale = [force_scale * (particle_mass / c) for c in kernels.cell_size]
-    # (B, N, 3), the 3 components in one pass; on a grid one halo exchange for the
-    # gradient and the readout
-    return read_gradient_inverse_laplacian(density_k, kernels, positions, order, filter_, gradient_scale)
+    # On a grid the readout's halo comes with the field (with the real-space gradient,
+    # from the potential's one halo exchange).
+    field = gradient_inverse_laplacian(density_k, kernels, filter_, gradient_scale, halo_for=order)
+    return mesh.readout(field, positions, order=order, haloed=True)  # (B, N, 3), the 3 components in one pass
 
 
 class StepFactors(NamedTuple):

@@ -360,7 +360,7 @@ class PencilDecomposition:
             raise ValueError(f"PencilDecomposition.{method}: expected `field` of shape (B, "
                              f"*{self.local_real_shape}), got {tuple(field.shape)}")
 
-    def fd4_gradient(self, field: torch.Tensor, scale) -> torch.Tensor:
+    def fd4_gradient(self, field: torch.Tensor, scale, *, halo_for: str | None = None) -> torch.Tensor:
         """``(B, 3, *local_real_shape)``: channel ``i`` is ``scale[i] * D_i field``, ``D`` the
         4-point finite difference of the global periodic mesh in nodes
         (:func:`torchpm.ops.fd4_gradient`; Fourier multiplier ``i (8 sin w - sin 2w) / 6``).
@@ -368,6 +368,14 @@ class PencilDecomposition:
         ``field``: ``(B, *local_real_shape)``; ``scale``: 3 factors (numbers, 0-d tensors
         or a (3,) tensor, differentiable). On split axes the stencil's halo is filled
         from the neighbours first. Collective on a grid; differentiable.
+
+        ``halo_for``: a mass-assignment order. The gradient then comes with the halo a
+        readout of that order needs, filled (shape ``(B, 3, *halo_shape(stencil_halo(
+        halo_for)))``, for :meth:`readout` with ``haloed=True``): the field's halo is
+        filled once, wide enough for both stencils (:meth:`fd4_readout_halo`), and the
+        gradient formed on the block plus the readout's halo, one exchange of one channel
+        instead of a second one of the three components. Blocks too thin for that halo
+        take the second exchange.
         """
         if self.is_local:
             return fd4_gradient(field, scale, True)
@@ -376,12 +384,21 @@ class PencilDecomposition:
         def check():
             self._check_fd4_field(field, "fd4_gradient")
             widths, periodic = self._fd4_geometry("fd4_gradient")
-            prepared.append((widths, periodic, _scale_vector(scale, field, "fd4_gradient"),
-                             self.pad_halo(field, widths)))
+            read = wide = None
+            if halo_for is not None:
+                read = self.stencil_halo(halo_for)
+                wide = self.fd4_readout_halo(halo_for)
+            prepared.append((wide or widths, periodic, read if wide is None else None,
+                             _scale_vector(scale, field, "fd4_gradient"), self.pad_halo(field, wide or widths)))
 
-        self._checked_collective("fd4_gradient", check, field, "field")
-        widths, periodic, scale, padded = prepared[0]
-        return torch.ops.torchpm._fd4_gradient(_halo.fill_halo(padded, widths, self._axes), scale, periodic)
+        self._checked_collective("fd4_gradient", check, field, "field",
+                                 ("halo widths (field, readout refill) of `halo_for`",
+                                  lambda: prepared[0][0:3:2] if prepared else str(halo_for)))
+        widths, periodic, refill, scale, padded = prepared[0]
+        gradient = torch.ops.torchpm._fd4_gradient(_halo.fill_halo(padded, widths, self._axes), scale, periodic)
+        if refill is not None:  # too thin for one wide halo: the readout's halo from a second exchange
+            gradient = self.with_stencil_halo(gradient, halo_for)
+        return gradient
 
     def fd4_gradient_transpose(self, grad: torch.Tensor, scale) -> torch.Tensor:
         """The transpose of :meth:`fd4_gradient` (same ``scale``): ``(B, 3,
@@ -408,10 +425,11 @@ class PencilDecomposition:
         return self.strip_halo(_halo.add_halo(haloed, widths, self._axes), widths)
 
     def fd4_readout_halo(self, order: str = "cic"):
-        """Halo widths ``((lo_x, hi_x), (lo_y, hi_y))`` of :meth:`fd4_gradient_readout`: the
-        4-point stencil's 2 plus the readout stencil's reach (:meth:`stencil_halo`) on split
-        axes; None when a block is too thin for it (a halo comes from one neighbour) or
-        the gradient is taken in Fourier space (:meth:`fd4_halo` is None)."""
+        """Halo widths ``((lo_x, hi_x), (lo_y, hi_y))`` of the field for
+        :meth:`fd4_gradient` with ``halo_for=order``: the 4-point stencil's 2 plus the
+        readout stencil's reach (:meth:`stencil_halo`) on split axes; None when a block
+        is too thin for it (a halo comes from one neighbour) or the gradient is taken in
+        Fourier space (:meth:`fd4_halo` is None)."""
         fd4 = self.fd4_halo()
         if fd4 is None:
             return None
@@ -420,38 +438,6 @@ class PencilDecomposition:
             if max(lo, hi) > min(sizes):
                 return None
         return widths
-
-    def fd4_gradient_readout(self, field: torch.Tensor, scale, positions: torch.Tensor, *,
-                             order: str = "cic") -> torch.Tensor:
-        """``readout(fd4_gradient(field, scale), positions, order=order)``: ``(B, N, 3)``, the
-        4-point gradient (:meth:`fd4_gradient`) read at owned particles.
-
-        On a grid the potential's halo is filled once, wide enough for both stencils
-        (:meth:`fd4_readout_halo`), and the gradient is formed on the block plus the
-        readout's halo: one halo exchange of one channel instead of two (the gradient's,
-        then the three components' for the readout). Blocks too thin for that halo take
-        the two exchanges. Collective on a grid; differentiable.
-        """
-        if self.is_local:
-            return self.readout(fd4_gradient(field, scale, True), positions, order=order)
-        prepared = []
-
-        def check():
-            self._check_fd4_field(field, "fd4_gradient_readout")
-            _, periodic = self._fd4_geometry("fd4_gradient_readout")
-            widths = self.fd4_readout_halo(order)
-            _, _, offset, read_periodic = self._block_geometry(order)
-            vector = _scale_vector(scale, field, "fd4_gradient_readout")
-            padded = None if widths is None else self.pad_halo(field, widths)
-            prepared.append((widths, periodic, offset, read_periodic, vector, padded))
-
-        self._checked_collective("fd4_gradient_readout", check, field, "field",
-                                 ("halo widths of `order`", lambda: prepared[0][0] if prepared else str(order)))
-        widths, periodic, offset, read_periodic, vector, padded = prepared[0]
-        if widths is None:
-            return self.readout(self.fd4_gradient(field, vector), positions, order=order)
-        force = torch.ops.torchpm._fd4_gradient(_halo.fill_halo(padded, widths, self._axes), vector, periodic)
-        return _readout(force, positions, order=order, offset=offset, periodic=read_periodic)
 
     def _checked_halo(self, method, field, width):
         """The local checks of a halo exchange and the ranks' agreement on it; returns the widths."""
@@ -580,12 +566,20 @@ class PencilDecomposition:
         widths, block = painted[0]
         return self.strip_halo(_halo.add_halo(block, widths, self._axes), widths)
 
-    def readout(self, field: torch.Tensor, positions: torch.Tensor, *, order: str = "cic") -> torch.Tensor:
+    def readout(self, field: torch.Tensor, positions: torch.Tensor, *, order: str = "cic",
+                haloed: bool = False) -> torch.Tensor:
         """Read the local block ``(B, [C,] *local_real_shape)`` at ``(B, N, 3)`` owned
         particles: ``(B, N)`` or ``(B, N, C)``. Fills the stencil's halo from the
-        neighbours first. Collective on a grid."""
+        neighbours first (collective on a grid), unless ``haloed``: ``field`` then
+        already holds it (``(B, [C,] *halo_shape(stencil_halo(order)))``, e.g. from
+        :meth:`with_stencil_halo` or :meth:`fd4_gradient` with ``halo_for``), and the
+        readout is local."""
         if self.is_local:
             _, _, offset, periodic = self._block_geometry(order)
+            return _readout(field, positions, order=order, offset=offset, periodic=periodic)
+        if haloed:
+            widths, _, offset, periodic = self._block_geometry(order)
+            self._check_trailing(field, self.halo_shape(widths), "field", "readout")
             return _readout(field, positions, order=order, offset=offset, periodic=periodic)
         prepared = []
 
@@ -598,6 +592,16 @@ class PencilDecomposition:
         widths, offset, periodic, padded = prepared[0]
         field = _halo.fill_halo(padded, widths, self._axes)
         return _readout(field, positions, order=order, offset=offset, periodic=periodic)
+
+    def with_stencil_halo(self, field: torch.Tensor, order: str = "cic") -> torch.Tensor:
+        """``field`` ``(..., *local_real_shape)`` padded with the halo a stencil of ``order``
+        reaches (:meth:`stencil_halo`) and that halo filled from the neighbours: what
+        :meth:`readout` reads, for several readouts or position gradients of one field.
+        On a 1 x 1 grid (no halo) ``field`` itself. Collective on a grid; differentiable."""
+        widths = self.stencil_halo(order)
+        if not any(lo or hi for lo, hi in widths):
+            return field
+        return self.fill_halo(self.pad_halo(field, widths), widths)
 
     # -------------------------------------------------------------- particles
 
