@@ -6,6 +6,7 @@ Usage::
 
     python benchmarks/bench_distributed.py                     # gloo on the CPU: 64^3, 128^3 on 1, 2, 4 ranks
     python benchmarks/bench_distributed.py --ranks 1 2 --sizes 128 --repeats 7
+    python benchmarks/bench_distributed.py --adjoint --sizes 64 --ranks 2 4   # forward + backward, adjoint method
 
 Each configuration runs in ``R`` freshly spawned processes joined in one gloo process
 group (a FileStore), one thread each unless ``--threads-per-rank`` says otherwise, on
@@ -123,6 +124,62 @@ def _worker(rank, world, size, repeats, threads, store, result_path):
     dist.destroy_process_group()
 
 
+def _adjoint_worker(rank, world, size, repeats, threads, store, result_path, steps):
+    """Forward and backward of a whole run (``steps`` steps from a = 0.1) with the adjoint
+    method, loss = <density, fixed field>: seconds per forward, per backward, and the
+    halo exchanges' share, each repeat's slowest rank."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    import torchpm
+    from torchpm.distributed import balanced_grid, halo
+
+    grid = balanced_grid(world)
+    sim = torchpm.Simulation(n_particles=size, box_size=size * 4.0, mesh_factor=1, a_start=0.1, steps=steps,
+                             grid=grid if world > 1 else None, adjoint=True)
+    noise = sim.white_noise(seed=0)
+    field = torch.randn(sim.force_mesh.local_real_shape, generator=torch.Generator().manual_seed(rank))
+    timer = PhaseTimer()
+    timer.wrap(halo, "add_halo", "halo")
+    timer.wrap(halo, "fill_halo", "halo")
+    rows = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        leaf = noise.detach().requires_grad_(True)
+        dist.barrier()
+        timer.take()
+        start = time.perf_counter()
+        density = sim.density(sim(leaf))
+        loss = (density * field).sum()
+        forward = time.perf_counter() - start
+        halo_forward = timer.take().get("halo", 0.0)
+        start = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter() - start
+        rows.append([forward, backward, halo_forward, timer.take().get("halo", 0.0)])
+    with open(result_path.format(rank=rank), "w") as handle:
+        json.dump({"rank": rank, "rows": rows[1:], "grid": list(grid)}, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_adjoint(size, world, repeats, threads, steps):
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "rank{rank}.json")
+        mp.start_processes(_adjoint_worker,
+                           args=(world, size, repeats, threads, os.path.join(tmp, "store"), result_path, steps),
+                           nprocs=world, join=True, start_method="spawn")
+        reports = []
+        for rank in range(world):
+            with open(result_path.format(rank=rank)) as handle:
+                reports.append(json.load(handle))
+    columns = [statistics.median(max(r["rows"][i][k] for r in reports) for i in range(repeats)) for k in range(4)]
+    return reports[0]["grid"], columns
+
+
 def run(size, world, repeats, threads):
     import torch.multiprocessing as mp
 
@@ -154,7 +211,23 @@ def main():
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads-per-rank", type=int, default=1)
+    parser.add_argument("--adjoint", action="store_true",
+                        help="time forward and backward of a whole run with the adjoint method instead")
+    parser.add_argument("--steps", type=int, default=5, help="steps of the run (--adjoint)")
     arguments = parser.parse_args()
+    if arguments.adjoint:
+        print(f"# torchpm distributed adjoint, gloo on the CPU ({os.cpu_count()} cores), torch {torch.__version__}, "
+              f"{datetime.date.today()}, {arguments.steps} steps, {arguments.threads_per_rank} thread(s) per rank, "
+              f"median of {arguments.repeats} runs (slowest rank)")
+        print("| size | ranks | grid | forward s | backward s | halo in forward s | halo in backward s |")
+        print("|---|---|---|---|---|---|---|")
+        for size in arguments.sizes:
+            for world in arguments.ranks:
+                grid, (forward, backward, halo_f, halo_b) = run_adjoint(
+                    size, world, arguments.repeats, arguments.threads_per_rank, arguments.steps)
+                print(f"| {size}^3 | {world} | {'x'.join(map(str, grid))} | {forward:.3f} | {backward:.3f} | "
+                      f"{halo_f:.3f} | {halo_b:.3f} |", flush=True)
+        return
     print(f"# torchpm distributed PM step, gloo on the CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), "
           f"torch {torch.__version__}, {datetime.date.today()}")
     print(f"# {arguments.threads_per_rank} thread(s) per rank, median of {arguments.repeats} steps (slowest rank)")
