@@ -461,6 +461,13 @@ def check_fd4_gradient_readout(d, shape, grid, coords, whole, local, expected, s
                      f"halo of fd4_gradient(halo_for={order}) {shape}")
         got = d.readout(haloed, x, order=order, haloed=True)
         assert_close(got, readout(expected, x, order=order), expected.abs().max().item(), f"haloed readout {shape} {order}")
+        if grid != (1, 1):  # a field without the halo is refused, naming the shape it needs
+            try:
+                d.readout(d.fd4_gradient(local, scale), x, order=order, haloed=True)
+            except ValueError as error:
+                assert "PencilDecomposition.readout: expected `field` of shape" in str(error), str(error)
+            else:
+                raise AssertionError(f"readout(haloed=True) accepted a field without the halo {shape} {order}")
         widths = d.fd4_readout_halo(order)
         split = [axis for axis in (0, 1) if grid[axis] > 1]
         sizes = (d.layout.real_x, d.layout.real_y)
