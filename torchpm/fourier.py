@@ -253,21 +253,15 @@ def gradient_inverse_laplacian(field_k: torch.Tensor, kernels: FourierKernels, s
         ``-d_i (grad^2)^-1 field`` in Mpc/h (divide by the cell size for mesh units),
         times ``gradient_scale[i]``.
     """
-    potential = _potential_k(field_k, kernels, scale)
+    potential = multiply_real(field_k, kernels.inverse_laplacian_pair, paired=True)
+    if scale is not None:
+        potential = multiply_real(potential, scale)
     mesh = kernels.mesh
     # -d_i grad^-2 = -(i g_i)(-1/k^2) = +(i g_i) / k^2
     if kernels.real_space_gradient:
         return mesh.fd4_gradient(mesh.irfftn(potential), _real_space_scale(kernels, gradient_scale), halo_for=halo_for)
     field = mesh.irfftn(stack_products(potential, _fourier_gradient(kernels, gradient_scale)))
     return field if halo_for is None else mesh.with_stencil_halo(field, halo_for)
-
-
-def _potential_k(field_k, kernels, scale):
-    """``-grad^-2 field`` in Fourier space (times ``scale``)."""
-    potential = multiply_real(field_k, kernels.inverse_laplacian_pair, paired=True)
-    if scale is not None:
-        potential = multiply_real(potential, scale)
-    return potential
 
 
 def gradient_transpose_k(field: torch.Tensor, kernels: FourierKernels, gradient_scale=None) -> torch.Tensor:

@@ -384,12 +384,15 @@ class PencilDecomposition:
         def check():
             self._check_fd4_field(field, "fd4_gradient")
             widths, periodic = self._fd4_geometry("fd4_gradient")
-            read = wide = None
+            refill = None  # the readout's halo, when it must come from a second exchange
             if halo_for is not None:
-                read = self.stencil_halo(halo_for)
                 wide = self.fd4_readout_halo(halo_for)
-            prepared.append((wide or widths, periodic, read if wide is None else None,
-                             _scale_vector(scale, field, "fd4_gradient"), self.pad_halo(field, wide or widths)))
+                if wide is None:
+                    refill = self.stencil_halo(halo_for)
+                else:
+                    widths = wide
+            prepared.append((widths, periodic, refill, _scale_vector(scale, field, "fd4_gradient"),
+                             self.pad_halo(field, widths)))
 
         self._checked_collective("fd4_gradient", check, field, "field",
                                  ("halo widths (field, readout refill) of `halo_for`",
