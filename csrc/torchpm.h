@@ -89,8 +89,10 @@ PaintArguments check_paint_arguments(
 
 // The frame of a backend's paint op: the errors earlier calls left are reported
 // (error_checking.h), the arguments checked, the (B, C, nx, ny, nz) mesh
-// allocated with zeros, `paint(args, mesh)` run when there are particles, and
-// the channel axis dropped again for (B, N) or no weights.
+// allocated, `paint(args, mesh)` run when there are particles, and the channel
+// axis dropped again for (B, N) or no weights. `accumulates`: the kernel adds
+// into the mesh, which starts as zeros; otherwise it writes every node itself
+// (no zero-filling pass), and only a call without particles gets zeros.
 void report_earlier_errors(const char* caller);
 
 template <typename Paint>
@@ -102,12 +104,15 @@ at::Tensor paint_op(
     at::IntArrayRef offset,
     std::array<bool, 3> periodic,
     int64_t order,
+    bool accumulates,
     const Paint& paint) {
   report_earlier_errors(op);
   const auto args = check_paint_arguments(op, positions, weights, shape, offset, periodic, order);
-  auto mesh = at::zeros(
-      {args.positions.size(0), args.channels, shape[0], shape[1], shape[2]}, args.positions.options());
-  if (args.positions.numel() > 0) {
+  const bool painted = args.positions.numel() > 0;
+  const std::array<int64_t, 5> size{args.positions.size(0), args.channels, shape[0], shape[1], shape[2]};
+  auto mesh = accumulates || !painted ? at::zeros(size, args.positions.options())
+                                      : at::empty(size, args.positions.options());
+  if (painted) {
     paint(args, mesh);
   }
   return args.has_channel_dim ? mesh : mesh.squeeze(1);

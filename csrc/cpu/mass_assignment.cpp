@@ -469,7 +469,7 @@ at::Tensor paint_cpu(
     int64_t order,
     bool check_finite) {
   const char* op = "torchpm.paint";
-  return paint_op(op, positions, weights, shape, offset, periodic, order, [&](const PaintArguments& args, at::Tensor& mesh) {
+  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true, [&](const PaintArguments& args, at::Tensor& mesh) {
     AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "paint_cpu", [&] {
       dispatch_order(op, order, [&](auto width) {
         paint_kernel<scalar_t, decltype(width)::value>(
@@ -548,7 +548,7 @@ at::Tensor paint_deterministic_cpu(
     bool check_finite) {
   // Errors name the paint the user called (torchpm.paint takes this op).
   const char* op = "torchpm.paint";
-  return paint_op(op, positions, weights, shape, offset, periodic, order, [&](const PaintArguments& args, at::Tensor& mesh) {
+  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/false, [&](const PaintArguments& args, at::Tensor& mesh) {
     AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "paint_deterministic_cpu", [&] {
       dispatch_order(op, order, [&](auto width) {
         paint_by_node<scalar_t, decltype(width)::value>(args, check_finite, mesh);

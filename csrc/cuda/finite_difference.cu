@@ -13,18 +13,11 @@
 #include <limits>
 
 #include "../finite_difference.h"
+#include "launch.cuh"
 #include "../torchpm.h"
 
 namespace torchpm {
 namespace {
-
-constexpr int kThreads = 256;
-
-// The grid-stride loops cover any count with at most 2^31 - 1 blocks.
-unsigned int blocks_for(int64_t count) {
-  const int64_t blocks = (count + kThreads - 1) / kThreads;
-  return static_cast<unsigned int>(std::min<int64_t>(blocks, std::numeric_limits<int32_t>::max()));
-}
 
 template <typename scalar_t>
 __global__ void gradient_kernel(const scalar_t* __restrict__ f, const scalar_t* __restrict__ scale,
@@ -56,7 +49,7 @@ at::Tensor fd4_gradient_cuda(const at::Tensor& field, const at::Tensor& scale, s
   if (count > 0) {
     const auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES(a.input.scalar_type(), "fd4_gradient_cuda", [&] {
-      gradient_kernel<scalar_t><<<blocks_for(count), kThreads, 0, stream>>>(
+      gradient_kernel<scalar_t><<<grid_stride_blocks(count), kThreads, 0, stream>>>(
           a.input.data_ptr<scalar_t>(), a.scale.data_ptr<scalar_t>(), a.geometry, out.data_ptr<scalar_t>(),
           count);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -76,7 +69,7 @@ at::Tensor fd4_gradient_transpose_cuda(
   if (count > 0) {
     const auto stream = c10::cuda::getCurrentCUDAStream();
     AT_DISPATCH_FLOATING_TYPES(a.input.scalar_type(), "fd4_gradient_transpose_cuda", [&] {
-      transpose_kernel<scalar_t><<<blocks_for(count), kThreads, 0, stream>>>(
+      transpose_kernel<scalar_t><<<grid_stride_blocks(count), kThreads, 0, stream>>>(
           a.input.data_ptr<scalar_t>(), a.scale.data_ptr<scalar_t>(), a.geometry, out.data_ptr<scalar_t>(),
           count);
       C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -36,11 +36,10 @@
 #include "../node_paint.h"
 #include "../stencil.h"
 #include "../torchpm.h"
+#include "launch.cuh"
 
 namespace torchpm {
 namespace {
-
-constexpr int kThreads = 256;
 
 // The grid of a one-thread-per-particle launch. gridDim.x is an unsigned int
 // limited to 2^31 - 1 blocks: refuse rather than let the count narrow.
@@ -402,7 +401,7 @@ at::Tensor paint_cuda(
     int64_t order,
     bool check_finite) {
   const char* op = "torchpm.paint";
-  return paint_op(op, positions, weights, shape, offset, periodic, order, [&](const PaintArguments& args, at::Tensor& mesh) {
+  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true, [&](const PaintArguments& args, at::Tensor& mesh) {
     at::globalContext().alertNotDeterministic("torchpm::paint (CUDA atomics)");
     const c10::cuda::CUDAGuard guard(args.positions.device());
     const int64_t total = args.positions.size(0) * args.positions.size(1);
@@ -448,12 +447,6 @@ __global__ void cell_key_kernel(
   }
 }
 
-// Grid-stride loops: any count with at most 2^31 - 1 blocks.
-unsigned int strided_blocks(int64_t count) {
-  const int64_t blocks = (count + kThreads - 1) / kThreads;
-  return static_cast<unsigned int>(std::min<int64_t>(blocks, std::numeric_limits<int32_t>::max()));
-}
-
 __global__ void first_of_key_kernel(
     const int64_t* __restrict__ sorted, int64_t total, int64_t keys, int64_t* __restrict__ start) {
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < keys;
@@ -482,7 +475,7 @@ at::Tensor paint_deterministic_cuda(
     bool check_finite) {
   // Errors name the paint the user called (torchpm.paint takes this op).
   const char* op = "torchpm.paint";
-  return paint_op(op, positions, weights, shape, offset, periodic, order, [&](const PaintArguments& args, at::Tensor& mesh) {
+  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/false, [&](const PaintArguments& args, at::Tensor& mesh) {
     const at::Tensor& x = args.positions;
     const StencilGeometry& g = args.geometry;
     const c10::cuda::CUDAGuard guard(x.device());
@@ -503,7 +496,7 @@ at::Tensor paint_deterministic_cuda(
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         const auto sorted = sort_particles_by_key(keys, x, args.weights);
         auto start = at::empty({key_count + 1}, keys.options());
-        first_of_key_kernel<<<strided_blocks(key_count + 1), kThreads, 0, stream>>>(
+        first_of_key_kernel<<<grid_stride_blocks(key_count + 1), kThreads, 0, stream>>>(
             sorted.keys.data_ptr<int64_t>(), total, key_count + 1, start.data_ptr<int64_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         const SortedParticles<scalar_t> particles{
@@ -511,7 +504,7 @@ at::Tensor paint_deterministic_cuda(
             sorted.values.defined() ? sorted.values.data_ptr<scalar_t>() : nullptr,
             start.data_ptr<int64_t>(), args.channels};
         const int64_t nodes = x.size(0) * cells;
-        paint_node_kernel<scalar_t, W><<<strided_blocks(nodes), kThreads, 0, stream>>>(
+        paint_node_kernel<scalar_t, W><<<grid_stride_blocks(nodes), kThreads, 0, stream>>>(
             particles, g, nodes, mesh.data_ptr<scalar_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

@@ -13,11 +13,10 @@
 #include <cstdint>
 
 #include "../transpose.h"
+#include "launch.cuh"
 
 namespace torchpm {
 namespace {
-
-constexpr int kThreads = 256;
 
 template <typename word_t, bool kPack>
 __global__ void copy_blocks_kernel(

@@ -8,16 +8,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <tuple>
-#include <limits>
 
 #include "../torchpm.h"
+#include "launch.cuh"
 
 namespace torchpm {
 namespace {
-
-constexpr int kThreads = 256;
 
 __device__ __forceinline__ float multiply(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double multiply(double a, double b) { return __dmul_rn(a, b); }
@@ -41,11 +38,8 @@ at::Tensor add_scaled_cuda(const at::Tensor& x_in, const at::Tensor& y_in, doubl
   auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
   const int64_t count = out.numel();
   if (count > 0) {
-    // Grid-stride loop: at most 2^31 - 1 blocks cover any count.
-    const auto blocks = static_cast<unsigned int>(
-        std::min<int64_t>((count + kThreads - 1) / kThreads, std::numeric_limits<int32_t>::max()));
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "add_scaled_cuda", [&] {
-      add_scaled_kernel<scalar_t><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      add_scaled_kernel<scalar_t><<<grid_stride_blocks(count), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
           x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), static_cast<scalar_t>(factor),
           out.data_ptr<scalar_t>(), count);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
