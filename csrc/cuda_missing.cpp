@@ -27,6 +27,12 @@ at::Tensor paint_deterministic_missing(
   no_cuda_kernels("torchpm._paint_deterministic");
 }
 
+at::Tensor paint_tiled_missing(
+    const at::Tensor&, const std::optional<at::Tensor>&, at::IntArrayRef,
+    at::IntArrayRef, std::array<bool, 3>, int64_t, bool) {
+  no_cuda_kernels("torchpm._paint_tiled");
+}
+
 at::Tensor readout_missing(
     const at::Tensor&, const at::Tensor&, at::IntArrayRef, std::array<bool, 3>,
     int64_t, bool) {
@@ -71,6 +77,7 @@ at::Tensor unpack_blocks_missing(
 TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("paint", &paint_missing);
   m.impl("_paint_deterministic", &paint_deterministic_missing);
+  m.impl("_paint_tiled", &paint_tiled_missing);
   m.impl("readout", &readout_missing);
   m.impl("_position_gradient", &position_gradient_missing);
   m.impl("_readout_and_position_gradient", &readout_and_position_gradient_missing);

@@ -134,8 +134,8 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void paint_node(
           acc_t unused[W];
           TORCHPM_UNROLL
           for (int d = 0; d < 3; ++d) {
-            int64_t first;
-            acc_t t;
+            int64_t first = 0;
+            acc_t t = acc_t(0);
             first_node<acc_t, W>(static_cast<acc_t>(x[d]), d, g, first, t);  // accepted: keyed
             bspline_weights<W, acc_t>(t, weight[d], unused);
           }

@@ -50,6 +50,14 @@ TORCH_LIBRARY(torchpm, m) {
   m.def(
       "_paint_deterministic(Tensor positions, Tensor? weights, int[] shape, int[] offset, "
       "bool[3] periodic, int order=2, bool check_finite=True) -> Tensor");
+  // The same paint accumulated tile by tile (tile_paint.h): the particles binned
+  // by tiles of 8^3 nodes, each tile summed in shared memory and added to the
+  // mesh once. On CUDA it trades the scatter's W^3 global atomics per particle
+  // for a few per node, for clustered particles; torchpm.ops.set_paint_method
+  // chooses it. On the CPU it runs the CUDA passes in order (for the tests).
+  m.def(
+      "_paint_tiled(Tensor positions, Tensor? weights, int[] shape, int[] offset, "
+      "bool[3] periodic, int order=2, bool check_finite=True) -> Tensor");
   // Readout: mesh (B, nx, ny, nz) or (B, C, nx, ny, nz) at positions (B, N, 3)
   // -> values (B, N) or (B, N, C). check_finite: raise when a particle reads a
   // NaN/Inf mesh value.

@@ -22,6 +22,7 @@
 #include "../error_checking.h"
 #include "../node_paint.h"
 #include "../stencil.h"
+#include "../tile_paint.h"
 #include "../torchpm.h"
 
 namespace torchpm {
@@ -557,6 +558,130 @@ at::Tensor paint_deterministic_cpu(
   });
 }
 
+// The tiled paint (tile_paint.h): the passes CUDA runs, here in order on one
+// thread (the ranks CUDA's atomics hand out are then the particle order), so
+// the CPU tests check the GPU's binning, chunking and flushing. Not a fast path:
+// the CPU's scatter paint above already works plane by plane in cache.
+template <typename scalar_t, int W>
+void paint_by_tile(const PaintArguments& args, bool check_finite, at::Tensor& mesh) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const char* op = "torchpm.paint";
+  const StencilGeometry& g = args.geometry;
+  const TileGrid grid = make_tile_grid(g);
+  const int64_t batch = args.positions.size(0);
+  const int64_t n = args.positions.size(1);
+  const int64_t total = batch * n;
+  const int64_t channels = args.channels;
+  const int64_t cells = g.shape[0] * g.shape[1] * g.shape[2];
+  const int64_t tiles = batch * grid.per_member;
+  check_tile_sizes(op, total, tiles);
+  const scalar_t* pos = args.positions.data_ptr<scalar_t>();
+  const scalar_t* values = args.weights.defined() ? args.weights.data_ptr<scalar_t>() : nullptr;
+  scalar_t* out = mesh.data_ptr<scalar_t>();
+
+  // Pass 1: tiles, counts and ranks. A rejected particle poisons node (0, 0, 0)
+  // of its member, as the scatter paint does.
+  std::vector<int32_t> bin(total);
+  std::vector<int32_t> rank(total);
+  std::vector<int32_t> count(tiles, 0);
+  int64_t bad = 0;
+  int64_t bad_values = 0;
+  for (int64_t p = 0; p < total; ++p) {
+    int64_t tile;
+    if (!tile_of<scalar_t, acc_t, W>(pos + 3 * p, g, grid, p / n, tile)) {
+      ++bad;
+      bin[p] = -1;
+      for (int64_t ch = 0; ch < channels; ++ch) {
+        out[(p / n) * channels * cells + ch * cells] += std::numeric_limits<scalar_t>::quiet_NaN();
+      }
+      continue;
+    }
+    if (check_finite && values && !finite_values(values + p * channels, channels)) {
+      ++bad_values;
+    }
+    bin[p] = static_cast<int32_t>(tile);
+    rank[p] = count[tile]++;
+  }
+  report_bad_particles(kPaintOp, {bad, bad_values}, CallDiagnosis(args.positions, args.weights, g));
+
+  // Pass 2: each tile's first place and chunk count (prefix sums), then the
+  // particles in tile order.
+  std::vector<int32_t> start(tiles);
+  std::vector<int32_t> chunk_end(tiles);
+  int64_t placed = 0;
+  int64_t chunks = 0;
+  for (int64_t t = 0; t < tiles; ++t) {
+    start[t] = static_cast<int32_t>(placed);
+    placed += count[t];
+    chunks += (count[t] + kTileChunk - 1) / kTileChunk;
+    chunk_end[t] = static_cast<int32_t>(chunks);
+  }
+  std::vector<int32_t> order(placed);
+  for (int64_t p = 0; p < total; ++p) {
+    if (bin[p] >= 0) {
+      order[start[bin[p]] + rank[p]] = static_cast<int32_t>(p);
+    }
+  }
+
+  // Pass 3: the blocks of the CUDA launch, one after another.
+  constexpr int64_t S = tile_span<W>();
+  const int64_t blocks = tile_chunk_bound(tiles, total);
+  for_channel_groups(channels, [&](auto group, int64_t channel0) {
+    constexpr int C = decltype(group)::value;
+    std::vector<scalar_t> copy(C * S * S * S);
+    for (int64_t block = 0; block < blocks; ++block) {
+      int64_t tile;
+      int64_t chunk;
+      if (!chunk_of_block(chunk_end.data(), tiles, block, tile, chunk)) {
+        continue;
+      }
+      int64_t origin[3];
+      tile_origin(tile, grid, origin);
+      const int64_t begin = start[tile] + chunk * kTileChunk;
+      const int64_t end = std::min<int64_t>(begin + kTileChunk, start[tile] + count[tile]);
+      std::fill(copy.begin(), copy.end(), scalar_t(0));
+      for (int64_t q = begin; q < end; ++q) {
+        const int64_t p = order[q];
+        add_to_tile<scalar_t, acc_t, W, C>(
+            pos + 3 * p, values ? values + p * channels : nullptr, channel0, g, origin, copy.data(),
+            [](scalar_t* at, scalar_t v) { *at += v; });
+      }
+      scalar_t* m = out + (tile / grid.per_member) * channels * cells + channel0 * cells;
+      for (int64_t index = 0; index < S * S * S; ++index) {
+        int64_t node;
+        if (!tile_node<W>(index, origin, g, node)) {
+          continue;
+        }
+        for (int ch = 0; ch < C; ++ch) {
+          const scalar_t v = copy[ch * S * S * S + index];
+          if (v != scalar_t(0)) {  // NaN too
+            m[ch * cells + node] += v;
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor paint_tiled_cpu(
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order,
+    bool check_finite) {
+  // Errors name the paint the user called (torchpm.paint takes this op).
+  const char* op = "torchpm.paint";
+  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true, [&](const PaintArguments& args, at::Tensor& mesh) {
+    AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "paint_tiled_cpu", [&] {
+      dispatch_order(op, order, [&](auto width) {
+        paint_by_tile<scalar_t, decltype(width)::value>(args, check_finite, mesh);
+      });
+    });
+  });
+}
+
 at::Tensor readout_cpu(
     const at::Tensor& mesh_in,
     const at::Tensor& positions_in,
@@ -706,6 +831,7 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
 TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
   m.impl("paint", &paint_cpu);
   m.impl("_paint_deterministic", &paint_deterministic_cpu);
+  m.impl("_paint_tiled", &paint_tiled_cpu);
   m.impl("readout", &readout_cpu);
   m.impl("_position_gradient", &position_gradient_op<position_gradient_impl>);
   m.impl("_readout_and_position_gradient", &readout_and_position_gradient_op<position_gradient_impl>);

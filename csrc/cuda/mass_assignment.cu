@@ -35,6 +35,7 @@
 #include "../error_checking.h"
 #include "../node_paint.h"
 #include "../stencil.h"
+#include "../tile_paint.h"
 #include "../torchpm.h"
 #include "launch.cuh"
 
@@ -513,6 +514,193 @@ at::Tensor paint_deterministic_cuda(
   });
 }
 
+// The tiled paint (tile_paint.h). Pass 1: each particle's tile and its rank
+// among the tile's particles. The lanes of a warp that share a tile take their
+// ranks with one atomic (clustered particles would otherwise serialise on their
+// tile's counter). Every lane of the warp runs it (no early return): the warp
+// intrinsics name the whole warp.
+template <typename scalar_t, int W>
+__global__ void tile_bin_kernel(
+    const scalar_t* __restrict__ positions,
+    const scalar_t* __restrict__ values,
+    int64_t channels,
+    int64_t per_batch,
+    int64_t total,
+    StencilGeometry g,
+    TileGrid grid,
+    bool check_finite,
+    int32_t* __restrict__ bin,
+    int32_t* __restrict__ rank,
+    int32_t* __restrict__ count,
+    scalar_t* __restrict__ mesh,
+    unsigned long long* __restrict__ bad) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const bool in_range = p < total;
+  int64_t tile = -1;
+  const bool valid = in_range && tile_of<scalar_t, acc_t, W>(positions + 3 * p, g, grid, p / per_batch, tile);
+  count_in_warp(in_range && !valid, bad + kBadPositions);
+  if (check_finite) {
+    count_in_warp(valid && !finite_values(values + p * channels, channels), bad + kBadValues);
+  }
+  const int key = valid ? static_cast<int>(tile) : -1;
+  const unsigned peers = __match_any_sync(0xffffffffu, key);
+  const int lane = threadIdx.x & 31;
+  const int leader = __ffs(peers) - 1;
+  int first = 0;
+  if (lane == leader && valid) {
+    first = atomicAdd(count + key, __popc(peers));
+  }
+  first = __shfl_sync(0xffffffffu, first, leader);
+  if (!in_range) {
+    return;
+  }
+  bin[p] = key;
+  if (valid) {
+    rank[p] = first + __popc(peers & ((1u << lane) - 1u));
+    return;
+  }
+  // Rejected: reported (maybe after this call returns); the mesh must not look valid.
+  const int64_t cells = g.shape[0] * g.shape[1] * g.shape[2];
+  for (int64_t ch = 0; ch < channels; ++ch) {
+    gpuAtomicAdd(mesh + ((p / per_batch) * channels + ch) * cells, static_cast<scalar_t>(NAN));
+  }
+}
+
+// Pass 2: the particles in tile order (start: each tile's first place).
+__global__ void tile_place_kernel(
+    const int32_t* __restrict__ bin,
+    const int32_t* __restrict__ rank,
+    const int32_t* __restrict__ start,
+    int64_t total,
+    int32_t* __restrict__ order) {
+  for (int64_t p = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; p < total;
+       p += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t tile = bin[p];
+    if (tile >= 0) {
+      order[start[tile] + rank[p]] = static_cast<int32_t>(p);
+    }
+  }
+}
+
+// Pass 3: one block per chunk of a tile's particles (blocks past the last chunk
+// return at once). The tile copy lives in dynamic shared memory:
+// C (kTile + W - 1)^3 values, at most 42.6 kB (float64, C = 4, PCS).
+template <typename scalar_t, int W, int C>
+__global__ void tile_paint_kernel(
+    const scalar_t* __restrict__ positions,
+    const scalar_t* __restrict__ values,
+    int64_t channels,
+    int64_t channel0,
+    StencilGeometry g,
+    TileGrid grid,
+    int64_t tiles,
+    const int32_t* __restrict__ chunk_end,
+    const int32_t* __restrict__ start,
+    const int32_t* __restrict__ count,
+    const int32_t* __restrict__ order,
+    scalar_t* __restrict__ mesh) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t S = tile_span<W>();
+  constexpr int64_t nodes = S * S * S;
+  extern __shared__ __align__(16) unsigned char tile_shared[];
+  scalar_t* copy = reinterpret_cast<scalar_t*>(tile_shared);
+  int64_t tile;
+  int64_t chunk;
+  if (!chunk_of_block(chunk_end, tiles, blockIdx.x, tile, chunk)) {
+    return;  // the whole block
+  }
+  int64_t origin[3];
+  tile_origin(tile, grid, origin);
+  for (int64_t i = threadIdx.x; i < C * nodes; i += blockDim.x) {
+    copy[i] = scalar_t(0);
+  }
+  __syncthreads();
+  const int64_t begin = start[tile] + chunk * kTileChunk;
+  const int64_t end = ::min(begin + kTileChunk, static_cast<int64_t>(start[tile]) + count[tile]);
+  for (int64_t q = begin + threadIdx.x; q < end; q += blockDim.x) {
+    const int64_t p = order[q];
+    add_to_tile<scalar_t, acc_t, W, C>(
+        positions + 3 * p, values ? values + p * channels : nullptr, channel0, g, origin, copy,
+        [](scalar_t* at, scalar_t v) { atomicAdd(at, v); });
+  }
+  __syncthreads();
+  const int64_t cells = g.shape[0] * g.shape[1] * g.shape[2];
+  scalar_t* m = mesh + ((tile / grid.per_member) * channels + channel0) * cells;
+  for (int64_t index = threadIdx.x; index < nodes; index += blockDim.x) {
+    int64_t node;
+    if (!tile_node<W>(index, origin, g, node)) {
+      continue;
+    }
+#pragma unroll
+    for (int ch = 0; ch < C; ++ch) {
+      const scalar_t v = copy[ch * nodes + index];
+      if (v != scalar_t(0)) {  // NaN too
+        gpuAtomicAdd(m + ch * cells + node, v);
+      }
+    }
+  }
+}
+
+at::Tensor paint_tiled_cuda(
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order,
+    bool check_finite) {
+  // Errors name the paint the user called (torchpm.paint takes this op).
+  const char* op = "torchpm.paint";
+  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true, [&](const PaintArguments& args, at::Tensor& mesh) {
+    at::globalContext().alertNotDeterministic("torchpm::_paint_tiled (CUDA atomics)");
+    const at::Tensor& x = args.positions;
+    const StencilGeometry& g = args.geometry;
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int64_t total = x.size(0) * x.size(1);
+    const TileGrid grid = make_tile_grid(g);
+    const int64_t tiles = x.size(0) * grid.per_member;
+    check_tile_sizes(op, total, tiles);
+    const auto int_options = x.options().dtype(at::kInt);
+    auto count = at::zeros({tiles}, int_options);
+    auto bin = at::empty({total}, int_options);
+    auto rank = at::empty({total}, int_options);
+    DeviceCounters& counters = counters_for(op, x.device());
+    const bool in_capture = capturing();
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "paint_tiled_cuda", [&] {
+      dispatch_order(op, order, [&](auto width) {
+        constexpr int W = decltype(width)::value;
+        const scalar_t* values = args.weights.defined() ? args.weights.data_ptr<scalar_t>() : nullptr;
+        tile_bin_kernel<scalar_t, W><<<blocks_for(op, total), kThreads, 0, stream>>>(
+            x.data_ptr<scalar_t>(), values, args.channels, x.size(1), total, g, grid,
+            check_finite && values != nullptr, bin.data_ptr<int32_t>(), rank.data_ptr<int32_t>(),
+            count.data_ptr<int32_t>(), mesh.data_ptr<scalar_t>(), slot_pointer(counters, kPaintOp));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const auto start = at::cumsum(count, 0, at::kInt) - count;
+        const auto chunk_end =
+            at::cumsum(at::div(count + (kTileChunk - 1), kTileChunk, "floor"), 0, at::kInt);
+        auto in_order = at::empty({total}, int_options);
+        tile_place_kernel<<<grid_stride_blocks(total), kThreads, 0, stream>>>(
+            bin.data_ptr<int32_t>(), rank.data_ptr<int32_t>(), start.data_ptr<int32_t>(), total,
+            in_order.data_ptr<int32_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const auto blocks = static_cast<unsigned int>(tile_chunk_bound(tiles, total));
+        for_channel_groups(args.channels, [&](auto group, int64_t channel0) {
+          constexpr int C = decltype(group)::value;
+          const size_t shared = C * tile_span<W>() * tile_span<W>() * tile_span<W>() * sizeof(scalar_t);
+          tile_paint_kernel<scalar_t, W, C><<<blocks, kThreads, shared, stream>>>(
+              x.data_ptr<scalar_t>(), values, args.channels, channel0, g, grid, tiles,
+              chunk_end.data_ptr<int32_t>(), start.data_ptr<int32_t>(), count.data_ptr<int32_t>(),
+              in_order.data_ptr<int32_t>(), mesh.data_ptr<scalar_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      });
+    });
+    report_after_launch(kPaintOp, counters, in_capture, CallDiagnosis(x, args.weights, g));
+  });
+}
+
 at::Tensor readout_cuda(
     const at::Tensor& mesh_in,
     const at::Tensor& positions_in,
@@ -603,6 +791,7 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
 TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("paint", &paint_cuda);
   m.impl("_paint_deterministic", &paint_deterministic_cuda);
+  m.impl("_paint_tiled", &paint_tiled_cuda);
   m.impl("readout", &readout_cuda);
   m.impl("_position_gradient", &position_gradient_op<position_gradient_impl>);
   m.impl("_readout_and_position_gradient", &readout_and_position_gradient_op<position_gradient_impl>);

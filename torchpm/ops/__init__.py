@@ -1,7 +1,15 @@
 """torchpm's custom ops (``torch.ops.torchpm``) with their Python front ends."""
 
 from .error_checking import check, get_error_checking, set_error_checking
-from .mass_assignment import cic_paint, cic_readout, halo_widths, paint, readout
+from .mass_assignment import (
+    cic_paint,
+    cic_readout,
+    get_paint_method,
+    halo_widths,
+    paint,
+    readout,
+    set_paint_method,
+)
 from .finite_difference import fd4_gradient, fd4_gradient_transpose
 from . import updates as _updates  # noqa: F401  (registers the fake kernel and autograd)
 from ._reference import (
@@ -21,6 +29,8 @@ __all__ = [
     "cic_paint",
     "cic_readout",
     "halo_widths",
+    "set_paint_method",
+    "get_paint_method",
     "fd4_gradient",
     "fd4_gradient_transpose",
     "paint_reference",

@@ -60,7 +60,7 @@ import torch
 from . import _arguments as args
 from . import _reference
 
-__all__ = ["paint", "readout", "cic_paint", "cic_readout", "halo_widths"]
+__all__ = ["paint", "readout", "cic_paint", "cic_readout", "halo_widths", "set_paint_method", "get_paint_method"]
 
 _ops = torch.ops.torchpm
 
@@ -89,12 +89,53 @@ def halo_widths(order) -> tuple[int, int]:
     return below, above
 
 
+PAINT_METHODS = ("scatter", "tiled")
+_paint_method = "scatter"
+
+
+def set_paint_method(method: str) -> str:
+    """Choose how paint accumulates on CUDA; returns the previous choice.
+
+    * ``"scatter"`` (default): one thread per particle adds its ``p^3``
+      contributions to the mesh with global atomic adds.
+    * ``"tiled"``: the particles are binned by tiles of 8^3 nodes; a block sums
+      a tile's particles (at most 1024 at a time) in a shared-memory copy of the
+      tile and its halo, then adds the copy to the mesh (one atomic per nonzero
+      node). For clustered particles, where the scatter's atomics meet on the
+      same cells; it costs a binning pass and 12 bytes per particle of scratch.
+      ``torch.ops.torchpm._paint_tiled``.
+
+    Both give the same mesh up to float rounding (the order of the sums), both
+    use atomics (not deterministic: under
+    ``torch.use_deterministic_algorithms(True)`` CUDA paints node by node
+    whatever the choice). It applies to :func:`paint`, readout's backward (a
+    paint) and so to the simulation, on CUDA; the CPU keeps its scatter kernel,
+    which is deterministic and works plane by plane in cache (its
+    ``_paint_tiled`` runs the CUDA passes one after another, for the tests).
+    The C++ API (``torchpm::cic_paint``) always scatters.
+    """
+    global _paint_method
+    if method not in PAINT_METHODS:
+        raise ValueError(f"set_paint_method: expected `method` to be one of {PAINT_METHODS}, got {method!r}.")
+    previous, _paint_method = _paint_method, method
+    return previous
+
+
+def get_paint_method() -> str:
+    """The paint method CUDA uses: ``"scatter"`` or ``"tiled"`` (:func:`set_paint_method`)."""
+    return _paint_method
+
+
 def _paint_op(tensor):
-    """The paint op for ``tensor``'s device and mode: CUDA paint scatters with
-    atomics, so under ``torch.use_deterministic_algorithms(True)`` it is the same
-    paint computed node by node (``_paint_deterministic``, no atomics)."""
-    if tensor.is_cuda and torch.are_deterministic_algorithms_enabled():
-        return _ops._paint_deterministic
+    """The paint op for ``tensor``'s device and mode: on CUDA, the paint computed
+    node by node under ``torch.use_deterministic_algorithms(True)``
+    (``_paint_deterministic``, no atomics), else the method of
+    :func:`set_paint_method`; on the CPU the scatter paint."""
+    if tensor.is_cuda:
+        if torch.are_deterministic_algorithms_enabled():
+            return _ops._paint_deterministic
+        if _paint_method == "tiled":
+            return _ops._paint_tiled
     return _ops.paint
 
 
@@ -135,8 +176,10 @@ def paint(
     mesh cell). Readout and the gradients of paint and readout in the positions
     gather without atomics and keep their kernels. float32 atomic adds on CUDA
     flush denormal numbers to zero: contributions below about 1.2e-38 are lost
-    (float64 and the node-by-node paint keep them). The CPU kernel is
-    deterministic and independent of the number of threads.
+    (float64 and the node-by-node paint keep them). :func:`set_paint_method`
+    chooses between the scatter kernel and a tiled one (shared-memory sums,
+    for clustered particles) on CUDA. The CPU kernel is deterministic and
+    independent of the number of threads.
     """
     op = "paint"
     positions = args.tensor_argument(positions, "positions", op)
@@ -270,6 +313,7 @@ def _paint_fake(positions, weights, shape, offset, periodic, order=2, check_fini
 
 
 torch.library.register_fake("torchpm::_paint_deterministic")(_paint_fake)
+torch.library.register_fake("torchpm::_paint_tiled")(_paint_fake)
 
 
 @torch.library.register_fake("torchpm::readout")
@@ -389,6 +433,7 @@ torch.library.register_autograd("torchpm::paint", _paint_backward, setup_context
 torch.library.register_autograd(
     "torchpm::_paint_deterministic", _paint_backward, setup_context=_paint_setup_context
 )
+torch.library.register_autograd("torchpm::_paint_tiled", _paint_backward, setup_context=_paint_setup_context)
 torch.library.register_autograd("torchpm::readout", _readout_backward, setup_context=_readout_setup_context)
 torch.library.register_autograd(
     "torchpm::_position_gradient",
