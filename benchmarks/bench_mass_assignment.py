@@ -23,6 +23,14 @@ directly, so it is timed on the CPU too) and the pure-torch twin (the earlier
 deterministic path), interleaved, with the peak memory of each on CUDA:
 
     python benchmarks/bench_mass_assignment.py --deterministic --device cuda --sizes 256 512 --orders cic tsc
+
+``--tiled`` times the scatter kernel against the tiled paint
+(``torchpm.ops.set_paint_method("tiled")``, ``_paint_tiled``: shared-memory
+sums per tile of 8^3 nodes), with unit mass and with 3-channel weights (the
+paint of readout's backward); on the CPU the tiled op is the CUDA passes run in
+order (a check of their cost, not a fast path):
+
+    python benchmarks/bench_mass_assignment.py --tiled --device cuda --sizes 256 512 --orders cic tsc --layouts uniform late late-sorted
 """
 
 from __future__ import annotations
@@ -124,52 +132,63 @@ def cases(n, x, order, device, reference):
     ]
 
 
-def deterministic_table(sizes, layouts, orders, device, repeats, generator):
-    """Scatter paint, node-by-node paint and pure-torch twin, timed round-robin
-    (ms, medians), their ratios to the scatter paint, and on CUDA the peak memory
-    each allocates beyond its inputs (GB)."""
-    print(f"{'n':>5} {'layout':>14} {'order':>5} {'scatter ms':>10} {'node ms':>9} {'twin ms':>9} "
-          f"{'node/scatter':>12} {'twin/node':>9}" + (f" {'peak GB scatter/node/twin':>26}" if device.type == "cuda" else ""))
+PAINTS = {
+    "scatter": lambda x, w, shape, p: torch.ops.torchpm.paint(x, w, shape, [0, 0, 0], [True] * 3, p, True),
+    "node": lambda x, w, shape, p: torch.ops.torchpm._paint_deterministic(x, w, shape, [0, 0, 0], [True] * 3, p, True),
+    "tiled": lambda x, w, shape, p: torch.ops.torchpm._paint_tiled(x, w, shape, [0, 0, 0], [True] * 3, p, True),
+    "twin": lambda x, w, shape, p: paint_reference(x, w, shape, order=p),
+}
+
+
+def paints_table(sizes, layouts, orders, channel_counts, variants, device, repeats, generator):
+    """Ways to paint the same particles (PAINTS: the scatter kernel, the
+    node-by-node paint, the tiled paint, the pure-torch twin), timed round-robin
+    (ms, medians), their ratios to the first, and on CUDA the peak memory each
+    allocates beyond its inputs (GB). Channels 0: unit mass; C: random (1, N, C)
+    weights (3: readout's backward, 4: the adjoint's paint)."""
+    head = variants[0]
+    print(f"{'n':>5} {'layout':>14} {'order':>5} {'ch':>3} " + " ".join(f"{v + ' ms':>10}" for v in variants) + " "
+          + " ".join(f"{v + '/' + head:>14}" for v in variants[1:])
+          + (f" {'peak GB ' + '/'.join(variants):>28}" if device.type == "cuda" else ""))
     for n in sizes:
         for layout in layouts:
             x = make_positions(n, layout, device, generator)
             shape = [n, n, n]
-            for order in orders:
-                p = WIDTH[order]
-                fns = {
-                    "scatter": lambda: torch.ops.torchpm.paint(x, None, shape, [0, 0, 0], [True] * 3, p, True),
-                    "node": lambda: torch.ops.torchpm._paint_deterministic(x, None, shape, [0, 0, 0], [True] * 3, p, True),
-                    "twin": lambda: paint_reference(x, None, shape, order=p),
-                }
-                peak = {}
-                for key, fn in list(fns.items()):
+            for channels in channel_counts:
+                w = torch.rand(1, x.shape[1], channels, generator=generator).to(device) if channels else None
+                for order in orders:
+                    p = WIDTH[order]
+                    fns = {key: (lambda key=key: PAINTS[key](x, w, shape, p)) for key in variants}
+                    peak = {}
+                    for key, fn in list(fns.items()):
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                            torch.cuda.reset_peak_memory_stats(device)
+                            base = torch.cuda.memory_allocated(device)
+                        try:
+                            fn()  # warm-up
+                            synchronize(device)
+                        except torch.OutOfMemoryError:  # the twin at 512^3
+                            del fns[key]
+                            peak[key] = float("nan")
+                            continue
+                        if device.type == "cuda":
+                            peak[key] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
+                    times = {key: [] for key in fns}
+                    for _ in range(repeats):
+                        for key, fn in fns.items():
+                            start = time.perf_counter()
+                            fn()
+                            synchronize(device)
+                            times[key].append(time.perf_counter() - start)
+                    nan = float("nan")  # out of memory
+                    t = {key: 1e3 * statistics.median(times[key]) if key in times else nan for key in variants}
+                    line = (f"{n:>5} {layout:>14} {order:>5} {channels:>3} " + " ".join(f"{t[v]:>10.2f}" for v in variants)
+                            + " " + " ".join(f"{t[v] / t[head]:>14.2f}" for v in variants[1:]))
                     if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                        torch.cuda.reset_peak_memory_stats(device)
-                        base = torch.cuda.memory_allocated(device)
-                    try:
-                        fn()  # warm-up
-                        synchronize(device)
-                    except torch.OutOfMemoryError:  # the twin at 512^3
-                        del fns[key]
-                        peak[key] = float("nan")
-                        continue
-                    if device.type == "cuda":
-                        peak[key] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
-                times = {key: [] for key in fns}
-                for _ in range(repeats):
-                    for key, fn in fns.items():
-                        start = time.perf_counter()
-                        fn()
-                        synchronize(device)
-                        times[key].append(time.perf_counter() - start)
-                nan = float("nan")  # out of memory
-                t = {key: 1e3 * statistics.median(times[key]) if key in times else nan for key in ("scatter", "node", "twin")}
-                line = (f"{n:>5} {layout:>14} {order:>5} {t['scatter']:>10.2f} {t['node']:>9.2f} {t['twin']:>9.2f} "
-                        f"{t['node'] / t['scatter']:>12.2f} {t['twin'] / t['node']:>9.2f}")
-                if device.type == "cuda":
-                    line += f" {peak['scatter']:>8.2f}/{peak['node']:.2f}/{peak['twin']:.2f}"
-                print(line, flush=True)
+                        line += " " + "/".join(f"{peak[v]:.2f}" for v in variants)
+                    print(line, flush=True)
+                del w
             del x
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -187,6 +206,9 @@ def main():
     parser.add_argument("--reference", action="store_true", help="also time the pure-torch twin")
     parser.add_argument("--deterministic", action="store_true",
                         help="time the scatter paint, the node-by-node paint and the twin instead")
+    parser.add_argument("--tiled", action="store_true", help="time the scatter paint and the tiled paint instead")
+    parser.add_argument("--channels", type=int, nargs="*",
+                        help="with --deterministic / --tiled: weight channels (0: unit mass); default 0, and 3 for --tiled")
     args = parser.parse_args()
     device = torch.device(args.device)
     sizes = args.sizes or ([64, 128, 256, 512] if device.type == "cuda" else [64, 128])
@@ -197,8 +219,10 @@ def main():
         else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
     )
     print(f"# torchpm {torchpm.__version__}, torch {torch.__version__}, {name}, float32")
-    if args.deterministic:
-        deterministic_table(sizes, args.layouts, orders, device, args.repeats, torch.Generator().manual_seed(0))
+    if args.deterministic or args.tiled:
+        variants = ["scatter", "node", "twin"] if args.deterministic else ["scatter", "tiled"]
+        channels = args.channels if args.channels is not None else ([0] if args.deterministic else [0, 3])
+        paints_table(sizes, args.layouts, orders, channels, variants, device, args.repeats, torch.Generator().manual_seed(0))
         return
     header = f"{'n':>5} {'layout':>14} {'order':>5} {'op':<20} {'Mpart/s':>9} {'x CIC time':>10}"
     print(header + (f" {'twin Mpart/s':>13} {'speedup':>8}" if args.reference else ""))

@@ -9,6 +9,7 @@ Usage::
     python benchmarks/bench_pm.py                      # CPU: 64^3 and 128^3
     python benchmarks/bench_pm.py --device cuda --sizes 256 512
     python benchmarks/bench_pm.py --no-jaxpm --threads 2
+    python benchmarks/bench_pm.py --device cuda --sizes 256 512 --paint-method tiled
 
 Particles = mesh cells (mesh factor 1), float32, Planck15, a from 0.1. A "step" is one
 kick-drift-kick with one force evaluation (paint, rfftn, kernels, 3 irfftn, 3-channel
@@ -308,7 +309,8 @@ def peak_memory(code, n, device, threads):
 
     environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     command = [sys.executable, os.path.abspath(__file__), "--memory-child", code, "--sizes", str(n),
-               "--device", str(device), "--threads", str(threads), "--repeats", "1"]
+               "--device", str(device), "--threads", str(threads), "--repeats", "1",
+               "--paint-method", torchpm.ops.get_paint_method()]
     result = subprocess.run(command, env=environment, capture_output=True, text=True)
     try:
         return json.loads(result.stdout.strip().splitlines()[-1])["memory"]
@@ -323,9 +325,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: default)")
     parser.add_argument("--no-jaxpm", action="store_true")
+    parser.add_argument("--paint-method", choices=["scatter", "tiled"], default="scatter",
+                        help="torchpm.ops.set_paint_method: how CUDA paints (the CPU always scatters)")
     parser.add_argument("--memory-child", choices=["torchpm", "jaxpm"], help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     device = torch.device(arguments.device)
+    torchpm.ops.set_paint_method(arguments.paint_method)
     if arguments.threads:
         torch.set_num_threads(arguments.threads)
         if arguments.threads == 1:
@@ -354,7 +359,8 @@ def main():
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"# torchpm PM benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"# device: {device} ({name}), torch {torch.__version__}, {torch.get_num_threads()} threads, float32")
+    print(f"# device: {device} ({name}), torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
+          f"paint method {torchpm.ops.get_paint_method()}")
     print(f"# command: python {' '.join(sys.argv)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if not jax_ok:
         print(f"# JaxPM: not run ({jax_modules if jax_modules else 'disabled'})")

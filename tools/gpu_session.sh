@@ -7,12 +7,13 @@
 #   bash tools/gpu_session.sh sanitize    # build, then the CUDA op tests under compute-sanitizer
 #   bash tools/gpu_session.sh bench       # build, then the GPU benchmarks at 256^3 and 512^3
 #   bash tools/gpu_session.sh determinism # build, then the deterministic paint against the atomic one
+#   bash tools/gpu_session.sh tiled       # build, then the tiled paint against the scatter, kernels and step
 #
 # The GPU machine has torch, pytest, hypothesis, scipy, h5py, safetensors and matplotlib,
 # but not the test-only oracles astropy, colossus, pynbody and JaxPM: those tests skip
 # or are deselected here (they run in CI on the CPU).
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh test|sanitize|bench|determinism}
+phase=${1:?usage: gpu_session.sh test|sanitize|bench|determinism|tiled}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -48,7 +49,7 @@ sanitize)
     for tool in memcheck racecheck; do
         timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
             $python -m pytest -q -x -m cuda tests/test_mass_assignment.py tests/test_finite_difference.py \
-            tests/test_deterministic_paint.py -k "not gradgrad and not compile" \
+            tests/test_deterministic_paint.py tests/test_tiled_paint.py -k "not gradgrad and not compile" \
             2>&1 | tee "$out/sanitizer-$tool.log" | tail -25
         echo "compute-sanitizer $tool: exit ${PIPESTATUS[0]}"
     done
@@ -67,6 +68,13 @@ determinism)
     timeout 400 $python benchmarks/bench_mass_assignment.py --deterministic --device cuda --sizes 256 512 \
         --orders cic tsc --layouts lattice late uniform --repeats 5 2>&1 | tee "$out/bench_deterministic.log"
     ;;
+tiled)
+    build
+    timeout 300 $python benchmarks/bench_mass_assignment.py --tiled --device cuda --sizes 256 512 \
+        --orders cic tsc --layouts uniform lattice late late-sorted --repeats 5 2>&1 | tee "$out/bench_tiled.log"
+    timeout 250 $python benchmarks/bench_pm.py --device cuda --sizes 256 512 --no-jaxpm --paint-method tiled \
+        2>&1 | tee "$out/bench_pm_tiled.log"
+    ;;
 *)
-    echo "unknown phase $phase (test, sanitize, bench, determinism)"; exit 2 ;;
+    echo "unknown phase $phase (test, sanitize, bench, determinism, tiled)"; exit 2 ;;
 esac
