@@ -453,6 +453,27 @@ property_paint = fuzz(120)(given(case=particle_case(), data=st.data())(bind(pain
 property_readout = fuzz(120)(given(case=particle_case(), data=st.data())(bind(readout_example, None)))
 
 
+def routed_to(op_name, example):
+    """``example`` with torchpm.paint sent to ``torch.ops.torchpm.<op_name>`` on every
+    device: the paints CUDA takes (tiled, node by node) on the same inputs here."""
+    def run(case, data, forced):
+        from torchpm.ops import mass_assignment
+
+        route = mass_assignment._paint_op
+        mass_assignment._paint_op = lambda tensor: getattr(torch.ops.torchpm, op_name)
+        try:
+            example(case, data, forced)
+        finally:
+            mass_assignment._paint_op = route
+
+    return run
+
+
+property_paint_tiled = fuzz(60)(given(case=particle_case(), data=st.data())(bind(routed_to("_paint_tiled", paint_example), None)))
+property_paint_node = fuzz(60)(given(case=particle_case(), data=st.data())(
+    bind(routed_to("_paint_deterministic", paint_example), None)))
+
+
 def property_paint_every_wrong_argument():
     sweep(paint_example, particle_case(), dict(OP_COUNTS, weights=8))
 
