@@ -17,7 +17,9 @@ to a = 1. A step is one kick-drift-kick: drift, migration, one force evaluation
 gradient in real space, halo fill + 3-channel readout).
 Times are medians over ``--repeats`` steps after a warm-up step; each repeat takes the
 slowest rank. The breakdown times the pieces inside the steps (summed per step, slowest
-rank, median over steps): "FFT local" is the FFT time without its transposes.
+rank, median over steps): "FFT local" is the FFT time without its transposes, "halo"
+every halo exchange (the paint's add, the potential's fill before the 4-point gradient,
+a readout's fill), "stencil" the 4-point gradient kernel itself.
 
 Peak memory per rank: the largest resident-set growth of any rank over the 2LPT and
 one step, above its baseline after start-up (torch imported, process group made),
@@ -45,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-PHASES = ["paint", "halo", "FFT local", "transposes", "readout", "migration"]
+PHASES = ["paint", "halo", "FFT local", "transposes", "stencil", "readout", "migration"]
 
 
 class PhaseTimer:
@@ -106,6 +108,7 @@ def _worker(rank, world, size, repeats, threads, store, result_path):
         timer.wrap(fft, "transpose", "transposes")
         timer.wrap(fft, "rfftn", "FFT")
         timer.wrap(fft, "irfftn", "FFT")
+        timer.wrap(torch.ops.torchpm, "_fd4_gradient", "stencil")  # the 4-point gradient, without its halo fill
         timer.wrap(decomposition.PencilDecomposition, "migrate", "migration")
         steps, breakdowns = [], []
         for factor in factors[1:]:
@@ -194,7 +197,7 @@ def run(size, world, repeats, threads):
                 reports.append(json.load(handle))
     step = statistics.median(max(r["steps"][i] for r in reports) for i in range(repeats))
     breakdown = {}
-    for phase in ("paint", "halo", "FFT", "transposes", "readout", "migration"):
+    for phase in ("paint", "halo", "FFT", "transposes", "stencil", "readout", "migration"):
         breakdown[phase] = statistics.median(
             max(r["breakdowns"][i].get(phase, 0.0) for r in reports) for i in range(repeats))
     breakdown["FFT local"] = max(breakdown.pop("FFT") - breakdown["transposes"], 0.0)
