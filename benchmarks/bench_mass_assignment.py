@@ -79,14 +79,15 @@ def make_positions(n, layout, device, generator):
     """
     base, _, suffix = layout.partition("-")
     if base == "uniform":
-        x = torch.rand(1, n**3, 3, generator=generator) * n
+        x = (torch.rand(1, n**3, 3, generator=generator) * n).to(device)
     elif base == "lattice":
         axis = torch.arange(n, dtype=torch.float32)
         q = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(1, -1, 3)
-        x = (q + 0.5 * torch.randn(q.shape, generator=generator)) % n
+        x = ((q + 0.5 * torch.randn(q.shape, generator=generator)) % n).to(device)
     elif base == "late":
+        # on the benchmarked device (a 512^3 run on the host CPU would take minutes)
         sim = torchpm.Simulation(n_particles=n, box_size=float(2 * n), mesh_factor=1, a_start=0.1, steps=10,
-                                 sort_every=0)
+                                 sort_every=0).to(device)
         with torch.no_grad():
             x = sim(sim.white_noise(seed=0), return_mesh_units=True).positions % n
     else:
@@ -95,7 +96,7 @@ def make_positions(n, layout, device, generator):
         from torchpm.mesh import LocalMesh
         from torchpm.ordering import sort_particles
 
-        x = sort_particles(LocalMesh(n), x, torch.arange(x.shape[1]).unsqueeze(0))[0]
+        x = sort_particles(LocalMesh(n), x, torch.arange(x.shape[1], device=x.device).unsqueeze(0))[0]
     elif suffix:
         raise ValueError(f"unknown layout {layout!r}")
     return x.contiguous().to(device)
