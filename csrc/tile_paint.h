@@ -49,6 +49,11 @@ constexpr int64_t tile_span() {
   return kTile + W - 1;
 }
 
+// The largest tile copy (float64, 4 channels, PCS) must fit the 48 kB of
+// shared memory a block gets without opting in.
+static_assert(4 * tile_span<4>() * tile_span<4>() * tile_span<4>() * sizeof(double) <= 48 * 1024,
+              "the tile copy of the tiled paint outgrows 48 kB of shared memory");
+
 // The tiles of one call's mesh: per axis ceil(n / kTile), and their count per
 // batch member.
 struct TileGrid {

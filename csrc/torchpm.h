@@ -130,6 +130,18 @@ struct ParticlesByKey {
 ParticlesByKey sort_particles_by_key(
     const at::Tensor& keys, const at::Tensor& positions, const at::Tensor& values);
 
+// The tiled paint's pass 2 (tile_paint.h) from its per-tile particle counts
+// (int32, on any device): where each tile's particles start in tile order, and
+// chunk_end, the number of chunks of at most kTileChunk particles of the tiles up
+// to and including each (inclusive prefix sum). ATen ops, so that the CPU tests
+// run the arithmetic CUDA runs.
+struct TilePrefixSums {
+  at::Tensor start;      // (tiles,) int32
+  at::Tensor chunk_end;  // (tiles,) int32
+};
+
+TilePrefixSums tile_prefix_sums(const at::Tensor& count);
+
 // Validates a mesh (B, nx, ny, nz) or (B, C, nx, ny, nz) against positions and
 // returns a contiguous (B, C, nx, ny, nz) view.
 at::Tensor check_mesh(

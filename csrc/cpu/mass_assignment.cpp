@@ -583,7 +583,8 @@ void paint_by_tile(const PaintArguments& args, bool check_finite, at::Tensor& me
   // of its member, as the scatter paint does.
   std::vector<int32_t> bin(total);
   std::vector<int32_t> rank(total);
-  std::vector<int32_t> count(tiles, 0);
+  auto counts = at::zeros({tiles}, args.positions.options().dtype(at::kInt));
+  int32_t* count = counts.data_ptr<int32_t>();
   int64_t bad = 0;
   int64_t bad_values = 0;
   for (int64_t p = 0; p < total; ++p) {
@@ -604,19 +605,12 @@ void paint_by_tile(const PaintArguments& args, bool check_finite, at::Tensor& me
   }
   report_bad_particles(kPaintOp, {bad, bad_values}, CallDiagnosis(args.positions, args.weights, g));
 
-  // Pass 2: each tile's first place and chunk count (prefix sums), then the
-  // particles in tile order.
-  std::vector<int32_t> start(tiles);
-  std::vector<int32_t> chunk_end(tiles);
-  int64_t placed = 0;
-  int64_t chunks = 0;
-  for (int64_t t = 0; t < tiles; ++t) {
-    start[t] = static_cast<int32_t>(placed);
-    placed += count[t];
-    chunks += (count[t] + kTileChunk - 1) / kTileChunk;
-    chunk_end[t] = static_cast<int32_t>(chunks);
-  }
-  std::vector<int32_t> order(placed);
+  // Pass 2: each tile's first place and chunk count (the prefix sums CUDA
+  // takes), then the particles in tile order.
+  const auto sums = tile_prefix_sums(counts);
+  const int32_t* start = sums.start.data_ptr<int32_t>();
+  const int32_t* chunk_end = sums.chunk_end.data_ptr<int32_t>();
+  std::vector<int32_t> order(total);
   for (int64_t p = 0; p < total; ++p) {
     if (bin[p] >= 0) {
       order[start[bin[p]] + rank[p]] = static_cast<int32_t>(p);
@@ -632,7 +626,7 @@ void paint_by_tile(const PaintArguments& args, bool check_finite, at::Tensor& me
     for (int64_t block = 0; block < blocks; ++block) {
       int64_t tile;
       int64_t chunk;
-      if (!chunk_of_block(chunk_end.data(), tiles, block, tile, chunk)) {
+      if (!chunk_of_block(chunk_end, tiles, block, tile, chunk)) {
         continue;
       }
       int64_t origin[3];
@@ -644,7 +638,7 @@ void paint_by_tile(const PaintArguments& args, bool check_finite, at::Tensor& me
         const int64_t p = order[q];
         add_to_tile<scalar_t, acc_t, W, C>(
             pos + 3 * p, values ? values + p * channels : nullptr, channel0, g, origin, copy.data(),
-            [](scalar_t* at, scalar_t v) { *at += v; });
+            [](scalar_t* target, scalar_t v) { *target += v; });
       }
       scalar_t* m = out + (tile / grid.per_member) * channels * cells + channel0 * cells;
       for (int64_t index = 0; index < S * S * S; ++index) {

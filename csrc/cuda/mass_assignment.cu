@@ -544,6 +544,7 @@ __global__ void tile_bin_kernel(
     count_in_warp(valid && !finite_values(values + p * channels, channels), bad + kBadValues);
   }
   const int key = valid ? static_cast<int>(tile) : -1;
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
   const unsigned peers = __match_any_sync(0xffffffffu, key);
   const int lane = threadIdx.x & 31;
   const int leader = __ffs(peers) - 1;
@@ -552,12 +553,16 @@ __global__ void tile_bin_kernel(
     first = atomicAdd(count + key, __popc(peers));
   }
   first = __shfl_sync(0xffffffffu, first, leader);
+  const int own = first + __popc(peers & ((1u << lane) - 1u));
+#else  // no __match_any_sync before sm_70: one atomic per particle
+  const int own = valid ? atomicAdd(count + key, 1) : 0;
+#endif
   if (!in_range) {
     return;
   }
   bin[p] = key;
   if (valid) {
-    rank[p] = first + __popc(peers & ((1u << lane) - 1u));
+    rank[p] = own;
     return;
   }
   // Rejected: reported (maybe after this call returns); the mesh must not look valid.
@@ -622,7 +627,7 @@ __global__ void tile_paint_kernel(
     const int64_t p = order[q];
     add_to_tile<scalar_t, acc_t, W, C>(
         positions + 3 * p, values ? values + p * channels : nullptr, channel0, g, origin, copy,
-        [](scalar_t* at, scalar_t v) { atomicAdd(at, v); });
+        [](scalar_t* target, scalar_t v) { gpuAtomicAdd(target, v); });
   }
   __syncthreads();
   const int64_t cells = g.shape[0] * g.shape[1] * g.shape[2];
@@ -677,12 +682,10 @@ at::Tensor paint_tiled_cuda(
             check_finite && values != nullptr, bin.data_ptr<int32_t>(), rank.data_ptr<int32_t>(),
             count.data_ptr<int32_t>(), mesh.data_ptr<scalar_t>(), slot_pointer(counters, kPaintOp));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        const auto start = at::cumsum(count, 0, at::kInt) - count;
-        const auto chunk_end =
-            at::cumsum(at::div(count + (kTileChunk - 1), kTileChunk, "floor"), 0, at::kInt);
+        const TilePrefixSums sums = tile_prefix_sums(count);
         auto in_order = at::empty({total}, int_options);
         tile_place_kernel<<<grid_stride_blocks(total), kThreads, 0, stream>>>(
-            bin.data_ptr<int32_t>(), rank.data_ptr<int32_t>(), start.data_ptr<int32_t>(), total,
+            bin.data_ptr<int32_t>(), rank.data_ptr<int32_t>(), sums.start.data_ptr<int32_t>(), total,
             in_order.data_ptr<int32_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         const auto blocks = static_cast<unsigned int>(tile_chunk_bound(tiles, total));
@@ -691,7 +694,7 @@ at::Tensor paint_tiled_cuda(
           const size_t shared = C * tile_span<W>() * tile_span<W>() * tile_span<W>() * sizeof(scalar_t);
           tile_paint_kernel<scalar_t, W, C><<<blocks, kThreads, shared, stream>>>(
               x.data_ptr<scalar_t>(), values, args.channels, channel0, g, grid, tiles,
-              chunk_end.data_ptr<int32_t>(), start.data_ptr<int32_t>(), count.data_ptr<int32_t>(),
+              sums.chunk_end.data_ptr<int32_t>(), sums.start.data_ptr<int32_t>(), count.data_ptr<int32_t>(),
               in_order.data_ptr<int32_t>(), mesh.data_ptr<scalar_t>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
