@@ -129,16 +129,9 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void paint_node(
         const int64_t key = base + (sx * g.shape[1] + sy) * g.shape[2] + sz;
         const int64_t stop = particles.start[key + 1];
         for (int64_t q = particles.start[key]; q < stop; ++q) {
-          const scalar_t* x = particles.positions + 3 * q;
+          int64_t first[3];
           acc_t weight[3][W];
-          acc_t unused[W];
-          TORCHPM_UNROLL
-          for (int d = 0; d < 3; ++d) {
-            int64_t first = 0;
-            acc_t t = acc_t(0);
-            first_node<acc_t, W>(static_cast<acc_t>(x[d]), d, g, first, t);  // accepted: keyed
-            bspline_weights<W, acc_t>(t, weight[d], unused);
-          }
+          accepted_stencil<scalar_t, acc_t, W>(particles.positions + 3 * q, g, first, weight);  // keyed
           const scalar_t* v = particles.values ? particles.values + q * particles.channels + channel0 : nullptr;
           TORCHPM_UNROLL
           for (int ch = 0; ch < C; ++ch) {

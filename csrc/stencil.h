@@ -143,6 +143,21 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool first_node(
   return first >= 0 && first + W <= n;
 }
 
+// The first node (local index) and the weights along each axis of a particle
+// that an earlier pass accepted (the node-by-node and tiled paints' last pass).
+template <typename scalar_t, typename acc_t, int W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void accepted_stencil(
+    const scalar_t* position, const StencilGeometry& g, int64_t first[3], acc_t weight[3][W]) {
+  acc_t unused[W];
+  TORCHPM_UNROLL
+  for (int d = 0; d < 3; ++d) {
+    acc_t t = acc_t(0);
+    first[d] = 0;
+    first_node<acc_t, W>(static_cast<acc_t>(position[d]), d, g, first[d], t);
+    bspline_weights<W, acc_t>(t, weight[d], unused);
+  }
+}
+
 // Whether a particle is accepted, and the x index of its first node (the
 // paint's binning), without the weights and offsets of make_stencil.
 template <typename scalar_t, typename acc_t, int W>

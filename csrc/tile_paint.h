@@ -173,14 +173,10 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void add_to_tile(
   constexpr int64_t S = tile_span<W>();
   int64_t local[3];
   acc_t weight[3][W];
-  acc_t unused[W];
+  accepted_stencil<scalar_t, acc_t, W>(position, g, local, weight);  // binned
   TORCHPM_UNROLL
   for (int d = 0; d < 3; ++d) {
-    int64_t first = 0;
-    acc_t t = acc_t(0);
-    first_node<acc_t, W>(static_cast<acc_t>(position[d]), d, g, first, t);  // accepted: binned
-    local[d] = first - origin[d];
-    bspline_weights<W, acc_t>(t, weight[d], unused);
+    local[d] -= origin[d];
   }
   TORCHPM_UNROLL
   for (int ch = 0; ch < C; ++ch) {

@@ -49,7 +49,7 @@ sanitize)
     for tool in memcheck racecheck; do
         timeout 280 compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
             $python -m pytest -q -x -m cuda tests/test_mass_assignment.py tests/test_finite_difference.py \
-            tests/test_deterministic_paint.py tests/test_tiled_paint.py -k "not gradgrad and not compile" \
+            tests/test_deterministic_paint.py tests/test_tiled_paint.py tests/test_paint_variants.py -k "not gradgrad and not compile" \
             2>&1 | tee "$out/sanitizer-$tool.log" | tail -25
         echo "compute-sanitizer $tool: exit ${PIPESTATUS[0]}"
     done
