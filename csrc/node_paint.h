@@ -40,12 +40,8 @@ template <typename scalar_t, typename acc_t, int W>
 C10_HOST_DEVICE C10_ALWAYS_INLINE bool cell_key(
     const scalar_t* position, const StencilGeometry& g, int64_t member, int64_t& key) {
   const int64_t cells = g.shape[0] * g.shape[1] * g.shape[2];
-  int64_t node[3] = {0, 0, 0};
-  bool valid = true;
-  for (int d = 0; d < 3; ++d) {
-    acc_t t;
-    valid = first_node<acc_t, W>(static_cast<acc_t>(position[d]), d, g, node[d], t) && valid;
-  }
+  int64_t node[3];
+  const bool valid = locate<scalar_t, acc_t, W>(position, g, node);
   key = member * (cells + 1) + (valid ? (node[0] * g.shape[1] + node[1]) * g.shape[2] + node[2] : cells);
   return valid;
 }

@@ -74,7 +74,6 @@ C10_HOST_DEVICE inline void bspline_weights(acc_t t, acc_t* weight, acc_t* deriv
 template <typename acc_t, int W>
 struct Stencil {
   static constexpr int width = W;
-  int64_t first_x;  // local x index of the first node (binning by plane)
   bool z_contiguous;  // the z nodes are adjacent in memory (no periodic wrap)
   int64_t offset[3][W];
   acc_t weight[3][W];
@@ -158,19 +157,17 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void accepted_stencil(
   }
 }
 
-// Whether a particle is accepted, and the x index of its first node (the
-// paint's binning), without the weights and offsets of make_stencil.
+// Whether a particle is accepted, and the local index of its first node along
+// each axis (first_node; 0 where it is rejected), without the weights and
+// offsets of make_stencil: what the paints bin or key particles by.
 template <typename scalar_t, typename acc_t, int W>
 C10_HOST_DEVICE C10_ALWAYS_INLINE bool locate(
-    const scalar_t* position, const StencilGeometry& g, int64_t& first_x) {
+    const scalar_t* position, const StencilGeometry& g, int64_t node[3]) {
   bool valid = true;
   for (int d = 0; d < 3; ++d) {
-    int64_t node = 0;
+    node[d] = 0;
     acc_t t;
-    valid = first_node<acc_t, W>(static_cast<acc_t>(position[d]), d, g, node, t) && valid;
-    if (d == 0) {
-      first_x = node;
-    }
+    valid = first_node<acc_t, W>(static_cast<acc_t>(position[d]), d, g, node[d], t) && valid;
   }
   return valid;
 }
@@ -188,9 +185,6 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool make_stencil(
     acc_t t;
     if (!first_node<acc_t, W>(static_cast<acc_t>(position[d]), d, g, node, t)) {
       return false;
-    }
-    if (d == 0) {
-      stencil.first_x = node;
     }
     const int64_t n = g.shape[d];
     TORCHPM_UNROLL
@@ -242,30 +236,6 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void position_gradient_at(
       grad[1] += s.weight[0][a] * s.derivative[1][b] * along_z;
       grad[2] += s.weight[0][a] * s.weight[1][b] * along_z_derivative;
     }
-  }
-}
-
-// Calls f(std::integral_constant<int, W>{}) with W = order (1 NGP .. 4 PCS), so
-// a kernel written once as a template over W is instantiated for every order.
-template <typename F>
-inline void dispatch_order(const char* op, int64_t order, const F& f) {
-  switch (order) {
-    case 1:
-      f(std::integral_constant<int, 1>{});
-      break;
-    case 2:
-      f(std::integral_constant<int, 2>{});
-      break;
-    case 3:
-      f(std::integral_constant<int, 3>{});
-      break;
-    case 4:
-      f(std::integral_constant<int, 4>{});
-      break;
-    default:
-      TORCH_CHECK_VALUE(
-          false, op, ": expected `order` 1 (NGP), 2 (CIC), 3 (TSC) or 4 (PCS), got ",
-          order, ".");
   }
 }
 

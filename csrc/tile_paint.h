@@ -116,12 +116,8 @@ template <typename scalar_t, typename acc_t, int W>
 C10_HOST_DEVICE C10_ALWAYS_INLINE bool tile_of(
     const scalar_t* position, const StencilGeometry& g, const TileGrid& grid, int64_t member,
     int64_t& tile) {
-  int64_t node[3] = {0, 0, 0};
-  bool valid = true;
-  for (int d = 0; d < 3; ++d) {
-    acc_t t;
-    valid = first_node<acc_t, W>(static_cast<acc_t>(position[d]), d, g, node[d], t) && valid;
-  }
+  int64_t node[3];
+  const bool valid = locate<scalar_t, acc_t, W>(position, g, node);
   tile = member * grid.per_member +
          ((node[0] / kTile) * grid.tiles[1] + node[1] / kTile) * grid.tiles[2] + node[2] / kTile;
   return valid;

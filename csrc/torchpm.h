@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 namespace torchpm {
 
@@ -87,12 +88,45 @@ PaintArguments check_paint_arguments(
     std::array<bool, 3> periodic,
     int64_t order);
 
+// Calls f(std::integral_constant<int, W>{}) with W = order (1 NGP .. 4 PCS), so
+// a kernel written once as a template over W is instantiated for every order.
+template <typename F>
+inline void dispatch_order(const char* op, int64_t order, const F& f) {
+  switch (order) {
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    default:
+      TORCH_CHECK_VALUE(
+          false, op, ": expected `order` 1 (NGP), 2 (CIC), 3 (TSC) or 4 (PCS), got ",
+          order, ".");
+  }
+}
+
+// The scalar type of a dispatched kernel, as a value: `typename
+// decltype(dtype)::type` in a generic lambda.
+template <typename T>
+struct Dtype {
+  using type = T;
+};
+
 // The frame of a backend's paint op: the errors earlier calls left are reported
 // (error_checking.h), the arguments checked, the (B, C, nx, ny, nz) mesh
-// allocated, `paint(args, mesh)` run when there are particles, and the channel
-// axis dropped again for (B, N) or no weights. `accumulates`: the kernel adds
-// into the mesh, which starts as zeros; otherwise it writes every node itself
-// (no zero-filling pass), and only a call without particles gets zeros.
+// allocated, `paint(args, mesh, Dtype<scalar_t>{}, std::integral_constant<int,
+// W>{})` run for the positions' dtype and the order's width when there are
+// particles, and the channel axis dropped again for (B, N) or no weights.
+// `accumulates`: the kernel adds into the mesh, which starts as zeros;
+// otherwise it writes every node itself (no zero-filling pass), and only a call
+// without particles gets zeros.
 void report_earlier_errors(const char* caller);
 
 template <typename Paint>
@@ -113,7 +147,9 @@ at::Tensor paint_op(
   auto mesh = accumulates || !painted ? at::zeros(size, args.positions.options())
                                       : at::empty(size, args.positions.options());
   if (painted) {
-    paint(args, mesh);
+    AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "torchpm_paint", [&] {
+      dispatch_order(op, order, [&](auto width) { paint(args, mesh, Dtype<scalar_t>{}, width); });
+    });
   }
   return args.has_channel_dim ? mesh : mesh.squeeze(1);
 }

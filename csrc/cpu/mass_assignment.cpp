@@ -271,11 +271,11 @@ CheckResult check_and_bin(
           ++member;
           member_end += per_batch;
         }
-        int64_t first_x = 0;
-        const bool ok = locate<scalar_t, acc_t, W>(positions + 3 * p, g, first_x);
+        int64_t first[3];
+        const bool ok = locate<scalar_t, acc_t, W>(positions + 3 * p, g, first);
         local_bad += ok ? 0 : 1;
         if (bin) {
-          const int64_t b = member * nx + (ok ? first_x : 0);
+          const int64_t b = member * nx + (ok ? first[0] : 0);
           bin[p] = b;
           ++range_counts[b];
         }
@@ -470,13 +470,10 @@ at::Tensor paint_cpu(
     int64_t order,
     bool check_finite) {
   const char* op = "torchpm.paint";
-  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true, [&](const PaintArguments& args, at::Tensor& mesh) {
-    AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "paint_cpu", [&] {
-      dispatch_order(op, order, [&](auto width) {
-        paint_kernel<scalar_t, decltype(width)::value>(
-            op, args.positions, args.weights, args.channels, args.geometry, check_finite, mesh);
-      });
-    });
+  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true,
+                  [&](const PaintArguments& args, at::Tensor& mesh, auto dtype, auto width) {
+    paint_kernel<typename decltype(dtype)::type, decltype(width)::value>(
+        op, args.positions, args.weights, args.channels, args.geometry, check_finite, mesh);
   });
 }
 
@@ -549,12 +546,9 @@ at::Tensor paint_deterministic_cpu(
     bool check_finite) {
   // Errors name the paint the user called (torchpm.paint takes this op).
   const char* op = "torchpm.paint";
-  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/false, [&](const PaintArguments& args, at::Tensor& mesh) {
-    AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "paint_deterministic_cpu", [&] {
-      dispatch_order(op, order, [&](auto width) {
-        paint_by_node<scalar_t, decltype(width)::value>(args, check_finite, mesh);
-      });
-    });
+  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/false,
+                  [&](const PaintArguments& args, at::Tensor& mesh, auto dtype, auto width) {
+    paint_by_node<typename decltype(dtype)::type, decltype(width)::value>(args, check_finite, mesh);
   });
 }
 
@@ -667,12 +661,9 @@ at::Tensor paint_tiled_cpu(
     bool check_finite) {
   // Errors name the paint the user called (torchpm.paint takes this op).
   const char* op = "torchpm.paint";
-  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true, [&](const PaintArguments& args, at::Tensor& mesh) {
-    AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "paint_tiled_cpu", [&] {
-      dispatch_order(op, order, [&](auto width) {
-        paint_by_tile<scalar_t, decltype(width)::value>(args, check_finite, mesh);
-      });
-    });
+  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true,
+                  [&](const PaintArguments& args, at::Tensor& mesh, auto dtype, auto width) {
+    paint_by_tile<typename decltype(dtype)::type, decltype(width)::value>(args, check_finite, mesh);
   });
 }
 

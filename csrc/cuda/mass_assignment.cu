@@ -393,6 +393,30 @@ __global__ void position_gradient_kernel(
   out[3 * p + 2] = static_cast<scalar_t>(grad[2]);
 }
 
+// The frame of the CUDA paints: paint_op, the device guard, and the particle
+// checks (the op's counters, reported after the launches). launch(args, mesh,
+// dtype, width, stream, bad) queues the kernels; `bad` is the op's counter slot.
+template <typename Launch>
+at::Tensor cuda_paint_op(
+    const char* op,
+    const at::Tensor& positions,
+    const std::optional<at::Tensor>& weights,
+    at::IntArrayRef shape,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order,
+    bool accumulates,
+    const Launch& launch) {
+  return paint_op(op, positions, weights, shape, offset, periodic, order, accumulates,
+                  [&](const PaintArguments& args, at::Tensor& mesh, auto dtype, auto width) {
+    const c10::cuda::CUDAGuard guard(args.positions.device());
+    DeviceCounters& counters = counters_for(op, args.positions.device());
+    const bool in_capture = capturing();
+    launch(args, mesh, dtype, width, c10::cuda::getCurrentCUDAStream(), slot_pointer(counters, kPaintOp));
+    report_after_launch(kPaintOp, counters, in_capture, CallDiagnosis(args.positions, args.weights, args.geometry));
+  });
+}
+
 at::Tensor paint_cuda(
     const at::Tensor& positions,
     const std::optional<at::Tensor>& weights,
@@ -402,25 +426,18 @@ at::Tensor paint_cuda(
     int64_t order,
     bool check_finite) {
   const char* op = "torchpm.paint";
-  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true, [&](const PaintArguments& args, at::Tensor& mesh) {
+  return cuda_paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true,
+                       [&](const PaintArguments& args, at::Tensor& mesh, auto dtype, auto width,
+                           cudaStream_t stream, unsigned long long* bad) {
+    using scalar_t = typename decltype(dtype)::type;
     at::globalContext().alertNotDeterministic("torchpm::paint (CUDA atomics)");
-    const c10::cuda::CUDAGuard guard(args.positions.device());
     const int64_t total = args.positions.size(0) * args.positions.size(1);
-    DeviceCounters& counters = counters_for(op, args.positions.device());
-    const bool in_capture = capturing();
-    auto stream = c10::cuda::getCurrentCUDAStream();
-    AT_DISPATCH_FLOATING_TYPES(args.positions.scalar_type(), "paint_cuda", [&] {
-      dispatch_order(op, order, [&](auto width) {
-        paint_kernel<scalar_t, decltype(width)::value>
-            <<<blocks_for(op, total), kThreads, 0, stream>>>(
-                args.positions.data_ptr<scalar_t>(),
-                args.weights.defined() ? args.weights.data_ptr<scalar_t>() : nullptr, args.channels,
-                args.positions.size(1), total, args.geometry, check_finite && args.weights.defined(),
-                mesh.data_ptr<scalar_t>(), slot_pointer(counters, kPaintOp));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
-    });
-    report_after_launch(kPaintOp, counters, in_capture, CallDiagnosis(args.positions, args.weights, args.geometry));
+    paint_kernel<scalar_t, decltype(width)::value><<<blocks_for(op, total), kThreads, 0, stream>>>(
+        args.positions.data_ptr<scalar_t>(),
+        args.weights.defined() ? args.weights.data_ptr<scalar_t>() : nullptr, args.channels,
+        args.positions.size(1), total, args.geometry, check_finite && args.weights.defined(),
+        mesh.data_ptr<scalar_t>(), bad);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -476,41 +493,35 @@ at::Tensor paint_deterministic_cuda(
     bool check_finite) {
   // Errors name the paint the user called (torchpm.paint takes this op).
   const char* op = "torchpm.paint";
-  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/false, [&](const PaintArguments& args, at::Tensor& mesh) {
+  return cuda_paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/false,
+                       [&](const PaintArguments& args, at::Tensor& mesh, auto dtype, auto width,
+                           cudaStream_t stream, unsigned long long* bad) {
+    using scalar_t = typename decltype(dtype)::type;
+    constexpr int W = decltype(width)::value;
     const at::Tensor& x = args.positions;
     const StencilGeometry& g = args.geometry;
-    const c10::cuda::CUDAGuard guard(x.device());
     const int64_t total = x.size(0) * x.size(1);
     const int64_t cells = g.shape[0] * g.shape[1] * g.shape[2];
     const int64_t key_count = x.size(0) * (cells + 1);
     auto keys = at::empty({total}, x.options().dtype(at::kLong));
-    DeviceCounters& counters = counters_for(op, x.device());
-    const bool in_capture = capturing();
-    auto stream = c10::cuda::getCurrentCUDAStream();
-    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "paint_deterministic_cuda", [&] {
-      dispatch_order(op, order, [&](auto width) {
-        constexpr int W = decltype(width)::value;
-        cell_key_kernel<scalar_t, W><<<blocks_for(op, total), kThreads, 0, stream>>>(
-            x.data_ptr<scalar_t>(), args.weights.defined() ? args.weights.data_ptr<scalar_t>() : nullptr,
-            args.channels, x.size(1), total, g, check_finite && args.weights.defined(),
-            keys.data_ptr<int64_t>(), slot_pointer(counters, kPaintOp));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        const auto sorted = sort_particles_by_key(keys, x, args.weights);
-        auto start = at::empty({key_count + 1}, keys.options());
-        first_of_key_kernel<<<grid_stride_blocks(key_count + 1), kThreads, 0, stream>>>(
-            sorted.keys.data_ptr<int64_t>(), total, key_count + 1, start.data_ptr<int64_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        const SortedParticles<scalar_t> particles{
-            sorted.positions.data_ptr<scalar_t>(),
-            sorted.values.defined() ? sorted.values.data_ptr<scalar_t>() : nullptr,
-            start.data_ptr<int64_t>(), args.channels};
-        const int64_t nodes = x.size(0) * cells;
-        paint_node_kernel<scalar_t, W><<<grid_stride_blocks(nodes), kThreads, 0, stream>>>(
-            particles, g, nodes, mesh.data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
-    });
-    report_after_launch(kPaintOp, counters, in_capture, CallDiagnosis(x, args.weights, g));
+    cell_key_kernel<scalar_t, W><<<blocks_for(op, total), kThreads, 0, stream>>>(
+        x.data_ptr<scalar_t>(), args.weights.defined() ? args.weights.data_ptr<scalar_t>() : nullptr,
+        args.channels, x.size(1), total, g, check_finite && args.weights.defined(),
+        keys.data_ptr<int64_t>(), bad);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const auto sorted = sort_particles_by_key(keys, x, args.weights);
+    auto start = at::empty({key_count + 1}, keys.options());
+    first_of_key_kernel<<<grid_stride_blocks(key_count + 1), kThreads, 0, stream>>>(
+        sorted.keys.data_ptr<int64_t>(), total, key_count + 1, start.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const SortedParticles<scalar_t> particles{
+        sorted.positions.data_ptr<scalar_t>(),
+        sorted.values.defined() ? sorted.values.data_ptr<scalar_t>() : nullptr,
+        start.data_ptr<int64_t>(), args.channels};
+    const int64_t nodes = x.size(0) * cells;
+    paint_node_kernel<scalar_t, W><<<grid_stride_blocks(nodes), kThreads, 0, stream>>>(
+        particles, g, nodes, mesh.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -657,11 +668,14 @@ at::Tensor paint_tiled_cuda(
     bool check_finite) {
   // Errors name the paint the user called (torchpm.paint takes this op).
   const char* op = "torchpm.paint";
-  return paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true, [&](const PaintArguments& args, at::Tensor& mesh) {
+  return cuda_paint_op(op, positions, weights, shape, offset, periodic, order, /*accumulates=*/true,
+                       [&](const PaintArguments& args, at::Tensor& mesh, auto dtype, auto width,
+                           cudaStream_t stream, unsigned long long* bad) {
+    using scalar_t = typename decltype(dtype)::type;
+    constexpr int W = decltype(width)::value;
     at::globalContext().alertNotDeterministic("torchpm::_paint_tiled (CUDA atomics)");
     const at::Tensor& x = args.positions;
     const StencilGeometry& g = args.geometry;
-    const c10::cuda::CUDAGuard guard(x.device());
     const int64_t total = x.size(0) * x.size(1);
     const TileGrid grid = make_tile_grid(g);
     const int64_t tiles = x.size(0) * grid.per_member;
@@ -670,37 +684,28 @@ at::Tensor paint_tiled_cuda(
     auto count = at::zeros({tiles}, int_options);
     auto bin = at::empty({total}, int_options);
     auto rank = at::empty({total}, int_options);
-    DeviceCounters& counters = counters_for(op, x.device());
-    const bool in_capture = capturing();
-    auto stream = c10::cuda::getCurrentCUDAStream();
-    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "paint_tiled_cuda", [&] {
-      dispatch_order(op, order, [&](auto width) {
-        constexpr int W = decltype(width)::value;
-        const scalar_t* values = args.weights.defined() ? args.weights.data_ptr<scalar_t>() : nullptr;
-        tile_bin_kernel<scalar_t, W><<<blocks_for(op, total), kThreads, 0, stream>>>(
-            x.data_ptr<scalar_t>(), values, args.channels, x.size(1), total, g, grid,
-            check_finite && values != nullptr, bin.data_ptr<int32_t>(), rank.data_ptr<int32_t>(),
-            count.data_ptr<int32_t>(), mesh.data_ptr<scalar_t>(), slot_pointer(counters, kPaintOp));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        const TilePrefixSums sums = tile_prefix_sums(count);
-        auto in_order = at::empty({total}, int_options);
-        tile_place_kernel<<<grid_stride_blocks(total), kThreads, 0, stream>>>(
-            bin.data_ptr<int32_t>(), rank.data_ptr<int32_t>(), sums.start.data_ptr<int32_t>(), total,
-            in_order.data_ptr<int32_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        const auto blocks = static_cast<unsigned int>(tile_chunk_bound(tiles, total));
-        for_channel_groups(args.channels, [&](auto group, int64_t channel0) {
-          constexpr int C = decltype(group)::value;
-          const size_t shared = C * tile_span<W>() * tile_span<W>() * tile_span<W>() * sizeof(scalar_t);
-          tile_paint_kernel<scalar_t, W, C><<<blocks, kThreads, shared, stream>>>(
-              x.data_ptr<scalar_t>(), values, args.channels, channel0, g, grid, tiles,
-              sums.chunk_end.data_ptr<int32_t>(), sums.start.data_ptr<int32_t>(), count.data_ptr<int32_t>(),
-              in_order.data_ptr<int32_t>(), mesh.data_ptr<scalar_t>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-      });
+    const scalar_t* values = args.weights.defined() ? args.weights.data_ptr<scalar_t>() : nullptr;
+    tile_bin_kernel<scalar_t, W><<<blocks_for(op, total), kThreads, 0, stream>>>(
+        x.data_ptr<scalar_t>(), values, args.channels, x.size(1), total, g, grid,
+        check_finite && values != nullptr, bin.data_ptr<int32_t>(), rank.data_ptr<int32_t>(),
+        count.data_ptr<int32_t>(), mesh.data_ptr<scalar_t>(), bad);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const TilePrefixSums sums = tile_prefix_sums(count);
+    auto in_order = at::empty({total}, int_options);
+    tile_place_kernel<<<grid_stride_blocks(total), kThreads, 0, stream>>>(
+        bin.data_ptr<int32_t>(), rank.data_ptr<int32_t>(), sums.start.data_ptr<int32_t>(), total,
+        in_order.data_ptr<int32_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const auto blocks = static_cast<unsigned int>(tile_chunk_bound(tiles, total));
+    for_channel_groups(args.channels, [&](auto group, int64_t channel0) {
+      constexpr int C = decltype(group)::value;
+      const size_t shared = C * tile_span<W>() * tile_span<W>() * tile_span<W>() * sizeof(scalar_t);
+      tile_paint_kernel<scalar_t, W, C><<<blocks, kThreads, shared, stream>>>(
+          x.data_ptr<scalar_t>(), values, args.channels, channel0, g, grid, tiles,
+          sums.chunk_end.data_ptr<int32_t>(), sums.start.data_ptr<int32_t>(), count.data_ptr<int32_t>(),
+          in_order.data_ptr<int32_t>(), mesh.data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-    report_after_launch(kPaintOp, counters, in_capture, CallDiagnosis(x, args.weights, g));
   });
 }
 
