@@ -27,10 +27,35 @@
 
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace torchpm {
 namespace {
+
+// ProcessGroup's single-tensor all-to-all is all_to_all_single in newer torch
+// (alltoall_base, its older name, deprecated there) and alltoall_base alone in
+// older releases (torch 2.11, the GPU machine's): take whichever exists.
+template <typename Group, typename = void>
+struct HasAllToAllSingle : std::false_type {};
+
+template <typename Group>
+struct HasAllToAllSingle<Group, std::void_t<decltype(std::declval<Group&>().all_to_all_single(
+                                    std::declval<at::Tensor&>(), std::declval<at::Tensor&>(),
+                                    std::declval<std::vector<int64_t>&>(),
+                                    std::declval<std::vector<int64_t>&>()))>> : std::true_type {};
+
+template <typename Group>
+c10::intrusive_ptr<c10d::Work> all_to_all_single(
+    Group& group, at::Tensor& recv, at::Tensor& send, std::vector<int64_t>& out_splits,
+    std::vector<int64_t>& in_splits) {
+  if constexpr (HasAllToAllSingle<Group>::value) {
+    return group.all_to_all_single(recv, send, out_splits, in_splits);
+  } else {
+    return group.alltoall_base(recv, send, out_splits, in_splits);
+  }
+}
 
 int64_t checked_sum(const char* name, at::IntArrayRef splits, int64_t group_size) {
   TORCH_CHECK_VALUE(
@@ -86,7 +111,7 @@ at::Tensor all_to_all(
     for (auto& s : out_splits) s *= 2;
   }
   try {
-    auto work = group->all_to_all_single(recv, send, out_splits, in_splits);
+    auto work = all_to_all_single(*group, recv, send, out_splits, in_splits);
     work->wait();
   } catch (const std::exception& error) {
     std::ostringstream msg;
