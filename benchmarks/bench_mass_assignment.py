@@ -1,8 +1,9 @@
 """Mass-assignment (NGP, CIC, TSC, PCS) paint / readout throughput.
 
 For n^3 particles painted into an n^3 mesh (float32), times paint, paint
-forward+backward, 3-channel readout and 3-channel readout forward+backward for
-every order, for uniformly random positions, for a lattice plus small
+forward+backward, 3-channel readout and 3-channel readout forward+backward, and
+the adjoint's fused readout + position gradient of a 4-channel mesh, for every
+order (the reads from a planar and from an interleaved mesh, ``--mesh-layouts``), for uniformly random positions, for a lattice plus small
 displacements (the layout of an early N-body step) and for the particles of an
 evolved run ("late", clustered), each also in spatial order ("-sorted"). Reports particles per second
 (median of repeats after a warm-up, with device synchronisation), the time per
@@ -43,7 +44,7 @@ import time
 import torch
 
 import torchpm
-from torchpm.ops import paint_reference, readout_reference
+from torchpm.ops import paint_reference, position_gradient_reference, readout_reference
 
 WIDTH = {"ngp": 1, "cic": 2, "tsc": 3, "pcs": 4}
 
@@ -102,35 +103,53 @@ def make_positions(n, layout, device, generator):
     return x.contiguous().to(device)
 
 
-def cases(n, x, order, device, reference):
+def cases(n, x, order, device, reference, mesh_layouts=("planar",)):
+    """The timed calls. Per mesh layout (``planar``: torch's contiguous format;
+    ``interleaved``: channels_last_3d, a node's channels side by side, the fd4 force
+    field's layout; rows marked ``il``): the 3-channel readout, its forward+backward,
+    and the adjoint's fused readout of 3 channels + position gradient of 4
+    (``_readout_and_position_gradient``)."""
     shape = (n, n, n)
     mesh1 = torch.randn(1, *shape, device=device)
     mesh3 = torch.randn(1, 3, *shape, device=device)
+    mesh4 = torch.randn(1, 4, *shape, device=device)
+    values4 = torch.randn(1, x.shape[1], 4, device=device)
     p = WIDTH[order]
+    geometry = ([0, 0, 0], [True] * 3, p)
     if reference:
         paint = lambda x, w: paint_reference(x, w, shape, order=p)  # noqa: E731
         read = lambda m, x: readout_reference(m, x, order=p)  # noqa: E731
+        fused = lambda m, x, v: (read(m[:, :3], x), position_gradient_reference(m, x, v, *geometry))  # noqa: E731
     else:
         paint = lambda x, w: torchpm.paint(x, w, shape, order=order)  # noqa: E731
         read = lambda m, x: torchpm.readout(m, x, order=order)  # noqa: E731
+        fused = lambda m, x, v: torch.ops.torchpm._readout_and_position_gradient(m, x, v, 3, *geometry)  # noqa: E731
 
     def paint_backward():
         xr = x.detach().requires_grad_(True)
         w = torch.ones(x.shape[:2], device=device, requires_grad=True)
         paint(xr, w).backward(mesh1)
 
-    def readout_backward():
+    def readout_backward(mesh):
         xr = x.detach().requires_grad_(True)
-        m = mesh3.detach().requires_grad_(True)
+        m = mesh.detach().requires_grad_(True)
         out = read(m, xr)
         out.backward(torch.ones_like(out))
 
-    return [
+    rows = [
         ("paint", lambda: paint(x, None)),
         ("paint fwd+bwd", paint_backward),
-        ("readout 3ch", lambda: read(mesh3, x)),
-        ("readout 3ch fwd+bwd", readout_backward),
     ]
+    for layout in mesh_layouts:
+        fmt = torch.channels_last_3d if layout == "interleaved" else torch.contiguous_format
+        m3, m4 = mesh3.contiguous(memory_format=fmt), mesh4.contiguous(memory_format=fmt)
+        tag = " il" if layout == "interleaved" else ""
+        rows += [
+            ("readout 3ch" + tag, lambda m3=m3: read(m3, x)),
+            ("readout 3ch fwd+bwd" + tag, lambda m3=m3: readout_backward(m3)),
+            ("read+grad 4ch" + tag, lambda m4=m4: fused(m4, x, values4)),
+        ]
+    return rows
 
 
 PAINTS = {
@@ -208,6 +227,9 @@ def main():
     parser.add_argument("--deterministic", action="store_true",
                         help="time the scatter paint, the node-by-node paint and the twin instead")
     parser.add_argument("--tiled", action="store_true", help="time the scatter paint and the tiled paint instead")
+    parser.add_argument("--mesh-layouts", nargs="*", default=["planar", "interleaved"],
+                        choices=["planar", "interleaved"],
+                        help="memory layouts of the read meshes (interleaved: channels_last_3d, rows marked il)")
     parser.add_argument("--channels", type=int, nargs="*",
                         help="with --deterministic / --tiled: weight channels (0: unit mass); default 0, and 3 for --tiled")
     args = parser.parse_args()
@@ -225,7 +247,7 @@ def main():
         channels = args.channels if args.channels is not None else ([0] if args.deterministic else [0, 3])
         paints_table(sizes, args.layouts, orders, channels, variants, device, args.repeats, torch.Generator().manual_seed(0))
         return
-    header = f"{'n':>5} {'layout':>14} {'order':>5} {'op':<20} {'Mpart/s':>9} {'x CIC time':>10}"
+    header = f"{'n':>5} {'layout':>14} {'order':>5} {'op':<24} {'Mpart/s':>9} {'x CIC time':>10}"
     print(header + (f" {'twin Mpart/s':>13} {'speedup':>8}" if args.reference else ""))
     generator = torch.Generator().manual_seed(0)
     for n in sizes:
@@ -234,7 +256,7 @@ def main():
             # Orders are timed round-robin, one repeat of each in turn, so that a
             # busy spell of a shared machine hits all of them alike; the ratio to
             # CIC is the median of the per-round ratios.
-            per_order = {order: cases(n, x, order, device, reference=False) for order in orders}
+            per_order = {order: cases(n, x, order, device, False, args.mesh_layouts) for order in orders}
             for index, (label, _) in enumerate(per_order["cic"]):
                 fns = {order: per_order[order][index][1] for order in orders}
                 for fn in fns.values():
@@ -253,9 +275,9 @@ def main():
                 for order in orders:
                     t = statistics.median(times[order])
                     ratio = statistics.median(a / b for a, b in zip(times[order], times["cic"]))
-                    line = f"{n:>5} {layout:>14} {order:>5} {label:<20} {n**3 / t / 1e6:>9.2f} {ratio:>10.2f}"
+                    line = f"{n:>5} {layout:>14} {order:>5} {label:<24} {n**3 / t / 1e6:>9.2f} {ratio:>10.2f}"
                     if args.reference:
-                        ref = cases(n, x, order, device, reference=True)[index][1]
+                        ref = cases(n, x, order, device, True, args.mesh_layouts)[index][1]
                         t_ref = median_time(ref, device, args.repeats, args.budget)
                         line += f" {n**3 / t_ref / 1e6:>13.2f} {t_ref / t:>8.2f}"
                     print(line, flush=True)

@@ -144,7 +144,8 @@ at::Tensor check_mesh(
     const at::Tensor& mesh,
     const at::Tensor& positions,
     int64_t& channels,
-    bool& has_channel_dim) {
+    bool& has_channel_dim,
+    MeshLayout& layout) {
   TORCH_CHECK_VALUE(
       (mesh.dim() == 4 || mesh.dim() == 5) && mesh.size(0) == positions.size(0),
       op, ": expected `", name, "` of shape (B, nx, ny, nz) or (B, C, nx, ny, nz) "
@@ -166,8 +167,17 @@ at::Tensor check_mesh(
         mesh.size(d) > 0, op, ": expected every mesh size of `", name,
         "` to be positive, got ", format_list(mesh.sizes()), ".");
   }
-  auto out = mesh.contiguous();
-  return has_channel_dim ? out : out.unsqueeze(1);
+  auto out = has_channel_dim ? mesh : mesh.unsqueeze(1);
+  const int64_t cells = out.size(2) * out.size(3) * out.size(4);
+  // With one channel, or one node, both layouts are the same.
+  if (!out.is_contiguous() && out.suggest_memory_format() == at::MemoryFormat::ChannelsLast3d) {
+    out = out.contiguous(at::MemoryFormat::ChannelsLast3d);
+    layout = {channels * cells, 1, channels};
+  } else {
+    out = out.contiguous();
+    layout = {channels * cells, cells, 1};
+  }
+  return out;
 }
 
 void throw_bad_particles(
@@ -276,7 +286,7 @@ PositionGradientArguments check_position_gradient_arguments(
   args.positions = check_positions(op, positions_in);
   bool has_channel_dim = false;
   args.channels = 1;
-  args.mesh = check_mesh(op, "mesh", mesh_in, args.positions, args.channels, has_channel_dim);
+  args.mesh = check_mesh(op, "mesh", mesh_in, args.positions, args.channels, has_channel_dim, args.layout);
   TORCH_CHECK_VALUE(
       readout_channels >= 0 && readout_channels <= args.channels, op,
       ": expected `readout_channels` between 0 and the ", args.channels,

@@ -85,7 +85,9 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t fd4_node(int64_t i, int64_t n, bool pe
 }
 
 // Gradient node `t` (linear index into (B, ox, oy, oz)) of field `f`; writes its
-// three channels into `out` (B, 3, ox, oy, oz). `s`: the scale / 12.
+// three channels into `out` (B, 3, ox, oy, oz), interleaved (channels_last_3d:
+// channel ch of node t at 3 t + ch; MeshLayout), the layout the readout reads
+// fastest. `s`: the scale / 12.
 template <typename T>
 C10_HOST_DEVICE C10_ALWAYS_INLINE void fd4_gradient_at(
     const T* f, const T s[3], const FiniteDifferenceGeometry& g, int64_t t, T* out) {
@@ -100,18 +102,17 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void fd4_gradient_at(
     return f[b * g.batch_stride + (fd4_node(x, nx, g.periodic[0]) * ny + fd4_node(y, ny, g.periodic[1])) * nz +
              fd4_node(z, nz, g.periodic[2])];
   };
-  const int64_t channel = ox * oy * oz;
-  T* o = out + b * 3 * channel + (jx * oy + jy) * oz + jz;
+  T* o = out + 3 * t;
   o[0] = s[0] * fd4_difference(value(ix + 1, iy, iz), value(ix - 1, iy, iz), value(ix + 2, iy, iz),
                                value(ix - 2, iy, iz));
-  o[channel] = s[1] * fd4_difference(value(ix, iy + 1, iz), value(ix, iy - 1, iz), value(ix, iy + 2, iz),
-                                     value(ix, iy - 2, iz));
-  o[2 * channel] = s[2] * fd4_difference(value(ix, iy, iz + 1), value(ix, iy, iz - 1), value(ix, iy, iz + 2),
-                                         value(ix, iy, iz - 2));
+  o[1] = s[1] * fd4_difference(value(ix, iy + 1, iz), value(ix, iy - 1, iz), value(ix, iy + 2, iz),
+                               value(ix, iy - 2, iz));
+  o[2] = s[2] * fd4_difference(value(ix, iy, iz + 1), value(ix, iy, iz - 1), value(ix, iy, iz + 2),
+                               value(ix, iy, iz - 2));
 }
 
 // Field node `t` (linear index into (B, nx, ny, nz)) of the transpose applied to
-// `grad` (B, 3, ox, oy, oz): -sum_i s_i (D_i grad_i)[t - shift], grad taken as
+// `grad` (B, 3, ox, oy, oz), planar (contiguous): -sum_i s_i (D_i grad_i)[t - shift], grad taken as
 // zero outside a non-periodic axis (the stencil is antisymmetric, so its
 // transpose is its negative on the shifted nodes). `s`: the scale / 12.
 template <typename T>

@@ -74,7 +74,7 @@ C10_HOST_DEVICE inline void bspline_weights(acc_t t, acc_t* weight, acc_t* deriv
 template <typename acc_t, int W>
 struct Stencil {
   static constexpr int width = W;
-  bool z_contiguous;  // the z nodes are adjacent in memory (no periodic wrap)
+  bool z_contiguous;  // the z nodes are adjacent in memory (planar, no periodic wrap)
   int64_t offset[3][W];
   acc_t weight[3][W];
   acc_t derivative[3][W];
@@ -174,12 +174,15 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool locate(
 
 // Fills `stencil` for a particle at (x0, x1, x2) and returns false when it is
 // rejected (first_node). `with_derivative` skips the derivatives when not needed.
+// `node_stride`: elements from one node to the next along z (MeshLayout; paints
+// write planar meshes, 1).
 template <typename scalar_t, typename acc_t, int W, bool with_derivative = false>
 C10_HOST_DEVICE C10_ALWAYS_INLINE bool make_stencil(
     const scalar_t* position,
     const StencilGeometry& g,
-    Stencil<acc_t, W>& stencil) {
-  const int64_t stride[3] = {g.shape[1] * g.shape[2], g.shape[2], 1};
+    Stencil<acc_t, W>& stencil,
+    int64_t node_stride = 1) {
+  const int64_t stride[3] = {g.shape[1] * g.shape[2] * node_stride, g.shape[2] * node_stride, node_stride};
   for (int d = 0; d < 3; ++d) {
     int64_t node;
     acc_t t;

@@ -178,15 +178,30 @@ struct TilePrefixSums {
 
 TilePrefixSums tile_prefix_sums(const at::Tensor& count);
 
+// Where element (b, c, node) of a checked mesh (B, C, nx, ny, nz) lies, node =
+// (x ny + y) nz + z: at b * member + c * channel + node * node_stride. Planar
+// (torch's contiguous format): one channel after another (channel = cells,
+// node_stride = 1). Interleaved (channels_last_3d, components last): the C values
+// of a node side by side (channel = 1, node_stride = C), so the readout finds a
+// particle's force components in one cache line or sector instead of C.
+struct MeshLayout {
+  int64_t member;
+  int64_t channel;
+  int64_t node_stride;
+};
+
 // Validates a mesh (B, nx, ny, nz) or (B, C, nx, ny, nz) against positions and
-// returns a contiguous (B, C, nx, ny, nz) view.
+// returns it as (B, C, nx, ny, nz), in place when it is planar or interleaved
+// (MeshLayout), else copied: into the interleaved layout when its strides are
+// channels-last ones (a slice of an interleaved mesh), else planar.
 at::Tensor check_mesh(
     const char* op,
     const char* name,
     const at::Tensor& mesh,
     const at::Tensor& positions,
     int64_t& channels,
-    bool& has_channel_dim);
+    bool& has_channel_dim,
+    MeshLayout& layout);
 
 // Validates the optional per-particle `values` of a position gradient against a
 // mesh of `channels` channels (one value per channel); absent values are allowed
@@ -203,9 +218,10 @@ at::Tensor check_gradient_values(
 // position gradient (`readout_channels` K: 0 .. the channels of the mesh).
 struct PositionGradientArguments {
   at::Tensor positions;  // (B, N, 3) contiguous
-  at::Tensor mesh;       // (B, C, nx, ny, nz) contiguous
+  at::Tensor mesh;       // (B, C, nx, ny, nz), planar or interleaved
   at::Tensor values;     // (B, N, C) contiguous, or undefined
   int64_t channels;
+  MeshLayout layout;
   StencilGeometry geometry;
 };
 

@@ -47,6 +47,8 @@ def test_periodic_matches_fourier_multiplier(device, dtype, shape):
     expected = fourier_fd4(field, scale)
     tolerance = 1e-12 if dtype == torch.float64 else 2e-5
     assert got.shape == (2, 3, *shape) and got.dtype == dtype
+    # Written interleaved (a node's three components side by side) on every path.
+    assert got.is_contiguous(memory_format=torch.channels_last_3d)
     torch.testing.assert_close(got.double(), expected, rtol=0, atol=tolerance * expected.abs().max().item())
 
 
@@ -189,10 +191,13 @@ def test_scale_of_the_wrong_type_raises():
 def test_fake_kernels_give_the_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    real = fd4_gradient(torch.zeros(2, 9, 6, 7), torch.ones(3), (False, True, True))
     with FakeTensorMode():
         field = torch.empty(2, 9, 6, 7)
         scale = torch.empty(3)
-        assert fd4_gradient(field, scale, (False, True, True)).shape == (2, 3, 5, 6, 7)
+        fake = fd4_gradient(field, scale, (False, True, True))
+        assert fake.shape == (2, 3, 5, 6, 7)
+        assert fake.stride() == real.stride()
         assert fd4_gradient_transpose(torch.empty(2, 3, 5, 6, 7), scale, (False, True, True)).shape == (2, 9, 6, 7)
         with pytest.raises(ValueError, match="at least 5 nodes along axis 1"):
             fd4_gradient(torch.empty(2, 9, 4, 7), scale, (True, False, True))

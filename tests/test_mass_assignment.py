@@ -273,6 +273,59 @@ def test_fused_readout_and_position_gradient_equal_the_separate_ops(
         assert torch.equal(read, expected.reshape(2, count, readout_channels))
 
 
+def _copies(fn):
+    """Names of the copy ops ``fn()`` dispatches (aten::copy_, clone, contiguous)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name in ("aten::copy_", "aten::clone", "aten::contiguous")]
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("mode", ["periodic", "block"])
+@pytest.mark.parametrize("channels", [2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_interleaved_meshes_are_read_in_place_with_the_planar_bits(device, order, mode, channels, dtype):
+    # A mesh in channels_last_3d (a node's channels side by side: the fd4 force
+    # field's layout) is read in place by the readout, the position gradient and
+    # the fused op, with exactly the planar mesh's results. A slice of one has
+    # channels-last strides and is copied into that layout; other strides are
+    # copied planar; all give the same bits.
+    shape, offset, periodic = geometry(mode)
+    p = WIDTH[order]
+    count = 3000
+    x = random_positions(2, count // 2, order, shape, offset, periodic, dtype, device, seed=11)
+    # The second half in (x, y) cell order: the CPU gather's coherent path (module
+    # docs of test_coherent_and_scattered_particle_runs_match_the_twin).
+    key = torch.floor(x[..., 0]) * 4096 + torch.floor(x[..., 1])
+    x = torch.cat([x, torch.gather(x, 1, key.argsort(dim=1).unsqueeze(-1).expand(-1, -1, 3))], dim=1)
+    g = torch.Generator().manual_seed(12)
+    planar = torch.randn(2, channels, *shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    values = torch.randn(2, count, channels, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    interleaved = planar.contiguous(memory_format=torch.channels_last_3d)
+    assert interleaved.stride(1) == 1
+    wide = torch.randn(2, channels + 1, *shape, dtype=dtype, device=device).contiguous(
+        memory_format=torch.channels_last_3d)
+    wide[:, 1:] = planar
+    sliced = wide[:, 1:]  # channels-last strides, not dense
+    assert not sliced.is_contiguous(memory_format=torch.channels_last_3d)
+    other = planar.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)  # y outside x: neither layout
+    ops = torch.ops.torchpm
+    read = ops.readout(planar, x, offset, periodic, p, True)
+    grad = ops._position_gradient(planar, x, values, offset, periodic, p)
+    k = min(channels, 3)
+    fused = ops._readout_and_position_gradient(planar, x, values, k, offset, periodic, p)
+    for name, mesh in (("interleaved", interleaved), ("sliced", sliced), ("other", other)):
+        assert torch.equal(ops.readout(mesh, x, offset, periodic, p, True), read), name
+        assert torch.equal(ops._position_gradient(mesh, x, values, offset, periodic, p), grad), name
+        got = ops._readout_and_position_gradient(mesh, x, values, k, offset, periodic, p)
+        assert torch.equal(got[0], fused[0]) and torch.equal(got[1], fused[1]), name
+    torch.testing.assert_close(read, readout_reference(planar, x, offset, periodic, p), **TOLERANCES[dtype])
+    if device == "cpu":  # the profiler sees the kernels' own ATen calls on the CPU
+        assert _copies(lambda: ops.readout(interleaved, x, offset, periodic, p, True)) == []
+        assert _copies(lambda: ops._readout_and_position_gradient(interleaved, x, values, k, offset, periodic, p)) == []
+        assert _copies(lambda: ops.readout(other, x, offset, periodic, p, True)) != []
+
+
 def test_fused_readout_and_position_gradient_validates_and_checks(device):
     shape, offset, periodic = geometry("periodic")
     x = random_positions(1, 5, "cic", shape, offset, periodic, torch.float64, device)

@@ -284,7 +284,7 @@ class ParticleMeshForce:
             weights = self._unit_weights(saved["weights"], cotangent)
             grad_positions = _position_gradient(
                 mesh,
-                torch.cat([saved["field"], mesh.with_stencil_halo(density_adjoint.unsqueeze(1), self.order)], dim=1),
+                _force_and_density(saved["field"], mesh.with_stencil_halo(density_adjoint.unsqueeze(1), self.order)),
                 positions,
                 torch.stack([*cotangent.unbind(-1), weights], dim=-1),
                 self.order,
@@ -341,7 +341,7 @@ class ParticleMeshForce:
             del painted
             forces, grad_positions = _readout_and_position_gradient(
                 mesh,
-                torch.cat([field, mesh.with_stencil_halo(density_adjoint.unsqueeze(1), order)], dim=1),
+                _force_and_density(field, mesh.with_stencil_halo(density_adjoint.unsqueeze(1), order)),
                 positions,
                 torch.stack([*cotangent.unbind(-1), weights], dim=-1),
                 order,
@@ -353,6 +353,17 @@ class ParticleMeshForce:
 
         grad_a, grads = self._parameter_adjoints(a, scale, filter_, filter_adjoint, parameters, dot)
         return forces, grad_positions, grad_a, grads
+
+
+def _force_and_density(field, density):
+    """The ``(B, 3, ...)`` force field and a ``(B, 1, ...)`` density-like field as one
+    ``(B, 4, ...)`` mesh, interleaved (``torch.channels_last_3d``: a node's four values
+    side by side), the layout the fused readout and position gradient read fastest."""
+    out = torch.empty((field.shape[0], 4, *field.shape[2:]), dtype=field.dtype, device=field.device,
+                      memory_format=torch.channels_last_3d)
+    out[:, :3] = field
+    out[:, 3:] = density
+    return out
 
 
 def _readout_and_position_gradient(mesh, field, positions, values, order):

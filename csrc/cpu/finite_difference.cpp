@@ -34,12 +34,12 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
   const int64_t nx = geometry.field[0], ny = geometry.field[1], nz = geometry.field[2];
   const int64_t ox = geometry.gradient[0], oy = geometry.gradient[1], oz = geometry.gradient[2];
   const int64_t tz = geometry.shift[2];
-  const int64_t channel = ox * oy * oz;
   // Output z with every z stencil node inside the row without wrapping.
   const int64_t inner_lo = std::min(oz, geometry.periodic[2] ? R : int64_t(0));
   const int64_t inner_hi = std::max(inner_lo, geometry.periodic[2] ? nz - R : oz);
-  if (a.batch * channel < kPointwiseNodes) {
-    for (int64_t t = 0; t < a.batch * channel; ++t) {
+  const int64_t nodes = a.batch * ox * oy * oz;
+  if (nodes < kPointwiseNodes) {
+    for (int64_t t = 0; t < nodes; ++t) {
       fd4_gradient_at(f, s, geometry, t, o);
     }
     return;
@@ -65,17 +65,16 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
       const scalar_t* yp2 = line(ix, iy + 2);
       const scalar_t* ym2 = line(ix, iy - 2);
       const scalar_t* c = line(ix, iy);  // c[k] is the node of output z = k
-      scalar_t* gx = o + (b * 3 * ox * oy + jx * oy + jy) * oz;
-      scalar_t* gy = gx + channel;
-      scalar_t* gz = gy + channel;
+      // Interleaved output: channel ch of output z = k at g[3 k + ch].
+      scalar_t* g = o + 3 * row * oz;
       for (int64_t k = 0; k < oz; ++k) {
-        gx[k] = s[0] * fd4_difference(xp1[k], xm1[k], xp2[k], xm2[k]);
+        g[3 * k] = s[0] * fd4_difference(xp1[k], xm1[k], xp2[k], xm2[k]);
       }
       for (int64_t k = 0; k < oz; ++k) {
-        gy[k] = s[1] * fd4_difference(yp1[k], ym1[k], yp2[k], ym2[k]);
+        g[3 * k + 1] = s[1] * fd4_difference(yp1[k], ym1[k], yp2[k], ym2[k]);
       }
       for (int64_t k = inner_lo; k < inner_hi; ++k) {
-        gz[k] = s[2] * fd4_difference(c[k + 1], c[k - 1], c[k + 2], c[k - 2]);
+        g[3 * k + 2] = s[2] * fd4_difference(c[k + 1], c[k - 1], c[k + 2], c[k - 2]);
       }
       // Wrapped ends (periodic z only; otherwise the inner loop covers all).
       const scalar_t* row0 = c - tz;
@@ -87,7 +86,7 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
             break;
           }
         }
-        gz[k] = s[2] * fd4_difference(value(k + 1), value(k - 1), value(k + 2), value(k - 2));
+        g[3 * k + 2] = s[2] * fd4_difference(value(k + 1), value(k - 1), value(k + 2), value(k - 2));
       }
     }
   });
@@ -173,7 +172,8 @@ void transpose_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
 at::Tensor fd4_gradient_cpu(const at::Tensor& field, const at::Tensor& scale, std::array<bool, 3> periodic) {
   const auto a = check_finite_difference_arguments("torchpm._fd4_gradient", field, scale, periodic, false);
   const int64_t* shape = a.geometry.gradient;
-  auto out = at::empty({a.batch, 3, shape[0], shape[1], shape[2]}, a.input.options());
+  auto out = at::empty({a.batch, 3, shape[0], shape[1], shape[2]},
+                       a.input.options().memory_format(at::MemoryFormat::ChannelsLast3d));
   if (out.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES(a.input.scalar_type(), "fd4_gradient_cpu", [&] { gradient_kernel<scalar_t>(a, out); });
   }

@@ -142,6 +142,62 @@ C10_ALWAYS_INLINE bool read_channels(
   return finite;
 }
 
+// read_channels for an interleaved mesh (node_stride K): the K values of a node
+// are read together. Per channel the same products and sums in the same order
+// as interpolate, so both layouts give the same bits.
+template <typename scalar_t, typename acc_t, int W, int K>
+C10_ALWAYS_INLINE bool read_interleaved(const scalar_t* m, const Stencil<acc_t, W>& s, scalar_t* out) {
+  acc_t acc[K];
+  for (int ch = 0; ch < K; ++ch) {
+    acc[ch] = 0;
+  }
+  for (int a = 0; a < W; ++a) {
+    for (int b = 0; b < W; ++b) {
+      const scalar_t* row = m + s.offset[0][a] + s.offset[1][b];
+      acc_t along_z[K];
+      for (int ch = 0; ch < K; ++ch) {
+        along_z[ch] = 0;
+      }
+      for (int c = 0; c < W; ++c) {
+        const scalar_t* node = row + s.offset[2][c];
+        for (int ch = 0; ch < K; ++ch) {
+          along_z[ch] += s.weight[2][c] * static_cast<acc_t>(node[ch]);
+        }
+      }
+      const acc_t wab = s.weight[0][a] * s.weight[1][b];
+      for (int ch = 0; ch < K; ++ch) {
+        acc[ch] += wab * along_z[ch];
+      }
+    }
+  }
+  bool finite = true;
+  for (int ch = 0; ch < K; ++ch) {
+    out[ch] = static_cast<scalar_t>(acc[ch]);
+    finite = finite && std::isfinite(acc[ch]);
+  }
+  return finite;
+}
+
+// Reads channels 0 .. count - 1 around one particle from a mesh of C channels
+// (C > 0: known at compile time) in either layout (MeshLayout). An interleaved
+// mesh read whole, or for the first 3 of 4 channels (the forces of the adjoint's
+// force-and-density mesh), goes through read_interleaved.
+template <typename scalar_t, typename acc_t, int W, int C>
+C10_ALWAYS_INLINE bool read_mesh(
+    const scalar_t* m, const MeshLayout& layout, int64_t count, const Stencil<acc_t, W>& s, scalar_t* out) {
+  if constexpr (C > 1) {
+    if (layout.node_stride == C && count == C) {
+      return read_interleaved<scalar_t, acc_t, W, C>(m, s, out);
+    }
+    if constexpr (C == 4) {
+      if (layout.node_stride == C && count == 3) {
+        return read_interleaved<scalar_t, acc_t, W, 3>(m, s, out);
+      }
+    }
+  }
+  return read_channels<scalar_t, acc_t, W>(m, layout.channel, count, s, out);
+}
+
 // Visits particles [begin, end) in chunks, calling visit(p, stencil) for each
 // valid particle; returns the number of rejected ones. A chunk whose first and
 // last particles lie within a few cells of each other in x and y (spatial or
@@ -159,6 +215,7 @@ int64_t gather_particles(
     int64_t end,
     const StencilGeometry& g,
     const scalar_t* field,
+    const MeshLayout& layout,
     int64_t batch,
     int64_t per_batch,
     int64_t channels,
@@ -168,7 +225,8 @@ int64_t gather_particles(
   constexpr int kChunk = W <= 2 ? 16 : 4;
   // Cells in x and y within which a chunk counts as coherent.
   const acc_t near = acc_t(6);
-  const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
+  // Interleaved: a node's channels share its cache line.
+  const int64_t prefetched = layout.node_stride == 1 ? channels : 1;
   Stencil<acc_t, W> stencil[kChunk];
   bool valid[kChunk];
   int64_t bad = 0;
@@ -182,7 +240,7 @@ int64_t gather_particles(
         std::abs(static_cast<acc_t>(head[1]) - static_cast<acc_t>(tail[1])) <= near;
     if (coherent) {
       for (int64_t p = first; p < first + count; ++p) {
-        if (make_stencil<scalar_t, acc_t, W, with_derivative>(positions + 3 * p, g, stencil[0])) {
+        if (make_stencil<scalar_t, acc_t, W, with_derivative>(positions + 3 * p, g, stencil[0], layout.node_stride)) {
           visit(p, stencil[0]);
         } else {
           ++bad;
@@ -193,15 +251,15 @@ int64_t gather_particles(
     for (int i = 0; i < count; ++i) {
       const int64_t p = first + i;
       Stencil<acc_t, W>& s = stencil[i];
-      valid[i] = make_stencil<scalar_t, acc_t, W, with_derivative>(positions + 3 * p, g, s);
+      valid[i] = make_stencil<scalar_t, acc_t, W, with_derivative>(positions + 3 * p, g, s, layout.node_stride);
       if (!valid[i]) {
         continue;
       }
-      const scalar_t* m = field + (batch == 1 ? 0 : p / per_batch) * channels * channel_stride;
-      for (int64_t ch = 0; ch < channels; ++ch) {
+      const scalar_t* m = field + (batch == 1 ? 0 : p / per_batch) * layout.member;
+      for (int64_t ch = 0; ch < prefetched; ++ch) {
         for (int a = 0; a < W; ++a) {
           for (int b = 0; b < W; ++b) {
-            const scalar_t* row = m + ch * channel_stride + s.offset[0][a] + s.offset[1][b];
+            const scalar_t* row = m + ch * layout.channel + s.offset[0][a] + s.offset[1][b];
             // The z nodes of one row are adjacent except across a periodic wrap.
             prefetch(row + s.offset[2][0]);
             prefetch(row + s.offset[2][W - 1]);
@@ -679,7 +737,8 @@ at::Tensor readout_cpu(
   auto positions = check_positions(op, positions_in);
   int64_t channels = 1;
   bool has_channel_dim = false;
-  auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim);
+  MeshLayout layout;
+  auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim, layout);
   const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
   const int64_t batch = positions.size(0);
   const int64_t n = positions.size(1);
@@ -692,7 +751,6 @@ at::Tensor readout_cpu(
         const scalar_t* pos = positions.data_ptr<scalar_t>();
         const scalar_t* field = mesh.data_ptr<scalar_t>();
         scalar_t* result = out.data_ptr<scalar_t>();
-        const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
         std::atomic<int64_t> bad{0};
         std::atomic<int64_t> non_finite{0};
         dispatch_channels(channels, [&](auto channel_count) {
@@ -701,11 +759,10 @@ at::Tensor readout_cpu(
           at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
             int64_t local_non_finite = 0;
             bad += gather_particles<scalar_t, acc_t, W, false>(
-                pos, begin, end, g, field, batch, n, nc,
+                pos, begin, end, g, field, layout, batch, n, nc,
                 [&](int64_t p, const Stencil<acc_t, W>& s) {
-                  const scalar_t* m = field + (batch == 1 ? 0 : p / n) * nc * channel_stride;
-                  local_non_finite +=
-                      read_channels<scalar_t, acc_t, W>(m, channel_stride, nc, s, result + p * nc) ? 0 : 1;
+                  const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
+                  local_non_finite += read_mesh<scalar_t, acc_t, W, C>(m, layout, nc, s, result + p * nc) ? 0 : 1;
                 });
             non_finite += local_non_finite;
           });
@@ -742,6 +799,7 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
   const at::Tensor& mesh = args.mesh;
   const at::Tensor& values = args.values;
   const int64_t channels = args.channels;
+  const MeshLayout& layout = args.layout;
   const StencilGeometry& g = args.geometry;
   const int64_t batch = positions.size(0);
   const int64_t n = positions.size(1);
@@ -757,7 +815,6 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
         const scalar_t* val = values.defined() ? values.data_ptr<scalar_t>() : nullptr;
         scalar_t* result = out.data_ptr<scalar_t>();
         scalar_t* read_out = read.data_ptr<scalar_t>();
-        const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
         std::atomic<int64_t> bad{0};
         std::atomic<int64_t> non_finite{0};
         dispatch_channels(channels, [&](auto channel_count) {
@@ -766,11 +823,11 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
           at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
             int64_t local_non_finite = 0;
             bad += gather_particles<scalar_t, acc_t, W, true>(
-                pos, begin, end, g, field, batch, n, nc,
+                pos, begin, end, g, field, layout, batch, n, nc,
                 [&](int64_t p, const Stencil<acc_t, W>& s) {
-                  const scalar_t* m = field + (batch == 1 ? 0 : p / n) * nc * channel_stride;
-                  local_non_finite += read_channels<scalar_t, acc_t, W>(
-                      m, channel_stride, readout_channels, s, read_out + p * readout_channels) ? 0 : 1;
+                  const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
+                  local_non_finite += read_mesh<scalar_t, acc_t, W, C>(
+                      m, layout, readout_channels, s, read_out + p * readout_channels) ? 0 : 1;
                   acc_t v[C > 0 ? C : 1];
                   if constexpr (C > 0) {
                     for (int ch = 0; ch < C; ++ch) {
@@ -779,7 +836,7 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
                   }
                   acc_t grad[3];
                   position_gradient_at<scalar_t, acc_t, W, C>(
-                      m, channel_stride, nc, s,
+                      m, layout.channel, nc, s,
                       [&](int64_t ch) {
                         if constexpr (C > 0) {
                           return v[ch];

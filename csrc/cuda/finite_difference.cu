@@ -44,7 +44,8 @@ at::Tensor fd4_gradient_cuda(const at::Tensor& field, const at::Tensor& scale, s
   const auto a = check_finite_difference_arguments(op, field, scale, periodic, false);
   const c10::cuda::CUDAGuard guard(a.input.device());
   const int64_t* shape = a.geometry.gradient;
-  auto out = at::empty({a.batch, 3, shape[0], shape[1], shape[2]}, a.input.options());
+  auto out = at::empty({a.batch, 3, shape[0], shape[1], shape[2]},
+                       a.input.options().memory_format(at::MemoryFormat::ChannelsLast3d));
   const int64_t count = a.batch * shape[0] * shape[1] * shape[2];
   if (count > 0) {
     const auto stream = c10::cuda::getCurrentCUDAStream();

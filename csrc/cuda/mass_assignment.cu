@@ -322,6 +322,7 @@ __device__ __forceinline__ bool read_channels(
 template <typename scalar_t, int W>
 __global__ void readout_kernel(
     const scalar_t* __restrict__ mesh,
+    MeshLayout layout,
     const scalar_t* __restrict__ positions,
     int64_t channels,
     int64_t per_batch,
@@ -336,15 +337,14 @@ __global__ void readout_kernel(
     return;
   }
   Stencil<acc_t, W> s;
-  const bool valid = make_stencil<scalar_t, acc_t, W>(positions + 3 * p, g, s);
+  const bool valid = make_stencil<scalar_t, acc_t, W>(positions + 3 * p, g, s, layout.node_stride);
   count_in_warp(!valid, bad + kBadPositions);
   if (!valid) {
     fill_rejected(out + p * channels, channels);
     return;
   }
-  const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
-  const scalar_t* m = mesh + (p / per_batch) * channels * channel_stride;
-  const bool finite = read_channels<scalar_t, acc_t, W>(m, channel_stride, channels, s, out + p * channels);
+  const scalar_t* m = mesh + (p / per_batch) * layout.member;
+  const bool finite = read_channels<scalar_t, acc_t, W>(m, layout.channel, channels, s, out + p * channels);
   if (check_finite) {
     count_in_warp(!finite, bad + kBadValues);
   }
@@ -353,6 +353,7 @@ __global__ void readout_kernel(
 template <typename scalar_t, int W>
 __global__ void position_gradient_kernel(
     const scalar_t* __restrict__ mesh,
+    MeshLayout layout,
     const scalar_t* __restrict__ positions,
     const scalar_t* __restrict__ values,
     int64_t channels,
@@ -370,23 +371,22 @@ __global__ void position_gradient_kernel(
     return;
   }
   Stencil<acc_t, W> s;
-  const bool valid = make_stencil<scalar_t, acc_t, W, true>(positions + 3 * p, g, s);
+  const bool valid = make_stencil<scalar_t, acc_t, W, true>(positions + 3 * p, g, s, layout.node_stride);
   count_in_warp(!valid, bad + kBadPositions);
   if (!valid) {
     fill_rejected(out + 3 * p, 3);
     fill_rejected(read + p * readout_channels, readout_channels);
     return;
   }
-  const int64_t channel_stride = g.shape[0] * g.shape[1] * g.shape[2];
-  const scalar_t* m = mesh + (p / per_batch) * channels * channel_stride;
+  const scalar_t* m = mesh + (p / per_batch) * layout.member;
   if (readout_channels > 0) {
     const bool finite = read_channels<scalar_t, acc_t, W>(
-        m, channel_stride, readout_channels, s, read + p * readout_channels);
+        m, layout.channel, readout_channels, s, read + p * readout_channels);
     count_in_warp(!finite, bad_read + kBadValues);
   }
   acc_t grad[3];
   position_gradient_at<scalar_t, acc_t, W, 0>(
-      m, channel_stride, channels, s,
+      m, layout.channel, channels, s,
       [&](int64_t ch) { return values ? static_cast<acc_t>(values[p * channels + ch]) : acc_t(1); }, grad);
   out[3 * p + 0] = static_cast<scalar_t>(grad[0]);
   out[3 * p + 1] = static_cast<scalar_t>(grad[1]);
@@ -721,7 +721,8 @@ at::Tensor readout_cuda(
   auto positions = check_positions(op, positions_in);
   int64_t channels = 1;
   bool has_channel_dim = false;
-  auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim);
+  MeshLayout layout;
+  auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim, layout);
   const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
   const c10::cuda::CUDAGuard guard(positions.device());
   const int64_t total = positions.size(0) * positions.size(1);
@@ -735,7 +736,7 @@ at::Tensor readout_cuda(
       dispatch_order(op, order, [&](auto width) {
         readout_kernel<scalar_t, decltype(width)::value>
             <<<blocks_for(op, total), kThreads, 0, stream>>>(
-                mesh.data_ptr<scalar_t>(), positions.data_ptr<scalar_t>(), channels,
+                mesh.data_ptr<scalar_t>(), layout, positions.data_ptr<scalar_t>(), channels,
                 positions.size(1), total, g, check_finite, out.data_ptr<scalar_t>(),
                 bad);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -778,7 +779,7 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
       dispatch_order(op, order, [&](auto width) {
         position_gradient_kernel<scalar_t, decltype(width)::value>
             <<<blocks_for(op, total), kThreads, 0, stream>>>(
-                mesh.data_ptr<scalar_t>(), positions.data_ptr<scalar_t>(),
+                mesh.data_ptr<scalar_t>(), args.layout, positions.data_ptr<scalar_t>(),
                 values.defined() ? values.data_ptr<scalar_t>() : nullptr, channels,
                 positions.size(1), total, g, out.data_ptr<scalar_t>(),
                 bad, readout_channels, read.data_ptr<scalar_t>(), bad_read);

@@ -67,6 +67,10 @@ def _periodic(periodic, op: str) -> list[bool]:
 def fd4_gradient(field: torch.Tensor, scale, periodic: bool | Sequence[bool] = True) -> torch.Tensor:
     """``(B, 3, ox, oy, oz)``: channel ``i`` is ``scale[i] * D_i field`` (module docs).
 
+    The result is in ``torch.channels_last_3d`` memory format (a node's three
+    components side by side), the layout :func:`torchpm.ops.readout` reads fastest;
+    it behaves as any ``(B, 3, ox, oy, oz)`` tensor (``.contiguous()`` gives planar).
+
     Args:
         field: ``(B, nx, ny, nz)`` float32 or float64, CPU or CUDA.
         scale: 3 factors (numbers or 0-d tensors, or a (3,) tensor; gradients flow
@@ -118,7 +122,9 @@ def _fd4_gradient_fake(field, scale, periodic):
             raise ValueError(f"{op}: expected `field` to have at least {1 + cut} nodes along axis {axis}, "
                              f"got shape {tuple(field.shape)}.")
         shape.append(n - cut)
-    return field.new_empty(field.shape[0], 3, *shape)
+    # Interleaved, as the kernels write it (the readout's fastest layout).
+    return torch.empty((field.shape[0], 3, *shape), dtype=field.dtype, device=field.device,
+                       memory_format=torch.channels_last_3d)
 
 
 @torch.library.register_fake("torchpm::_fd4_gradient_transpose")
