@@ -207,6 +207,57 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool make_stencil(
   return true;
 }
 
+// Channels 0 .. K - 1 of an interleaved mesh (MeshLayout: channel stride 1, the
+// node stride in the stencil's offsets) around one particle into out[0 .. K),
+// a node's K values read together; false when one is not finite. Per channel
+// the products and sums of the backends' channel-by-channel interpolate, in the
+// same order, so both layouts give the same bits.
+template <typename scalar_t, typename acc_t, int W, int K>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool read_interleaved(
+    const scalar_t* m, const Stencil<acc_t, W>& s, scalar_t* out) {
+  acc_t acc[K];
+  TORCHPM_UNROLL
+  for (int ch = 0; ch < K; ++ch) {
+    acc[ch] = acc_t(0);
+  }
+  TORCHPM_UNROLL
+  for (int a = 0; a < W; ++a) {
+    TORCHPM_UNROLL
+    for (int b = 0; b < W; ++b) {
+      const scalar_t* row = m + s.offset[0][a] + s.offset[1][b];
+      acc_t along_z[K];
+      TORCHPM_UNROLL
+      for (int ch = 0; ch < K; ++ch) {
+        along_z[ch] = acc_t(0);
+      }
+      TORCHPM_UNROLL
+      for (int c = 0; c < W; ++c) {
+        const scalar_t* node = row + s.offset[2][c];
+        TORCHPM_UNROLL
+        for (int ch = 0; ch < K; ++ch) {
+          along_z[ch] += s.weight[2][c] * static_cast<acc_t>(node[ch]);
+        }
+      }
+      const acc_t wab = s.weight[0][a] * s.weight[1][b];
+      TORCHPM_UNROLL
+      for (int ch = 0; ch < K; ++ch) {
+        acc[ch] += wab * along_z[ch];
+      }
+    }
+  }
+  bool finite = true;
+  TORCHPM_UNROLL
+  for (int ch = 0; ch < K; ++ch) {
+    out[ch] = static_cast<scalar_t>(acc[ch]);
+#ifdef __CUDA_ARCH__
+    finite = finite && ::isfinite(acc[ch]);
+#else
+    finite = finite && std::isfinite(acc[ch]);
+#endif
+  }
+  return finite;
+}
+
 // d/dx of sum_ch value(ch) * interpolate(m + ch * channel_stride) at a stencil
 // made with derivatives, into grad[3]. Separable: per (x, y) node pair the z sums
 // with the weights and with their derivatives, then the (x, y) factors. The CPU

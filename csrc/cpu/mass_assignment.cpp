@@ -142,58 +142,18 @@ C10_ALWAYS_INLINE bool read_channels(
   return finite;
 }
 
-// read_channels for an interleaved mesh (node_stride K): the K values of a node
-// are read together. Per channel the same products and sums in the same order
-// as interpolate, so both layouts give the same bits.
-template <typename scalar_t, typename acc_t, int W, int K>
-C10_ALWAYS_INLINE bool read_interleaved(const scalar_t* m, const Stencil<acc_t, W>& s, scalar_t* out) {
-  acc_t acc[K];
-  for (int ch = 0; ch < K; ++ch) {
-    acc[ch] = 0;
-  }
-  for (int a = 0; a < W; ++a) {
-    for (int b = 0; b < W; ++b) {
-      const scalar_t* row = m + s.offset[0][a] + s.offset[1][b];
-      acc_t along_z[K];
-      for (int ch = 0; ch < K; ++ch) {
-        along_z[ch] = 0;
-      }
-      for (int c = 0; c < W; ++c) {
-        const scalar_t* node = row + s.offset[2][c];
-        for (int ch = 0; ch < K; ++ch) {
-          along_z[ch] += s.weight[2][c] * static_cast<acc_t>(node[ch]);
-        }
-      }
-      const acc_t wab = s.weight[0][a] * s.weight[1][b];
-      for (int ch = 0; ch < K; ++ch) {
-        acc[ch] += wab * along_z[ch];
-      }
-    }
-  }
-  bool finite = true;
-  for (int ch = 0; ch < K; ++ch) {
-    out[ch] = static_cast<scalar_t>(acc[ch]);
-    finite = finite && std::isfinite(acc[ch]);
-  }
-  return finite;
-}
-
-// Reads channels 0 .. count - 1 around one particle from a mesh of C channels
-// (C > 0: known at compile time) in either layout (MeshLayout). An interleaved
-// mesh read whole, or for the first 3 of 4 channels (the forces of the adjoint's
-// force-and-density mesh), goes through read_interleaved.
-template <typename scalar_t, typename acc_t, int W, int C>
+// Reads channels 0 .. count - 1 around one particle in either layout
+// (MeshLayout): 3 or 4 channels of an interleaved mesh (the forces; the adjoint's
+// forces and density) node by node (read_interleaved), any other read channel by
+// channel. Both give the same bits.
+template <typename scalar_t, typename acc_t, int W>
 C10_ALWAYS_INLINE bool read_mesh(
     const scalar_t* m, const MeshLayout& layout, int64_t count, const Stencil<acc_t, W>& s, scalar_t* out) {
-  if constexpr (C > 1) {
-    if (layout.node_stride == C && count == C) {
-      return read_interleaved<scalar_t, acc_t, W, C>(m, s, out);
-    }
-    if constexpr (C == 4) {
-      if (layout.node_stride == C && count == 3) {
-        return read_interleaved<scalar_t, acc_t, W, 3>(m, s, out);
-      }
-    }
+  if (layout.node_stride > 1 && count == 3) {
+    return read_interleaved<scalar_t, acc_t, W, 3>(m, s, out);
+  }
+  if (layout.node_stride > 1 && count == 4) {
+    return read_interleaved<scalar_t, acc_t, W, 4>(m, s, out);
   }
   return read_channels<scalar_t, acc_t, W>(m, layout.channel, count, s, out);
 }
@@ -762,7 +722,7 @@ at::Tensor readout_cpu(
                 pos, begin, end, g, field, layout, batch, n, nc,
                 [&](int64_t p, const Stencil<acc_t, W>& s) {
                   const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
-                  local_non_finite += read_mesh<scalar_t, acc_t, W, C>(m, layout, nc, s, result + p * nc) ? 0 : 1;
+                  local_non_finite += read_mesh<scalar_t, acc_t, W>(m, layout, nc, s, result + p * nc) ? 0 : 1;
                 });
             non_finite += local_non_finite;
           });
@@ -826,7 +786,7 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
                 pos, begin, end, g, field, layout, batch, n, nc,
                 [&](int64_t p, const Stencil<acc_t, W>& s) {
                   const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
-                  local_non_finite += read_mesh<scalar_t, acc_t, W, C>(
+                  local_non_finite += read_mesh<scalar_t, acc_t, W>(
                       m, layout, readout_channels, s, read_out + p * readout_channels) ? 0 : 1;
                   acc_t v[C > 0 ? C : 1];
                   if constexpr (C > 0) {

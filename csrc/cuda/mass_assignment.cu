@@ -199,9 +199,22 @@ void snapshot_every_device() {
   }
 }
 
+// The hook of torchpm.check() and of the deferred reports: false before any
+// torchpm op ran on a GPU, without touching CUDA, so that a CUDA build works on
+// a machine without a GPU or driver (CPU tensors only).
+bool capturing_after_first_use() {
+  {
+    std::lock_guard<std::mutex> lock(counters_mutex);
+    if (all_counters().empty()) {
+      return false;
+    }
+  }
+  return capturing();
+}
+
 const bool hooks_registered = [] {
   DeviceHooks hooks;
-  hooks.capturing = &capturing;
+  hooks.capturing = &capturing_after_first_use;
   hooks.snapshot_counters = &snapshot_every_device;
   set_device_hooks(hooks);
   return true;
@@ -319,6 +332,21 @@ __device__ __forceinline__ bool read_channels(
   return finite;
 }
 
+// read_channels in either layout (MeshLayout): 3 or 4 channels of an
+// interleaved mesh node by node (read_interleaved: a node's values from one
+// sector), any other read channel by channel; the same bits either way.
+template <typename scalar_t, typename acc_t, int W>
+__device__ __forceinline__ bool read_mesh(
+    const scalar_t* m, const MeshLayout& layout, int64_t count, const Stencil<acc_t, W>& s, scalar_t* out) {
+  if (layout.node_stride > 1 && count == 3) {
+    return read_interleaved<scalar_t, acc_t, W, 3>(m, s, out);
+  }
+  if (layout.node_stride > 1 && count == 4) {
+    return read_interleaved<scalar_t, acc_t, W, 4>(m, s, out);
+  }
+  return read_channels<scalar_t, acc_t, W>(m, layout.channel, count, s, out);
+}
+
 template <typename scalar_t, int W>
 __global__ void readout_kernel(
     const scalar_t* __restrict__ mesh,
@@ -344,7 +372,7 @@ __global__ void readout_kernel(
     return;
   }
   const scalar_t* m = mesh + (p / per_batch) * layout.member;
-  const bool finite = read_channels<scalar_t, acc_t, W>(m, layout.channel, channels, s, out + p * channels);
+  const bool finite = read_mesh<scalar_t, acc_t, W>(m, layout, channels, s, out + p * channels);
   if (check_finite) {
     count_in_warp(!finite, bad + kBadValues);
   }
@@ -380,8 +408,7 @@ __global__ void position_gradient_kernel(
   }
   const scalar_t* m = mesh + (p / per_batch) * layout.member;
   if (readout_channels > 0) {
-    const bool finite = read_channels<scalar_t, acc_t, W>(
-        m, layout.channel, readout_channels, s, read + p * readout_channels);
+    const bool finite = read_mesh<scalar_t, acc_t, W>(m, layout, readout_channels, s, read + p * readout_channels);
     count_in_warp(!finite, bad_read + kBadValues);
   }
   acc_t grad[3];
