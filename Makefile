@@ -13,7 +13,7 @@ CU_OBJECTS := $(patsubst csrc/%.cu,.cuda-check/%.o,$(CU_SOURCES))
 
 CPP_BUILD ?= build/cpp
 
-.PHONY: run test deps test-deps build cpp cuda-check bench bench-dfft bench-distributed example-dfft test-distributed clean
+.PHONY: run test deps test-deps build cpp cuda-check compat-check bench bench-dfft bench-distributed example-dfft test-distributed clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
@@ -54,6 +54,13 @@ cuda-check: deps
 	@$(NVCC) -c $< -o $@ -std=c++17 -O1 -arch=$(CUDA_ARCH) --expt-relaxed-constexpr \
 		-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE -DTORCHPM_WITH_CUDA \
 		$$($(PYTHON) tools/torch_includes.py) -Icsrc -Icsrc/include
+
+# The build (with the CUDA kernels when nvcc is found) and the test suite against
+# another torch release in a throw-away venv: by default 2.11.0, the GPU
+# machine's. Not part of `test` (a ~3 GB download).
+COMPAT_TORCH ?= 2.11.0
+compat-check:
+	bash tools/compat_build.sh $(COMPAT_TORCH)
 
 # The op library as a CMake package (CMakeLists.txt) against the LibTorch inside
 # the installed torch wheel, installed to $(CPP_BUILD)/install, and the C++

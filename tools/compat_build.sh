@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Builds torchpm against another torch release and runs the test suite with it, in a
+# throw-away virtual environment outside the repository (the committed HEAD is cloned
+# there). Default: torch 2.11.0, the GPU machine's release (a CUDA 13 wheel on Linux,
+# with its NVIDIA libraries: about 3 GB). When nvcc is found the CUDA kernels are
+# compiled and linked too, so a machine without a GPU checks the whole CUDA build and
+# runs the CPU tests against it (the CUDA tests skip).
+#
+#   bash tools/compat_build.sh [TORCH_VERSION] [WORKDIR]      # make compat-check
+#
+# Not part of `make test` (the download alone takes minutes). The build log and the
+# pytest log are left in WORKDIR.
+set -u -o pipefail
+version=${1:-2.11.0}
+work=${2:-${TMPDIR:-/tmp}/torchpm-torch-$version}
+repo=$(git rev-parse --show-toplevel)
+python=${PYTHON:-python3}
+
+mkdir -p "$work"
+if [ ! -x "$work/venv/bin/python" ]; then
+    # System site packages: numpy, pytest and the test oracles come from the host.
+    $python -m venv --system-site-packages "$work/venv" || exit 1
+fi
+venv=$work/venv/bin/python
+if ! $venv -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$version' else 1)" 2>/dev/null; then
+    $venv -m pip install -q "torch==$version" || exit 1
+fi
+rm -rf "$work/src"
+git clone -q "$repo" "$work/src" || exit 1
+cd "$work/src" || exit 1
+
+if command -v nvcc >/dev/null 2>&1; then
+    export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+    export TORCHPM_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+fi
+echo "torch $($venv -c 'import torch; print(torch.__version__)'), CUDA kernels: ${TORCHPM_FORCE_CUDA:-0}"
+start=$SECONDS
+if ! $venv setup.py build_ext --inplace >"$work/build.log" 2>&1; then
+    grep -n "error" "$work/build.log" | head -20
+    echo "build failed: $work/build.log"
+    exit 1
+fi
+echo "build: $((SECONDS - start)) s"
+$venv -m pytest -q -p no:cacheprovider tests/ >"$work/pytest.log" 2>&1
+status=$?
+tail -3 "$work/pytest.log"
+exit $status
