@@ -94,16 +94,22 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE acc_t floor_of_bounded(acc_t x) {
 #endif
 }
 
+// Whether a value is finite, on the host and the device.
+template <typename acc_t>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool finite_value(acc_t v) {
+#ifdef __CUDA_ARCH__
+  return ::isfinite(v);
+#else
+  return std::isfinite(v);
+#endif
+}
+
 // Whether the `count` values at `v` are all finite (the paints' check_finite).
 template <typename scalar_t>
 C10_HOST_DEVICE C10_ALWAYS_INLINE bool finite_values(const scalar_t* v, int64_t count) {
   bool finite = true;
   for (int64_t i = 0; i < count; ++i) {
-#ifdef __CUDA_ARCH__
-    finite = finite && ::isfinite(v[i]);
-#else
-    finite = finite && std::isfinite(v[i]);
-#endif
+    finite = finite && finite_value(v[i]);
   }
   return finite;
 }
@@ -207,11 +213,60 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool make_stencil(
   return true;
 }
 
+// The readouts below are shared by the CPU and CUDA kernels, so that the CPU
+// tests run CUDA's arithmetic and both backends give the same bits.
+
+// Stencil-weighted sum of channel `mc` around one particle. Separable: the z
+// dot product first, then the (x, y) weights, W^2 (W + 1) multiplications
+// instead of 2 W^3. Adjacent z nodes (planar, no wrap) are read as one run,
+// which host compilers vectorise.
+template <typename scalar_t, typename acc_t, int W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE acc_t interpolate(const scalar_t* mc, const Stencil<acc_t, W>& s) {
+  acc_t acc = 0;
+  TORCHPM_UNROLL
+  for (int a = 0; a < W; ++a) {
+    TORCHPM_UNROLL
+    for (int b = 0; b < W; ++b) {
+      const scalar_t* row = mc + s.offset[0][a] + s.offset[1][b];
+      acc_t along_z = 0;
+      if (s.z_contiguous) {
+        const scalar_t* z = row + s.offset[2][0];
+        TORCHPM_UNROLL
+        for (int c = 0; c < W; ++c) {
+          along_z += s.weight[2][c] * static_cast<acc_t>(z[c]);
+        }
+      } else {
+        TORCHPM_UNROLL
+        for (int c = 0; c < W; ++c) {
+          along_z += s.weight[2][c] * static_cast<acc_t>(row[s.offset[2][c]]);
+        }
+      }
+      acc += (s.weight[0][a] * s.weight[1][b]) * along_z;
+    }
+  }
+  return acc;
+}
+
+// Reads `count` channels (channel_stride apart, from `m`) around one particle
+// into out[0 .. count); false when one of them is not finite.
+template <typename scalar_t, typename acc_t, int W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool read_channels(
+    const scalar_t* m, int64_t channel_stride, int64_t count, const Stencil<acc_t, W>& s,
+    scalar_t* out) {
+  bool finite = true;
+  for (int64_t ch = 0; ch < count; ++ch) {
+    const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
+    out[ch] = static_cast<scalar_t>(acc);
+    finite = finite && finite_value(acc);
+  }
+  return finite;
+}
+
 // Channels 0 .. K - 1 of an interleaved mesh (MeshLayout: channel stride 1, the
 // node stride in the stencil's offsets) around one particle into out[0 .. K),
-// a node's K values read together; false when one is not finite. Per channel
-// the products and sums of the backends' channel-by-channel interpolate, in the
-// same order, so both layouts give the same bits.
+// a node's K values read together (one cache line or sector); false when one
+// is not finite. Per channel the products and sums of interpolate, in the same
+// order, so both layouts give the same bits.
 template <typename scalar_t, typename acc_t, int W, int K>
 C10_HOST_DEVICE C10_ALWAYS_INLINE bool read_interleaved(
     const scalar_t* m, const Stencil<acc_t, W>& s, scalar_t* out) {
@@ -249,13 +304,26 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool read_interleaved(
   TORCHPM_UNROLL
   for (int ch = 0; ch < K; ++ch) {
     out[ch] = static_cast<scalar_t>(acc[ch]);
-#ifdef __CUDA_ARCH__
-    finite = finite && ::isfinite(acc[ch]);
-#else
-    finite = finite && std::isfinite(acc[ch]);
-#endif
+    finite = finite && finite_value(acc[ch]);
   }
   return finite;
+}
+
+// Channels 0 .. count - 1 around one particle from a mesh in either layout
+// (MeshLayout): 3 or 4 channels of an interleaved mesh (the forces; the
+// adjoint's forces and density) node by node, any other read channel by
+// channel. The readout and the fused readout + position gradient both read
+// through it, so they agree bit for bit.
+template <typename scalar_t, typename acc_t, int W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool read_mesh(
+    const scalar_t* m, const MeshLayout& layout, int64_t count, const Stencil<acc_t, W>& s, scalar_t* out) {
+  if (layout.node_stride > 1 && count == 3) {
+    return read_interleaved<scalar_t, acc_t, W, 3>(m, s, out);
+  }
+  if (layout.node_stride > 1 && count == 4) {
+    return read_interleaved<scalar_t, acc_t, W, 4>(m, s, out);
+  }
+  return read_channels<scalar_t, acc_t, W>(m, layout.channel, count, s, out);
 }
 
 // d/dx of sum_ch value(ch) * interpolate(m + ch * channel_stride) at a stencil

@@ -100,64 +100,6 @@ inline void prefetch(const void* address) {
 #endif
 }
 
-// Stencil-weighted sum of channel `mc` around one particle. Separable: the z
-// dot product first, then the (x, y) weights, W^2 (W + 1) multiplications
-// instead of 2 W^3.
-template <typename scalar_t, typename acc_t, int W>
-C10_ALWAYS_INLINE acc_t interpolate(const scalar_t* mc, const Stencil<acc_t, W>& s) {
-  acc_t acc = 0;
-  for (int a = 0; a < W; ++a) {
-    for (int b = 0; b < W; ++b) {
-      const scalar_t* row = mc + s.offset[0][a] + s.offset[1][b];
-      acc_t along_z = 0;
-      if (s.z_contiguous) {
-        const scalar_t* z = row + s.offset[2][0];
-        for (int c = 0; c < W; ++c) {
-          along_z += s.weight[2][c] * static_cast<acc_t>(z[c]);
-        }
-      } else {
-        for (int c = 0; c < W; ++c) {
-          along_z += s.weight[2][c] * static_cast<acc_t>(row[s.offset[2][c]]);
-        }
-      }
-      acc += (s.weight[0][a] * s.weight[1][b]) * along_z;
-    }
-  }
-  return acc;
-}
-
-// Reads `count` channels (channel_stride apart, from `m`) around one particle
-// into out[0 .. count); false when one of them is not finite. The readout and the
-// fused readout + position gradient both read through it, so they agree bit for bit.
-template <typename scalar_t, typename acc_t, int W>
-C10_ALWAYS_INLINE bool read_channels(
-    const scalar_t* m, int64_t channel_stride, int64_t count, const Stencil<acc_t, W>& s,
-    scalar_t* out) {
-  bool finite = true;
-  for (int64_t ch = 0; ch < count; ++ch) {
-    const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
-    out[ch] = static_cast<scalar_t>(acc);
-    finite = finite && std::isfinite(acc);
-  }
-  return finite;
-}
-
-// Reads channels 0 .. count - 1 around one particle in either layout
-// (MeshLayout): 3 or 4 channels of an interleaved mesh (the forces; the adjoint's
-// forces and density) node by node (read_interleaved), any other read channel by
-// channel. Both give the same bits.
-template <typename scalar_t, typename acc_t, int W>
-C10_ALWAYS_INLINE bool read_mesh(
-    const scalar_t* m, const MeshLayout& layout, int64_t count, const Stencil<acc_t, W>& s, scalar_t* out) {
-  if (layout.node_stride > 1 && count == 3) {
-    return read_interleaved<scalar_t, acc_t, W, 3>(m, s, out);
-  }
-  if (layout.node_stride > 1 && count == 4) {
-    return read_interleaved<scalar_t, acc_t, W, 4>(m, s, out);
-  }
-  return read_channels<scalar_t, acc_t, W>(m, layout.channel, count, s, out);
-}
-
 // Visits particles [begin, end) in chunks, calling visit(p, stencil) for each
 // valid particle; returns the number of rejected ones. A chunk whose first and
 // last particles lie within a few cells of each other in x and y (spatial or

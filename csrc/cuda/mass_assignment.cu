@@ -294,59 +294,6 @@ __global__ void paint_kernel(
   }
 }
 
-// Stencil-weighted sum of channel `mc` around one particle. Separable, as on
-// the CPU: the z dot product, then the (x, y) weights. One function for the
-// readout and the fused readout + position gradient, so that both give the
-// same bits.
-template <typename scalar_t, typename acc_t, int W>
-__device__ __forceinline__ acc_t interpolate(const scalar_t* mc, const Stencil<acc_t, W>& s) {
-  acc_t acc = 0;
-#pragma unroll
-  for (int a = 0; a < W; ++a) {
-#pragma unroll
-    for (int b = 0; b < W; ++b) {
-      const scalar_t* row = mc + s.offset[0][a] + s.offset[1][b];
-      acc_t along_z = 0;
-#pragma unroll
-      for (int c = 0; c < W; ++c) {
-        along_z += s.weight[2][c] * static_cast<acc_t>(row[s.offset[2][c]]);
-      }
-      acc += (s.weight[0][a] * s.weight[1][b]) * along_z;
-    }
-  }
-  return acc;
-}
-
-// Reads `count` channels around one particle into out[0 .. count); false when one
-// is not finite. Shared by the readout and the fused readout + position gradient.
-template <typename scalar_t, typename acc_t, int W>
-__device__ __forceinline__ bool read_channels(
-    const scalar_t* m, int64_t channel_stride, int64_t count, const Stencil<acc_t, W>& s,
-    scalar_t* out) {
-  bool finite = true;
-  for (int64_t ch = 0; ch < count; ++ch) {
-    const acc_t acc = interpolate<scalar_t, acc_t, W>(m + ch * channel_stride, s);
-    out[ch] = static_cast<scalar_t>(acc);
-    finite = finite && ::isfinite(acc);
-  }
-  return finite;
-}
-
-// read_channels in either layout (MeshLayout): 3 or 4 channels of an
-// interleaved mesh node by node (read_interleaved: a node's values from one
-// sector), any other read channel by channel; the same bits either way.
-template <typename scalar_t, typename acc_t, int W>
-__device__ __forceinline__ bool read_mesh(
-    const scalar_t* m, const MeshLayout& layout, int64_t count, const Stencil<acc_t, W>& s, scalar_t* out) {
-  if (layout.node_stride > 1 && count == 3) {
-    return read_interleaved<scalar_t, acc_t, W, 3>(m, s, out);
-  }
-  if (layout.node_stride > 1 && count == 4) {
-    return read_interleaved<scalar_t, acc_t, W, 4>(m, s, out);
-  }
-  return read_channels<scalar_t, acc_t, W>(m, layout.channel, count, s, out);
-}
-
 template <typename scalar_t, int W>
 __global__ void readout_kernel(
     const scalar_t* __restrict__ mesh,
