@@ -30,7 +30,12 @@ git clone -q "$repo" "$work/src" || exit 1
 cd "$work/src" || exit 1
 
 if command -v nvcc >/dev/null 2>&1; then
-    export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+    if [ -z "${CUDA_HOME:-}" ]; then
+        if [ -x /usr/local/cuda/bin/nvcc ]; then CUDA_HOME=/usr/local/cuda
+        else CUDA_HOME=$(dirname "$(dirname "$(command -v nvcc)")"); fi
+    fi
+    # CMake (tests/test_cpp.py) finds the toolkit from the nvcc it runs.
+    export CUDA_HOME CUDACXX=$CUDA_HOME/bin/nvcc PATH=$CUDA_HOME/bin:$PATH
     export TORCHPM_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 fi
 echo "torch $($venv -c 'import torch; print(torch.__version__)'), CUDA kernels: ${TORCHPM_FORCE_CUDA:-0}"
@@ -41,7 +46,8 @@ if ! $venv setup.py build_ext --inplace >"$work/build.log" 2>&1; then
     exit 1
 fi
 echo "build: $((SECONDS - start)) s"
-$venv -m pytest -q -p no:cacheprovider tests/ >"$work/pytest.log" 2>&1
+# The CLI tests start `python -m torchpm` in other folders: the clone must be importable.
+PYTHONPATH=$work/src${PYTHONPATH:+:$PYTHONPATH} $venv -m pytest -q -p no:cacheprovider tests/ >"$work/pytest.log" 2>&1
 status=$?
 tail -3 "$work/pytest.log"
 exit $status
