@@ -8,12 +8,13 @@
 #   bash tools/gpu_session.sh bench       # build, then the GPU benchmarks at 256^3 and 512^3
 #   bash tools/gpu_session.sh determinism # build, then the deterministic paint against the atomic one
 #   bash tools/gpu_session.sh tiled       # build, then the tiled paint against the scatter, kernels and step
+#   bash tools/gpu_session.sh layout      # build, then the reads of planar against interleaved meshes
 #
 # The GPU machine has torch, pytest, hypothesis, scipy, h5py, safetensors and matplotlib,
 # but not the test-only oracles astropy, colossus, pynbody and JaxPM: those tests skip
 # or are deselected here (they run in CI on the CPU).
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh test|sanitize|bench|determinism|tiled}
+phase=${1:?usage: gpu_session.sh test|sanitize|bench|determinism|tiled|layout}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -56,8 +57,10 @@ sanitize)
     ;;
 bench)
     build
+    # The readouts of the interleaved force field the simulation reads (the layout phase
+    # compares the planar one).
     timeout 150 $python benchmarks/bench_mass_assignment.py --device cuda --sizes 256 512 --repeats 10 \
-        2>&1 | tee "$out/bench_mass_assignment.log"
+        --mesh-layouts interleaved 2>&1 | tee "$out/bench_mass_assignment.log"
     timeout 200 $python benchmarks/bench_pm.py --device cuda --sizes 256 512 2>&1 | tee "$out/bench_pm.log"
     timeout 100 $python benchmarks/bench_dfft.py --gpu 2>&1 | tee "$out/bench_dfft.log"
     timeout 100 $python benchmarks/bench_adjoint.py --device cuda --no-memory --repeats 5 \
@@ -75,6 +78,12 @@ tiled)
     timeout 250 $python benchmarks/bench_pm.py --device cuda --sizes 256 512 --no-jaxpm --paint-method tiled \
         2>&1 | tee "$out/bench_pm_tiled.log"
     ;;
+layout)
+    build
+    timeout 400 $python benchmarks/bench_mass_assignment.py --device cuda --sizes 256 512 --orders cic tsc \
+        --layouts lattice late uniform --mesh-layouts planar interleaved --repeats 5 \
+        2>&1 | tee "$out/bench_layout.log"
+    ;;
 *)
-    echo "unknown phase $phase (test, sanitize, bench, determinism, tiled)"; exit 2 ;;
+    echo "unknown phase $phase (test, sanitize, bench, determinism, tiled, layout)"; exit 2 ;;
 esac
