@@ -68,9 +68,10 @@ C10_HOST_DEVICE inline void bspline_weights(acc_t t, acc_t* weight, acc_t* deriv
 }
 
 // Indices and separable weights of the W x W x W nodes a particle touches.
-// offset[d][k] is node k's contribution to the linear index inside one channel
-// (local index * stride of axis d), weight[d][k] its weight along axis d and
-// derivative[d][k] that weight's derivative with respect to x_d.
+// offset[d][k] is node k's contribution to the element index inside one
+// channel (local index * element stride of axis d, make_stencil's node stride
+// included), weight[d][k] its weight along axis d and derivative[d][k] that
+// weight's derivative with respect to x_d.
 template <typename acc_t, int W>
 struct Stencil {
   static constexpr int width = W;

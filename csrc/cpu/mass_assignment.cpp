@@ -684,7 +684,7 @@ at::Tensor readout_cpu(
 // d/dx_p sum_c values[p, c] readout(mesh)[p, c] (B, N, 3) and, when
 // readout_channels K > 0, in the same pass over the particles the readout of
 // mesh channels 0 .. K-1 (B, N, K), computed exactly as readout_cpu computes it
-// (the same `interpolate`), so it equals that op's result bit for bit.
+// (the same `read_mesh`), so it equals that op's result bit for bit.
 std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
     const char* op,
     const at::Tensor& mesh_in,
