@@ -88,28 +88,21 @@ PaintArguments check_paint_arguments(
     std::array<bool, 3> periodic,
     int64_t order);
 
+// Calls f(std::integral_constant<int, V>{}) for the V of Values equal to
+// `value` and returns true, or returns false when none is: a runtime count
+// turned into a template argument (dispatch_order, the CPU's dispatch_channels).
+template <int... Values, typename F>
+inline bool dispatch_constant(int64_t value, const F& f) {
+  return ((value == Values ? (f(std::integral_constant<int, Values>{}), true) : false) || ...);
+}
+
 // Calls f(std::integral_constant<int, W>{}) with W = order (1 NGP .. 4 PCS), so
 // a kernel written once as a template over W is instantiated for every order.
 template <typename F>
 inline void dispatch_order(const char* op, int64_t order, const F& f) {
-  switch (order) {
-    case 1:
-      f(std::integral_constant<int, 1>{});
-      break;
-    case 2:
-      f(std::integral_constant<int, 2>{});
-      break;
-    case 3:
-      f(std::integral_constant<int, 3>{});
-      break;
-    case 4:
-      f(std::integral_constant<int, 4>{});
-      break;
-    default:
-      TORCH_CHECK_VALUE(
-          false, op, ": expected `order` 1 (NGP), 2 (CIC), 3 (TSC) or 4 (PCS), got ",
-          order, ".");
-  }
+  TORCH_CHECK_VALUE(
+      (dispatch_constant<1, 2, 3, 4>(order, f)), op,
+      ": expected `order` 1 (NGP), 2 (CIC), 3 (TSC) or 4 (PCS), got ", order, ".");
 }
 
 // The scalar type of a dispatched kernel, as a value: `typename

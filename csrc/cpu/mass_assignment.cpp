@@ -38,18 +38,8 @@ constexpr int64_t kSerialPaintLimit = 1 << 15;
 // kernels when particles are in spatial or Lagrangian order.
 template <typename F>
 inline void dispatch_channels(int64_t channels, const F& f) {
-  switch (channels) {
-    case 1:
-      f(std::integral_constant<int, 1>{});
-      break;
-    case 3:
-      f(std::integral_constant<int, 3>{});
-      break;
-    case 4:
-      f(std::integral_constant<int, 4>{});
-      break;
-    default:
-      f(std::integral_constant<int, 0>{});
+  if (!dispatch_constant<1, 3, 4>(channels, f)) {
+    f(std::integral_constant<int, 0>{});
   }
 }
 
