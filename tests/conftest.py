@@ -23,3 +23,21 @@ DEVICES = [
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)
+
+
+@pytest.fixture
+def reproducible(device):
+    """For tests that compare two runs bit for bit: on CUDA the paint's atomic adds sum
+    in a varying order, so there the test runs under
+    ``torch.use_deterministic_algorithms(True)`` (node-by-node paint, no atomics). The
+    CPU kernels are deterministic as they are."""
+    if device.type != "cuda":
+        yield
+        return
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)

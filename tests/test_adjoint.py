@@ -54,6 +54,7 @@ def _relative(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+@pytest.mark.usefixtures("reproducible")
 @pytest.mark.parametrize("correction", ["spline", "pgd"])
 def test_adjoint_matches_autograd_float64(correction, device):
     state_plain, plain = _gradients(False, correction=correction, device=device)
@@ -97,6 +98,7 @@ def test_adjoint_float32_agreement():
     ],
     ids=["cic-fd4", "tsc-exact-B2"],
 )
+@pytest.mark.usefixtures("reproducible")
 def test_particle_mesh_force_pull_back(options, device):
     """The hand-written pull-back of the PM force equals autograd through compute_forces
     (positions, 1.5 Omega_m, the correction's parameters and a), with empty slots of

@@ -16,7 +16,6 @@ from torchpm.io import check_restart, read_snapshot, restart_state, write_snapsh
 from _spawn import run_world
 
 import h5py  # noqa: E402  (installed by `make deps`)
-import pynbody  # noqa: E402  (the independent reader; installed by `make test-deps`)
 
 SCALE_FACTORS = [0.3, 0.5, 0.7, 1.0]
 
@@ -37,6 +36,7 @@ def _cubic_sim(dtype=torch.float32):
 
 
 def test_pynbody_reads_the_layout(tmp_path):
+    pynbody = pytest.importorskip("pynbody")  # the independent reader (`make test-deps`)
     sim = _cubic_sim()
     state = sim(sim.white_noise(seed=4), until=0.5)
     path = str(tmp_path / "snap_000.hdf5")
@@ -345,6 +345,7 @@ def run_case(case_id, ctx):
 
 
 def test_multifile_snapshot_from_two_ranks(tmp_path):
+    pynbody = pytest.importorskip("pynbody")  # the independent reader (`make test-deps`)
     good, bad, restart = tmp_path / "good", tmp_path / "bad", tmp_path / "restart"
     for folder in (good, bad, restart):
         folder.mkdir()

@@ -45,6 +45,7 @@ def _corrections(dtype, device):
 # ----------------------------------------------------------------------------- identity
 
 
+@pytest.mark.usefixtures("reproducible")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", ["spline", "pgd"])
 def test_untrained_correction_reproduces_the_plain_run_bit_for_bit(kind, dtype, device):

@@ -45,7 +45,7 @@ def test_front_end_takes_the_same_steps_with_and_without_a_graph(device):
     recorded = add_scaled(x.requires_grad_(True), y, factor)
     assert recorded.requires_grad and torch.equal(plain, recorded.detach())
     (grad_factor,) = torch.autograd.grad(recorded.sum(), factor)
-    torch.testing.assert_close(grad_factor, y.double().sum().to(grad_factor.dtype), rtol=1e-6, atol=0)
+    torch.testing.assert_close(grad_factor, y.double().sum().to(grad_factor), rtol=1e-6, atol=0)
 
 
 def test_autograd_and_opcheck(device):
