@@ -72,12 +72,19 @@ def compute_forces(
     density_k = mesh.rfftn(mesh.paint(positions, weights, order=order))
     filter_ = None
     if force_correction is not None:
-        a_tensor = torch.as_tensor(a, dtype=kernels.dtype, device=positions.device)
+        if isinstance(a, torch.Tensor) and (a.device.type != "cpu" or (a.requires_grad and torch.is_grad_enabled())):
+            a_tensor = a.to(dtype=kernels.dtype, device=positions.device)
+        else:  # a fill, not a host-to-device copy (a CUDA graph can capture the step)
+            a_tensor = torch.full((), float(a), dtype=kernels.dtype, device=positions.device)
         filter_ = force_correction(kernels.k_magnitude, a_tensor)
     # Mesh units (1/c_i), the mean-1 normalisation and 1.5 Omega_m go into the 1-d
     # gradient's per-axis factors: no extra pass over the mesh or the particles.
     if isinstance(force_scale, torch.Tensor):
-        force_scale = force_scale.to(device=positions.device)
+        if force_scale.device.type == "cpu" and not (force_scale.requires_grad and torch.is_grad_enabled()):
+            # A number: no host-to-device copy per call (a CUDA graph can capture the step).
+            force_scale = float(force_scale)
+        else:
+            force_scale = force_scale.to(device=positions.device)
     gradient_scale = [force_scale * (particle_mass / c) for c in kernels.cell_size]
     # On a grid the readout's halo comes with the field (with the real-space gradient,
     # from the potential's one halo exchange).

@@ -401,7 +401,9 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
     valid = ids >= 0
     # A non-finite coordinate makes the sum of the three non-finite (one pass, not three).
     bad = int((valid & ~torch.isfinite(positions.detach().sum(-1))).sum()) if grid.size > 1 else 0
-    fill_position = torch.tensor(corner, dtype=positions.dtype, device=positions.device)
+    # Only a grid migrates: on one device nothing here touches the host (a CUDA graph
+    # may capture the step).
+    fill_position = torch.tensor(corner, dtype=positions.dtype, device=positions.device) if grid.size > 1 else None
     stages = []
     count_in = ids.shape[1]
     for axis in (0, 1):
