@@ -18,6 +18,7 @@ import torch
 
 import torchpm
 from conftest import DEVICES
+from torchpm.ops import mass_assignment
 
 CUDA_ONLY = [p for p in DEVICES if not isinstance(p, str)]
 ops = torch.ops.torchpm
@@ -50,23 +51,46 @@ def test_a_tile_of_exactly_two_chunks(device):
 
 
 def test_set_paint_method():
-    assert torchpm.ops.get_paint_method() == "scatter"
-    with pytest.raises(ValueError, match=r"set_paint_method: expected `method` to be one of \('scatter', 'tiled'\), got 'shared'"):
+    assert torchpm.ops.get_paint_method() == "auto"
+    with pytest.raises(
+        ValueError,
+        match=r"set_paint_method: expected `method` to be one of \('auto', 'scatter', 'tiled'\), got 'shared'",
+    ):
         torchpm.ops.set_paint_method("shared")
-    assert torchpm.ops.get_paint_method() == "scatter"
+    assert torchpm.ops.get_paint_method() == "auto"
     # the CPU keeps its scatter kernel: the same bits whatever the choice
     g = torch.Generator().manual_seed(12)
     x = torch.rand(1, 3000, 3, generator=g) * 8
     w = torch.rand(1, 3000, generator=g)
     scatter = ops.paint(x, w, [8, 8, 8], [0, 0, 0], [True] * 3, 2, True)
     assert not torch.equal(scatter, ops._paint_tiled(x, w, [8, 8, 8], [0, 0, 0], [True] * 3, 2, True))
-    assert torchpm.ops.set_paint_method("tiled") == "scatter"
+    assert torchpm.ops.set_paint_method("tiled") == "auto"
     try:
         assert torchpm.ops.get_paint_method() == "tiled"
         out = torchpm.paint(x, w, (8, 8, 8))
     finally:
-        assert torchpm.ops.set_paint_method("scatter") == "tiled"
+        assert torchpm.ops.set_paint_method("auto") == "tiled"
     assert torch.equal(out, scatter)
+
+
+@pytest.mark.parametrize(
+    "order, weight_shape, expected",
+    [(1, None, "scatter"), (2, None, "scatter"), (2, (1, 5), "scatter"), (2, (1, 5, 1), "scatter"),
+     (3, None, "tiled"), (4, (1, 5), "tiled"), (1, (1, 5, 3), "tiled"), (2, (1, 5, 2), "tiled"),
+     (2, (1, 5, 4), "tiled")],
+)
+def test_auto_paint_method_takes_the_tiled_paint_for_wide_windows_and_channels(order, weight_shape, expected):
+    """The default: tiled for TSC/PCS and for several channels, scatter for one NGP/CIC
+    channel; a forced method is used as it is."""
+    weights = None if weight_shape is None else torch.ones(weight_shape)
+    assert torchpm.ops.get_paint_method() == "auto"
+    assert mass_assignment._cuda_paint_method(order, weights) == expected
+    for forced in ("scatter", "tiled"):
+        previous = torchpm.ops.set_paint_method(forced)
+        try:
+            assert mass_assignment._cuda_paint_method(order, weights) == forced
+        finally:
+            torchpm.ops.set_paint_method(previous)
 
 
 def _ops_called(fn):
@@ -81,9 +105,23 @@ def test_cuda_paint_and_readout_backward_take_the_tiled_paint(device):
     x = (torch.rand(2, 200000, 3, generator=g) * 32).to(device)
     w = torch.rand(2, 200000, 3, generator=g).to(device)
     field = torch.randn(2, 3, 32, 32, 32, generator=g).to(device).requires_grad_(True)
-    scatter = torchpm.paint(x, w, (32, 32, 32), order="tsc")
-    torchpm.readout(field, x).backward(w)
-    grad_scatter, field.grad = field.grad, None
+    # the default ("auto"): one CIC channel scatters, TSC and several channels tile
+    called = _ops_called(lambda: torchpm.paint(x, None, (32, 32, 32)))
+    assert "torchpm::paint" in called and "torchpm::_paint_tiled" not in called
+    called = _ops_called(lambda: torchpm.paint(x, None, (32, 32, 32), order="tsc"))
+    assert "torchpm::_paint_tiled" in called and "torchpm::paint" not in called
+    called = _ops_called(lambda: torchpm.readout(field, x).backward(w))
+    assert "torchpm::_paint_tiled" in called and "torchpm::paint" not in called
+    field.grad = None
+    previous = torchpm.ops.set_paint_method("scatter")
+    try:
+        called = _ops_called(lambda: torchpm.paint(x, w, (32, 32, 32), order="tsc"))
+        assert "torchpm::paint" in called and "torchpm::_paint_tiled" not in called
+        scatter = torchpm.paint(x, w, (32, 32, 32), order="tsc")
+        torchpm.readout(field, x).backward(w)
+        grad_scatter, field.grad = field.grad, None
+    finally:
+        torchpm.ops.set_paint_method(previous)
     previous = torchpm.ops.set_paint_method("tiled")
     try:
         called = _ops_called(lambda: torchpm.paint(x, w, (32, 32, 32), order="tsc"))

@@ -89,14 +89,19 @@ def halo_widths(order) -> tuple[int, int]:
     return below, above
 
 
-PAINT_METHODS = ("scatter", "tiled")
-_paint_method = "scatter"
+PAINT_METHODS = ("auto", "scatter", "tiled")
+_paint_method = "auto"
 
 
 def set_paint_method(method: str) -> str:
     """Choose how paint accumulates on CUDA; returns the previous choice.
 
-    * ``"scatter"`` (default): one thread per particle adds its ``p^3``
+    * ``"auto"`` (default): the tiled paint for the TSC and PCS windows and for
+      paints of two or more channels (readout's backward of the three force
+      components), the scatter otherwise (NGP and CIC, one channel). On an H100
+      the tiled paint took 0.11-0.55x the scatter's time for those, and 0.85-1.13x
+      for one CIC channel, where it also needs its scratch (``benchmarks/RESULTS.md``).
+    * ``"scatter"``: one thread per particle adds its ``p^3``
       contributions to the mesh with global atomic adds.
     * ``"tiled"``: the particles are binned by tiles of 8^3 nodes; a block sums
       a tile's particles (at most 1024 at a time) in a shared-memory copy of the
@@ -122,11 +127,20 @@ def set_paint_method(method: str) -> str:
 
 
 def get_paint_method() -> str:
-    """The paint method CUDA uses: ``"scatter"`` or ``"tiled"`` (:func:`set_paint_method`)."""
+    """The paint method CUDA uses: ``"auto"``, ``"scatter"`` or ``"tiled"`` (:func:`set_paint_method`)."""
     return _paint_method
 
 
-def _paint_op(tensor):
+def _cuda_paint_method(order: int, weights: torch.Tensor | None) -> str:
+    """``"scatter"`` or ``"tiled"``: the paint CUDA runs for window ``order`` (1..4)
+    and ``weights`` under :func:`set_paint_method`'s choice."""
+    if _paint_method != "auto":
+        return _paint_method
+    channels = 1 if weights is None or weights.dim() < 3 else weights.shape[-1]
+    return "tiled" if order >= 3 or channels > 1 else "scatter"
+
+
+def _paint_op(tensor, order: int, weights: torch.Tensor | None):
     """The paint op for ``tensor``'s device and mode: on CUDA, the paint computed
     node by node under ``torch.use_deterministic_algorithms(True)``
     (``_paint_deterministic``, no atomics), else the method of
@@ -134,7 +148,7 @@ def _paint_op(tensor):
     if tensor.is_cuda:
         if torch.are_deterministic_algorithms_enabled():
             return _ops._paint_deterministic
-        if _paint_method == "tiled":
+        if _cuda_paint_method(order, weights) == "tiled":
             return _ops._paint_tiled
     return _ops.paint
 
@@ -189,7 +203,7 @@ def paint(
     periodic = args.periodic_argument(periodic, op)
     p = args.order_number(order, op)
     check_finite = args.bool_argument(check_finite, "check_finite", op)
-    return _paint_op(positions)(positions, weights, shape, offset, periodic, p, check_finite)
+    return _paint_op(positions, p, weights)(positions, weights, shape, offset, periodic, p, check_finite)
 
 
 def readout(
@@ -390,7 +404,7 @@ def _readout_backward(ctx, grad_values):
     if ctx.needs_input_grad[0]:
         shape = list(mesh.shape[-3:])
         # (deterministic mode may have been switched on after the forward)
-        grad_mesh = _paint_op(positions)(positions, grad_values, shape, offset, periodic, order, False)
+        grad_mesh = _paint_op(positions, order, grad_values)(positions, grad_values, shape, offset, periodic, order, False)
     if ctx.needs_input_grad[1]:
         grad_positions = _ops._position_gradient(mesh, positions, grad_values, offset, periodic, order)
     return grad_mesh, grad_positions, None, None, None, None
