@@ -23,6 +23,11 @@ JaxPM 0.1.6 has no FastPM integrator: its "step" here is the same kick-drift-kic
 written with ``jaxpm.pm.pm_forces`` (one force evaluation) under ``jax.jit``, on float32
 arrays; its 2LPT is ``jaxpm.pm.lpt(order=2)`` under ``jax.jit`` (it integrates its
 growth table inside the call, while torchpm's growth table is built once per cosmology).
+On a GPU run one size per process (``--sizes 512``): XLA keeps its memory pool, and
+JaxPM's 2LPT at 512^3 ran out of memory on an 80 GB H100 after its 256^3 run in the
+same process. JaxPM's GPU peak is XLA's ``peak_bytes_in_use`` above the baseline over
+one step on a displaced lattice (XLA's peak cannot be reset, so its child skips the
+2LPT); if its 2LPT runs out of memory, its step is timed on that lattice.
 """
 
 from __future__ import annotations
@@ -256,8 +261,30 @@ def bench_jaxpm(n, modules, repeats, factor, memory_only=False):
     jax, jnp, jpm, jc = modules
     shape = (n, n, n)
     box = (float(2 * n),) * 3
-    cosmology = jc.Planck15()
     grid = jnp.stack(jnp.meshgrid(*[jnp.arange(s, dtype=jnp.float32) for s in shape], indexing="ij"), axis=-1)
+    first, drift, second = (float(v) for v in (factor.first_kick, factor.drift, factor.second_kick))
+    cosmology = jc.Planck15()
+    scale = float(1.5 * (cosmology.Omega_c + cosmology.Omega_b))
+
+    @jax.jit
+    def step(x, p, f):
+        p = p + f * first
+        x = x + p * drift
+        f = jpm.pm_forces(x, mesh_shape=shape) * scale
+        return x, p + f * second, f
+
+    if memory_only and jax.devices()[0].platform != "cpu":
+        # XLA's peak counter cannot be reset: nothing before the step may allocate more than
+        # the step does, so the particles are a displaced lattice here, not the 2LPT's.
+        x = grid + 0.25
+        p = jnp.zeros_like(x)
+        f0 = jpm.pm_forces(x, mesh_shape=shape) * scale
+        jax.block_until_ready(step(x, p, f0))  # compile outside the measurement
+        device = jax.devices()[0]
+        base = device.memory_stats()["bytes_in_use"]
+        jax.block_until_ready(step(x, p, f0))
+        return {"memory": device.memory_stats()["peak_bytes_in_use"] - base}
+
     k = jnp.logspace(-4, 1, 256)
     pk = jc.power.linear_matter_power(cosmology, k)
 
@@ -276,18 +303,16 @@ def bench_jaxpm(n, modules, repeats, factor, memory_only=False):
         return jax.block_until_ready(lpt(delta))
 
     out = {}
-    out["lpt"], (x, p, f) = timed(run_lpt, "cpu", repeats)
-    x, p = x.astype(jnp.float32), p.astype(jnp.float32)
-    first, drift, second = (float(v) for v in (factor.first_kick, factor.drift, factor.second_kick))
-    scale = float(1.5 * (cosmology.Omega_c + cosmology.Omega_b))
-
-    @jax.jit
-    def step(x, p, f):
-        p = p + f * first
-        x = x + p * drift
-        f = jpm.pm_forces(x, mesh_shape=shape) * scale
-        return x, p + f * second, f
-
+    try:
+        out["lpt"], (x, p, f) = timed(run_lpt, "cpu", repeats)
+        x, p = x.astype(jnp.float32), p.astype(jnp.float32)
+    except Exception as error:  # XLA's out-of-memory: the step is still timed
+        if "RESOURCE_EXHAUSTED" not in str(error):
+            raise
+        print(f"# JaxPM 2LPT at {n}^3 ran out of memory; its step is timed on a displaced lattice",
+              file=sys.stderr, flush=True)
+        out["lpt"] = float("nan")
+        x, p = grid + 0.25, jnp.zeros_like(grid)
     f0 = jpm.pm_forces(x, mesh_shape=shape) * scale
     out["step"], _ = timed(lambda: jax.block_until_ready(step(x, p, f0)), "cpu", repeats)
     if memory_only:
@@ -308,6 +333,8 @@ def peak_memory(code, n, device, threads):
     import subprocess
 
     environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the child needs the memory this process's allocator caches
     command = [sys.executable, os.path.abspath(__file__), "--memory-child", code, "--sizes", str(n),
                "--device", str(device), "--threads", str(threads), "--repeats", "1",
                "--paint-method", torchpm.ops.get_paint_method()]
@@ -315,6 +342,8 @@ def peak_memory(code, n, device, threads):
     try:
         return json.loads(result.stdout.strip().splitlines()[-1])["memory"]
     except (IndexError, ValueError, KeyError):
+        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"# {code} memory at {n}^3: child failed (exit {result.returncode}): {last}", file=sys.stderr)
         return float("nan")
 
 
@@ -325,7 +354,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: default)")
     parser.add_argument("--no-jaxpm", action="store_true")
-    parser.add_argument("--paint-method", choices=["scatter", "tiled"], default="scatter",
+    parser.add_argument("--paint-method", choices=["auto", "scatter", "tiled"], default="auto",
                         help="torchpm.ops.set_paint_method: how CUDA paints (the CPU always scatters)")
     parser.add_argument("--memory-child", choices=["torchpm", "jaxpm"], help=argparse.SUPPRESS)
     arguments = parser.parse_args()
@@ -381,6 +410,8 @@ def main():
             table = torchpm.cosmology.growth_table(torchpm.Planck15())
             factor = step_factors(table, torch.tensor([0.1, 0.19], dtype=torch.float64))[0]
             try:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()  # give XLA the memory torch's allocator caches
                 theirs = bench_jaxpm(n, jax_modules, arguments.repeats, factor)
                 theirs["memory"] = peak_memory("jaxpm", n, device, torch.get_num_threads())
             except Exception as error:  # report and go on with torchpm's numbers
