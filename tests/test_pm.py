@@ -128,3 +128,26 @@ def test_leapfrog_converges_to_linear_solution():
 def test_step_factors_bad_scheme():
     with pytest.raises(ValueError, match="integrator"):
         step_factors(growth_table(torchpm.Planck15()), torch.tensor([0.1, 1.0]), "rk4")
+
+
+@pytest.mark.parametrize("correction", [False, True])
+def test_forces_trace_into_one_graph_for_every_scale_factor(correction):
+    """The force evaluation under torch.compile(fullgraph=True) gives eager's numbers,
+    and a new scale factor (a graph input) is not a new graph: eager mode reads a CPU
+    ``a`` as a number (no host-to-device copy), which while tracing would specialise
+    the graph on its value and recompile at every step."""
+    from torch._dynamo.utils import counters
+
+    options = {}
+    if correction:
+        options["force_correction"] = torchpm.nn.PGDCorrection(0.1, 0.5, alpha=0.2)
+    sim = torchpm.Simulation(8, 64.0, mesh_factor=1, a_start=0.1, steps=3, **options)
+    positions = torch.rand(1, 512, 3, generator=torch.Generator().manual_seed(3)) * 8
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x, a: sim.forces(x, a), fullgraph=True, backend="aot_eager")
+    for value in (0.4, 0.5, 0.6, 0.7):
+        a = torch.tensor(value, dtype=torch.float64)
+        torch.testing.assert_close(compiled(positions, a), sim.forces(positions, a), rtol=1e-6, atol=1e-7)
+    # one graph, and at most one more once the value is seen to change (automatic dynamic)
+    assert counters["stats"]["unique_graphs"] <= 2

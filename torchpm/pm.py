@@ -72,7 +72,7 @@ def compute_forces(
     density_k = mesh.rfftn(mesh.paint(positions, weights, order=order))
     filter_ = None
     if force_correction is not None:
-        if isinstance(a, torch.Tensor) and (a.device.type != "cpu" or (a.requires_grad and torch.is_grad_enabled())):
+        if isinstance(a, torch.Tensor) and not _plain_cpu_number(a):
             a_tensor = a.to(dtype=kernels.dtype, device=positions.device)
         else:  # a fill, not a host-to-device copy (a CUDA graph can capture the step)
             a_tensor = torch.full((), float(a), dtype=kernels.dtype, device=positions.device)
@@ -80,7 +80,7 @@ def compute_forces(
     # Mesh units (1/c_i), the mean-1 normalisation and 1.5 Omega_m go into the 1-d
     # gradient's per-axis factors: no extra pass over the mesh or the particles.
     if isinstance(force_scale, torch.Tensor):
-        if force_scale.device.type == "cpu" and not (force_scale.requires_grad and torch.is_grad_enabled()):
+        if _plain_cpu_number(force_scale):
             # A number: no host-to-device copy per call (a CUDA graph can capture the step).
             force_scale = float(force_scale)
         else:
@@ -90,6 +90,13 @@ def compute_forces(
     # from the potential's one halo exchange).
     field = gradient_inverse_laplacian(density_k, kernels, filter_, gradient_scale, halo_for=order)
     return mesh.readout(field, positions, order=order, haloed=True)  # (B, N, 3), the 3 components in one pass
+
+
+def _plain_cpu_number(value: torch.Tensor) -> bool:
+    """A CPU tensor that may be read as a Python number: no gradient is recorded
+    through it, and no graph is being traced (reading it there would break the graph)."""
+    return (value.device.type == "cpu" and not (value.requires_grad and torch.is_grad_enabled())
+            and not torch.compiler.is_compiling())
 
 
 class StepFactors(NamedTuple):
