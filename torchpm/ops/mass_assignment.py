@@ -99,7 +99,7 @@ def set_paint_method(method: str) -> str:
     * ``"auto"`` (default): the tiled paint for the TSC and PCS windows and for
       paints of two or more channels (readout's backward of the three force
       components), the scatter otherwise (NGP and CIC, one channel). On an H100
-      the tiled paint took 0.11-0.55x the scatter's time for those, and 0.85-1.13x
+      the tiled paint took 0.11-0.75x the scatter's time for those, and 0.85-1.13x
       for one CIC channel, where it also needs its scratch (``benchmarks/RESULTS.md``).
     * ``"scatter"``: one thread per particle adds its ``p^3``
       contributions to the mesh with global atomic adds.
