@@ -7,6 +7,10 @@
 # runs the CPU tests against it (the CUDA tests skip).
 #
 #   bash tools/compat_build.sh [TORCH_VERSION] [WORKDIR]      # make compat-check
+#   COMPAT_BUILD_ONLY=1 bash tools/compat_build.sh 2.11.0 DIR   # the library alone, for a GPU session
+#
+# The library is left in WORKDIR/src/torchpm/libtorchpm_ops.so: with torch 2.11 and the
+# CUDA kernels it is what tools/gpu_session.sh takes from .gpuso/ on the GPU machine.
 #
 # Not part of `make test` (the download alone takes minutes). The build log and the
 # pytest log are left in WORKDIR.
@@ -46,6 +50,10 @@ if ! $venv setup.py build_ext --inplace >"$work/build.log" 2>&1; then
     exit 1
 fi
 echo "build: $((SECONDS - start)) s"
+if [ "${COMPAT_BUILD_ONLY:-0}" = 1 ]; then
+    echo "library: $work/src/torchpm/libtorchpm_ops.so"
+    exit 0
+fi
 # The CLI tests start `python -m torchpm` in other folders: the clone must be importable.
 PYTHONPATH=$work/src${PYTHONPATH:+:$PYTHONPATH} $venv -m pytest -q -p no:cacheprovider tests/ >"$work/pytest.log" 2>&1
 status=$?
