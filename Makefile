@@ -13,7 +13,7 @@ CU_OBJECTS := $(patsubst csrc/%.cu,.cuda-check/%.o,$(CU_SOURCES))
 
 CPP_BUILD ?= build/cpp
 
-.PHONY: run test deps test-deps build cpp cuda-check compat-check bench bench-dfft bench-distributed example-dfft test-distributed clean
+.PHONY: run test deps test-deps build cpp cuda-check compat-check gpu-prepare bench bench-dfft bench-distributed example-dfft test-distributed clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
@@ -61,6 +61,11 @@ cuda-check: deps
 COMPAT_TORCH ?= 2.11.0
 compat-check:
 	bash tools/compat_build.sh $(COMPAT_TORCH)
+
+# What a GPU session carries: the library built against the GPU machine's torch and
+# the JaxPM wheels (tools/gpu_prepare.sh; then tools/gpu_session.sh there).
+gpu-prepare:
+	bash tools/gpu_prepare.sh
 
 # The op library as a CMake package (CMakeLists.txt) against the LibTorch inside
 # the installed torch wheel, installed to $(CPP_BUILD)/install, and the C++

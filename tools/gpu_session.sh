@@ -12,11 +12,10 @@
 #   bash tools/gpu_session.sh layout      # build, then the reads of planar against interleaved meshes
 #
 # A machine goes back 30 s after a call, so every call builds again (about 2 minutes of
-# device time on 16 cores) unless the library comes with it: build it here against the
-# GPU machine's torch (`COMPAT_BUILD_ONLY=1 bash tools/compat_build.sh 2.11.0 DIR`), copy
-# DIR/src/torchpm/libtorchpm_ops.so to .gpuso/ (ignored through .git/info/exclude) and
-# carry .gpuso. JaxPM for the bench phase travels the same way as wheels in .whl/
-# (jaxpm 0.1.6, jax-cosmo 0.1.0, jaxdecomp 0.3.4, which works with the machine's jax 0.11).
+# device time on 16 cores) unless the library comes with it: `make gpu-prepare`
+# (tools/gpu_prepare.sh) builds it here against the GPU machine's torch into .gpuso/ and
+# fetches the JaxPM wheels for the bench phase into .whl/ (jaxpm 0.1.6, jax-cosmo 0.1.0,
+# jaxdecomp 0.3.4, which works with the machine's jax 0.11); carry both.
 #
 # The GPU machine has torch, pytest, pytest-xdist, hypothesis, scipy, h5py, safetensors and
 # matplotlib, but not the test-only oracles astropy, colossus, pynbody and JaxPM: those

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Prepares, on this machine, what a GPU session carries (tools/gpu_session.sh), so that
+# no device minute goes into building or fetching:
+#   .gpuso/libtorchpm_ops.so  the library with its CUDA kernels (sm_90), built against the
+#                             GPU machine's torch (2.11.0+cu130) by tools/compat_build.sh;
+#   .whl/                     JaxPM 0.1.6, jax-cosmo 0.1.0 and jaxdecomp 0.3.4 wheels for
+#                             Python 3.12 (the GPU machine has jax 0.11 but not these).
+# Both folders are added to .git/info/exclude. Then, per device call:
+#   carry [".gpuso", ".whl"], command `bash tools/gpu_session.sh PHASE`.
+#
+#   bash tools/gpu_prepare.sh [WORKDIR]     # make gpu-prepare
+set -u -o pipefail
+repo=$(git rev-parse --show-toplevel)
+work=${1:-${TMPDIR:-/tmp}/torchpm-torch-2.11.0}
+python=${PYTHON:-python3}
+cd "$repo" || exit 1
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+for folder in /.gpuso/ /.whl/; do
+    grep -qxF "$folder" "$exclude" 2>/dev/null || echo "$folder" >>"$exclude"
+done
+
+COMPAT_BUILD_ONLY=1 bash tools/compat_build.sh 2.11.0 "$work" || exit 1
+mkdir -p .gpuso
+cp "$work/src/torchpm/libtorchpm_ops.so" .gpuso/
+echo "library: .gpuso/libtorchpm_ops.so ($(git -C "$work/src" rev-parse --short HEAD))"
+
+mkdir -p .whl
+rm -f .whl/*.whl
+$python -m pip wheel -q --no-deps -w .whl jax-cosmo==0.1.0 jaxpm==0.1.6 || exit 1
+$python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl jaxdecomp==0.3.4 || exit 1
+ls .whl
