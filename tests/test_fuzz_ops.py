@@ -460,7 +460,7 @@ def routed_to(op_name, example):
         from torchpm.ops import mass_assignment
 
         route = mass_assignment._paint_op
-        mass_assignment._paint_op = lambda tensor: getattr(torch.ops.torchpm, op_name)
+        mass_assignment._paint_op = lambda tensor, order, weights: getattr(torch.ops.torchpm, op_name)
         try:
             example(case, data, forced)
         finally:
