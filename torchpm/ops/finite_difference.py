@@ -18,7 +18,6 @@ differentiable with respect to their tensor and to ``scale``, to any order.
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import torch
@@ -45,26 +44,26 @@ def _scale_vector(scale, like: torch.Tensor, op: str) -> torch.Tensor:
             raise ValueError(f"{op}: `scale` must have 3 entries, got {len(items)}")
         if any(isinstance(s, torch.Tensor) for s in items):
             vector = torch.stack([torch.as_tensor(s, dtype=torch.float64, device=like.device).reshape(()) for s in items])
-        else:  # plain numbers: one small tensor, made once and kept (_constant_vector)
+        else:  # plain numbers: written by fills on the device, not copied from the host
             try:
                 numbers = [float(s) for s in items]
             except (TypeError, ValueError):
                 raise TypeError(f"{op}: `scale` must be 3 numbers or a (3,) tensor, got {scale!r}") from None
-            if type(like) is torch.Tensor and not torch.compiler.is_compiling():
-                return _constant_vector(tuple(numbers), like.dtype, like.device)
-            vector = torch.tensor(numbers, dtype=torch.float64, device=like.device)
+            return _filled_vector(numbers, like)
     if vector.shape != (3,):
         raise ValueError(f"{op}: `scale` must have shape (3,), got {tuple(vector.shape)}")
     return vector.to(dtype=like.dtype, device=like.device)
 
 
-@functools.lru_cache(maxsize=64)
-def _constant_vector(numbers: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The (3,) tensor of plain-number factors, made once per value, dtype and device:
-    no host-to-device copy per call, so a CUDA graph can capture the op (the ops only
-    read it)."""
-    with torch.inference_mode(False), torch.no_grad():  # a plain tensor, whatever the caller's mode
-        return torch.tensor(numbers, dtype=torch.float64).to(dtype=dtype, device=device)
+def _filled_vector(numbers, like: torch.Tensor) -> torch.Tensor:
+    """The (3,) tensor of plain-number factors in ``like``'s dtype and device, written by
+    three fills: no host-to-device copy, so a CUDA graph can capture the op (its replays
+    keep the numbers of the capture). Each number is rounded to the dtype once, as a
+    float64 tensor cast to it would be."""
+    vector = torch.empty(3, dtype=like.dtype, device=like.device)
+    for index, number in enumerate(numbers):
+        vector[index].fill_(number)
+    return vector
 
 
 def _periodic(periodic, op: str) -> list[bool]:
