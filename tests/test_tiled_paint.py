@@ -81,14 +81,20 @@ def test_set_paint_method():
 )
 def test_auto_paint_method_takes_the_tiled_paint_for_wide_windows_and_channels(order, weight_shape, expected):
     """The default: tiled for TSC/PCS and for several channels, scatter for one NGP/CIC
-    channel; a forced method is used as it is."""
+    channel and beyond the tiled paint's particle count; a forced method is used as it is."""
     weights = None if weight_shape is None else torch.ones(weight_shape)
+    positions = torch.zeros(1, 5, 3)
     assert torchpm.ops.get_paint_method() == "auto"
-    assert mass_assignment._cuda_paint_method(order, weights) == expected
+    assert mass_assignment._cuda_paint_method(order, positions, weights) == expected
+    # beyond the tiled paint's 2^31 - 1 particles per call: the scatter (a stride-0
+    # view, nothing allocated)
+    many = torch.zeros(()).expand(2, 2**30, 3)
+    assert mass_assignment._cuda_paint_method(order, many, weights) == "scatter"
+    assert mass_assignment._cuda_paint_method(order, many[:, : 2**30 - 1], weights) == expected
     for forced in ("scatter", "tiled"):
         previous = torchpm.ops.set_paint_method(forced)
         try:
-            assert mass_assignment._cuda_paint_method(order, weights) == forced
+            assert mass_assignment._cuda_paint_method(order, positions, weights) == forced
         finally:
             torchpm.ops.set_paint_method(previous)
 

@@ -98,7 +98,8 @@ def set_paint_method(method: str) -> str:
 
     * ``"auto"`` (default): the tiled paint for the TSC and PCS windows and for
       paints of two or more channels (readout's backward of the three force
-      components), the scatter otherwise (NGP and CIC, one channel). On an H100
+      components), the scatter otherwise (NGP and CIC, one channel, and calls of
+      more than 2^31 - 1 particles, which the tiled paint refuses). On an H100
       the tiled paint took 0.11-0.75x the scatter's time for those, and 0.85-1.13x
       for one CIC channel, where it also needs its scratch (``benchmarks/RESULTS.md``).
     * ``"scatter"``: one thread per particle adds its ``p^3``
@@ -131,11 +132,18 @@ def get_paint_method() -> str:
     return _paint_method
 
 
-def _cuda_paint_method(order: int, weights: torch.Tensor | None) -> str:
-    """``"scatter"`` or ``"tiled"``: the paint CUDA runs for window ``order`` (1..4)
-    and ``weights`` under :func:`set_paint_method`'s choice."""
+#: Most particles (B * N) the tiled paint takes in one call (its int32 counts).
+TILED_MAX_PARTICLES = 2**31 - 1
+
+
+def _cuda_paint_method(order: int, positions: torch.Tensor, weights: torch.Tensor | None) -> str:
+    """``"scatter"`` or ``"tiled"``: the paint CUDA runs for window ``order`` (1..4),
+    ``(B, N, 3)`` ``positions`` and ``weights`` under :func:`set_paint_method`'s choice
+    ("auto" keeps the scatter beyond the tiled paint's particle count)."""
     if _paint_method != "auto":
         return _paint_method
+    if positions.shape[0] * positions.shape[1] > TILED_MAX_PARTICLES:
+        return "scatter"
     channels = 1 if weights is None or weights.dim() < 3 else weights.shape[-1]
     return "tiled" if order >= 3 or channels > 1 else "scatter"
 
@@ -148,7 +156,7 @@ def _paint_op(tensor, order: int, weights: torch.Tensor | None):
     if tensor.is_cuda:
         if torch.are_deterministic_algorithms_enabled():
             return _ops._paint_deterministic
-        if _cuda_paint_method(order, weights) == "tiled":
+        if _cuda_paint_method(order, tensor, weights) == "tiled":
             return _ops._paint_tiled
     return _ops.paint
 
