@@ -30,7 +30,8 @@ def reproducible(device):
     """For tests that compare two runs bit for bit: on CUDA the paint's atomic adds sum
     in a varying order, so there the test runs under
     ``torch.use_deterministic_algorithms(True)`` (node-by-node paint, no atomics). The
-    CPU kernels are deterministic as they are."""
+    CPU kernels are deterministic as they are. ``warn_only``: a torch op without a
+    deterministic CUDA kernel warns instead of raising (torchpm's paint is routed)."""
     if device.type != "cuda":
         yield
         return

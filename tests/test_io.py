@@ -345,7 +345,6 @@ def run_case(case_id, ctx):
 
 
 def test_multifile_snapshot_from_two_ranks(tmp_path):
-    pynbody = pytest.importorskip("pynbody")  # the independent reader (`make test-deps`)
     good, bad, restart = tmp_path / "good", tmp_path / "bad", tmp_path / "restart"
     for folder in (good, bad, restart):
         folder.mkdir()
@@ -370,6 +369,7 @@ def test_multifile_snapshot_from_two_ranks(tmp_path):
         assert torch.equal(snap.mesh_positions, reference.mesh_positions) and torch.equal(snap.ids, reference.ids)
     parts = [read_snapshot(str(good / "snap_000"), share=(i, 3)) for i in range(3)]
     assert torch.equal(torch.cat([p.ids for p in parts]), torch.arange(sim.n_total))
+    pynbody = pytest.importorskip("pynbody")  # the independent reader (`make test-deps`)
     snap = pynbody.load(str(good / "snap_000"))
     assert len(snap) == sim.n_total
     np.testing.assert_array_equal(np.sort(np.asarray(snap.dm["iord"])), np.arange(sim.n_total))
