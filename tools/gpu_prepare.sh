@@ -20,10 +20,17 @@ for folder in /.gpuso/ /.whl/; do
     grep -qxF "$folder" "$exclude" 2>/dev/null || echo "$folder" >>"$exclude"
 done
 
+command -v nvcc >/dev/null 2>&1 || { echo "gpu_prepare: nvcc not found: the library would have no CUDA kernels"; exit 1; }
+if ! git diff --quiet HEAD -- csrc setup.py; then
+    echo "gpu_prepare: csrc/ or setup.py has uncommitted changes; the library is built from HEAD: commit first"
+    exit 1
+fi
 COMPAT_BUILD_ONLY=1 bash tools/compat_build.sh 2.11.0 "$work" || exit 1
 mkdir -p .gpuso
-cp "$work/src/torchpm/libtorchpm_ops.so" .gpuso/
-echo "library: .gpuso/libtorchpm_ops.so ($(git -C "$work/src" rev-parse --short HEAD))"
+cp "$work/src/torchpm/libtorchpm_ops.so" .gpuso/ || exit 1
+# The sources it was built from: gpu_session.sh takes the library only while they match.
+(cd "$work/src" && bash tools/source_hash.sh) >.gpuso/SOURCE || exit 1
+echo "library: .gpuso/libtorchpm_ops.so ($(git -C "$work/src" rev-parse --short HEAD), sources $(cat .gpuso/SOURCE))"
 
 mkdir -p .whl
 rm -f .whl/*.whl

@@ -3,7 +3,7 @@
 # (10 minutes). Logs go to $OUT (or ./gpu-logs); every number they print belongs in
 # benchmarks/RESULTS.md with the device, the date and the command.
 #
-#   bash tools/gpu_session.sh test        # build, then the whole suite with the CUDA cases
+#   bash tools/gpu_session.sh test        # build, then every CUDA case of the suite and the C++ API
 #   bash tools/gpu_session.sh memcheck    # build, then the CUDA op tests under compute-sanitizer memcheck
 #   bash tools/gpu_session.sh racecheck   # the same under racecheck
 #   bash tools/gpu_session.sh bench       # build, then the GPU benchmarks at 256^3 and 512^3
@@ -12,7 +12,8 @@
 #   bash tools/gpu_session.sh layout      # build, then the reads of planar against interleaved meshes
 #
 # A machine goes back 30 s after a call, so every call builds again (about 2 minutes of
-# device time on 16 cores) unless the library comes with it: `make gpu-prepare`
+# device time on 16 cores, which the test and memcheck phases' timeouts do not leave
+# room for) unless the library comes with it: `make gpu-prepare`
 # (tools/gpu_prepare.sh) builds it here against the GPU machine's torch into .gpuso/ and
 # fetches the JaxPM wheels for the bench phase into .whl/ (jaxpm 0.1.6, jax-cosmo 0.1.0,
 # jaxdecomp 0.3.4, which works with the machine's jax 0.11); carry both.
@@ -30,7 +31,13 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 python=${PYTHON:-python3}
 
 if [ -f .gpuso/libtorchpm_ops.so ]; then
-    cp .gpuso/libtorchpm_ops.so torchpm/libtorchpm_ops.so
+    # Only a library built from these very sources (make gpu-prepare after the last csrc change).
+    if [ "$(cat .gpuso/SOURCE 2>/dev/null)" = "$(bash tools/source_hash.sh)" ]; then
+        cp .gpuso/libtorchpm_ops.so torchpm/libtorchpm_ops.so || exit 1
+    else
+        echo "gpu_session: .gpuso/ was built from other sources than csrc/ and setup.py here: building"
+        rm -f torchpm/libtorchpm_ops.so
+    fi
 fi
 if compgen -G ".whl/*.whl" >/dev/null; then
     $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -62,7 +69,9 @@ test)
     # against the CUDA LibTorch.
     timeout 330 $python -m pytest -q -ra -m cuda $parallel $oracle_free -p no:cacheprovider 2>&1 \
         | tee "$out/pytest-cuda.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
+    echo "pytest -m cuda: exit ${PIPESTATUS[0]} (124: timed out)"
     timeout 200 $python -m pytest -q -ra -p no:cacheprovider tests/test_cpp.py 2>&1 | tee "$out/pytest-cpp.log" | tail -5
+    echo "pytest tests/test_cpp.py: exit ${PIPESTATUS[0]}"
     ;;
 memcheck|racecheck)
     build
