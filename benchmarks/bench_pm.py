@@ -7,7 +7,7 @@ same process on the same device when it is importable.
 Usage::
 
     python benchmarks/bench_pm.py                      # CPU: 64^3 and 128^3
-    python benchmarks/bench_pm.py --device cuda --sizes 256 512
+    python benchmarks/bench_pm.py --device cuda --sizes 512   # one size per process on a GPU (below)
     python benchmarks/bench_pm.py --no-jaxpm --threads 2
     python benchmarks/bench_pm.py --device cuda --sizes 256 512 --paint-method tiled
 
@@ -247,6 +247,9 @@ def import_jaxpm():
             shim.DistributionNotFound = type("DistributionNotFound", (Exception,), {})
             shim.get_distribution = lambda name: types.SimpleNamespace(version=importlib.metadata.version(name))
             sys.modules["pkg_resources"] = shim
+        # On a GPU shared with torch XLA must not take 75% of the memory up front (the
+        # memory children would find none).
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         import jax
         import jax.numpy as jnp
         import jax_cosmo
@@ -278,7 +281,7 @@ def bench_jaxpm(n, modules, repeats, factor, memory_only=False):
         # the step does, so the particles are a displaced lattice here, not the 2LPT's.
         x = grid + 0.25
         p = jnp.zeros_like(x)
-        f0 = jpm.pm_forces(x, mesh_shape=shape) * scale
+        f0 = jnp.zeros_like(x)  # (an eager pm_forces here would set the peak itself)
         jax.block_until_ready(step(x, p, f0))  # compile outside the measurement
         device = jax.devices()[0]
         base = device.memory_stats()["bytes_in_use"]
