@@ -155,13 +155,11 @@ def add_scaled(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.
     torch's product, with the sum landing on it (one new buffer instead of two;
     addition commutes bit for bit). Both round alike.
     """
-    needs_graph = torch.is_grad_enabled() and (
-        x.requires_grad or y.requires_grad or (isinstance(factor, torch.Tensor) and factor.requires_grad)
-    )
+    needs_graph = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
     if (
         not needs_graph
         and isinstance(factor, torch.Tensor)
-        and factor.device.type == "cpu"
+        and _plain_cpu_number(factor)
         and factor.dim() == 0
         and x.shape == y.shape
         and x.dtype == y.dtype
@@ -169,7 +167,6 @@ def add_scaled(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.
         and x.device == y.device
         and x.is_contiguous()
         and y.is_contiguous()
-        and not torch.compiler.is_compiling()
     ):
         return torch.ops.torchpm._add_scaled(x, y, factor.item())
     return torch.mul(y, factor.to(x.dtype)).add_(x)
