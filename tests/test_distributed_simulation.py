@@ -491,3 +491,27 @@ def test_distributed_simulation(world_results, world_size, case_id):
     errors = rank_errors(world_results(world_size)[case_id])
     if errors:
         pytest.fail(errors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_migration_counts_exactly_the_occupied_slots_with_non_finite_positions(dtype):
+    """The migration's finiteness count (its fast path is one sum of the whole tensor):
+    hand-counted cases, including an empty slot holding NaN (not counted) and finite
+    values whose sum overflows (none counted)."""
+    from torchpm.distributed.particles import _count_non_finite
+
+    big = torch.finfo(dtype).max
+    positions = torch.full((2, 4, 3), 1.5, dtype=dtype)
+    ids = torch.arange(8).view(2, 4)
+    assert _count_non_finite(positions, ids) == 0
+    ids[1, 3] = -1
+    positions[1, 3, 2] = float("nan")  # an empty slot: not a particle
+    assert _count_non_finite(positions, ids) == 0
+    positions[0, 1, 0] = float("inf")
+    positions[0, 1, 1] = float("-inf")
+    positions[1, 0, 2] = float("nan")
+    positions[1, 2, 1] = float("-inf")
+    assert _count_non_finite(positions, ids) == 3
+    overflowing = torch.full((1, 3, 3), big, dtype=dtype)
+    assert not torch.isfinite(overflowing.sum())
+    assert _count_non_finite(overflowing, torch.arange(3).view(1, 3)) == 0
