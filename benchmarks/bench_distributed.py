@@ -7,6 +7,7 @@ Usage::
     python benchmarks/bench_distributed.py                     # gloo on the CPU: 64^3, 128^3 on 1, 2, 4 ranks
     python benchmarks/bench_distributed.py --ranks 1 2 --sizes 128 --repeats 7
     python benchmarks/bench_distributed.py --adjoint --sizes 64 --ranks 2 4   # forward + backward, adjoint method
+    python benchmarks/bench_distributed.py --sizes 128 --ranks 2 4 --repeats 10 --sort-every 4   # with sorting
 
 Each configuration runs in ``R`` freshly spawned processes joined in one gloo process
 group (a FileStore), one thread each unless ``--threads-per-rank`` says otherwise, on
@@ -24,14 +25,17 @@ a readout's fill), "stencil" the 4-point gradient kernel itself.
 Peak memory per rank: the largest resident-set growth of any rank over the 2LPT and
 one step, above its baseline after start-up (torch imported, process group made),
 sampled every 0.5 ms, with glibc's mmap threshold fixed so that freed blocks leave
-the resident set. On a machine with fewer cores than ranks the ranks share cores, so
-the times then measure overheads, not scaling.
+the resident set; in processes of their own, so the timed steps run with glibc's
+default allocation (as a user's run does) rather than with a fresh mmap, and its page
+faults, per large block. On a machine with fewer cores than ranks the ranks share
+cores, so the times then measure overheads, not scaling.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import datetime
 import json
 import os
@@ -47,7 +51,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-PHASES = ["paint", "halo", "FFT local", "transposes", "stencil", "readout", "migration"]
+PHASES = ["paint", "halo", "FFT local", "transposes", "stencil", "readout", "migration", "sort"]
 
 
 class PhaseTimer:
@@ -78,7 +82,9 @@ class PhaseTimer:
         return totals
 
 
-def _worker(rank, world, size, repeats, threads, store, result_path):
+def _worker(rank, world, size, repeats, threads, store, result_path, sort_every=0, memory_only=False):
+    """One rank: with ``memory_only`` the peak memory of the 2LPT and one step, else the
+    timed steps (the two run in separate processes: see :func:`run`)."""
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
@@ -86,6 +92,7 @@ def _worker(rank, world, size, repeats, threads, store, result_path):
                             timeout=datetime.timedelta(seconds=600))
     import torchpm
     from bench_pm import PeakMemory
+    from torchpm import simulation
     from torchpm.distributed import balanced_grid, decomposition, fft, halo
     from torchpm.pm import step_factors
 
@@ -96,10 +103,19 @@ def _worker(rank, world, size, repeats, threads, store, result_path):
     table = sim.growth_table()
     factors = step_factors(table, torch.tensor(sim.scale_factors, dtype=torch.float64))
     with torch.no_grad():
-        with PeakMemory("cpu") as memory:
+        with PeakMemory("cpu") if memory_only else contextlib.nullcontext() as memory:
             positions, momenta, ids = sim.lpt(sim.linear_field(noise), table)
+            if sort_every:  # as Simulation.evolve: sorted at the start, then after every k-th migration
+                positions, ids, momenta = simulation.sort_particles(sim.force_mesh, positions, ids, momenta)
             forces = sim.forces(positions, factors[0].a_start, ids)
-            positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factors[0])
+            positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factors[0],
+                                                        sort=sort_every == 1)
+        if memory_only:
+            with open(result_path.format(rank=rank), "w") as handle:
+                json.dump({"rank": rank, "peak": memory.peak}, handle)
+            dist.barrier()
+            dist.destroy_process_group()
+            return
         timer = PhaseTimer()
         timer.wrap(decomposition, "_paint", "paint")
         timer.wrap(decomposition, "_readout", "readout")
@@ -110,17 +126,18 @@ def _worker(rank, world, size, repeats, threads, store, result_path):
         timer.wrap(fft, "irfftn", "FFT")
         timer.wrap(torch.ops.torchpm, "_fd4_gradient", "stencil")  # the 4-point gradient, without its halo fill
         timer.wrap(decomposition.PencilDecomposition, "migrate", "migration")
+        timer.wrap(simulation, "sort_particles", "sort")
         steps, breakdowns = [], []
-        for factor in factors[1:]:
+        for number, factor in enumerate(factors[1:], start=2):
             dist.barrier()
             timer.take()
             start = time.perf_counter()
-            positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factor)
+            sort = bool(sort_every) and number % sort_every == 0
+            positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factor, sort=sort)
             steps.append(time.perf_counter() - start)
             breakdowns.append(timer.take())
     count = int((ids >= 0).sum())
-    report = {"rank": rank, "steps": steps, "breakdowns": breakdowns, "peak": memory.peak, "particles": count,
-              "grid": list(grid)}
+    report = {"rank": rank, "steps": steps, "breakdowns": breakdowns, "particles": count, "grid": list(grid)}
     with open(result_path.format(rank=rank), "w") as handle:
         json.dump(report, handle)
     dist.barrier()
@@ -183,27 +200,48 @@ def run_adjoint(size, world, repeats, threads, steps):
     return reports[0]["grid"], columns
 
 
-def run(size, world, repeats, threads):
+def _spawn(world, size, repeats, threads, sort_every, memory_only):
+    """The ranks' reports of one run of :func:`_worker` in ``world`` fresh processes."""
     import torch.multiprocessing as mp
 
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "rank{rank}.json")
-        mp.start_processes(_worker, args=(world, size, repeats, threads, os.path.join(tmp, "store"), result_path),
+        mp.start_processes(_worker, args=(world, size, repeats, threads, os.path.join(tmp, "store"), result_path,
+                                          sort_every, memory_only),
                            nprocs=world, join=True, start_method="spawn")
         reports = []
         for rank in range(world):
             with open(result_path.format(rank=rank)) as handle:
                 reports.append(json.load(handle))
+    return reports
+
+
+def run(size, world, repeats, threads, sort_every=0):
+    """Peak memory from processes with a fixed glibc mmap threshold (every large block goes
+    back to the system when freed, so the sampled resident set follows live memory), then
+    the timings from processes without it (its fresh mmaps add page faults to every large
+    allocation: 20-40 ms per migration at 128^3 on 2 ranks)."""
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
+    try:
+        memory = _spawn(world, size, repeats, threads, sort_every, memory_only=True)
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    reports = _spawn(world, size, repeats, threads, sort_every, memory_only=False)
     step = statistics.median(max(r["steps"][i] for r in reports) for i in range(repeats))
+    late = statistics.median(max(r["steps"][i] for r in reports) for i in range(repeats // 2, repeats))
     breakdown = {}
-    for phase in ("paint", "halo", "FFT", "transposes", "stencil", "readout", "migration"):
+    for phase in ("paint", "halo", "FFT", "transposes", "stencil", "readout", "migration", "sort"):
         breakdown[phase] = statistics.median(
             max(r["breakdowns"][i].get(phase, 0.0) for r in reports) for i in range(repeats))
     breakdown["FFT local"] = max(breakdown.pop("FFT") - breakdown["transposes"], 0.0)
     return {
-        "size": size, "ranks": world, "grid": reports[0]["grid"], "step_s": step, "breakdown": breakdown,
-        "peak_bytes": max(r["peak"] for r in reports),
+        "size": size, "ranks": world, "grid": reports[0]["grid"], "step_s": step, "late_step_s": late,
+        "breakdown": breakdown,
+        "peak_bytes": max(r["peak"] for r in memory),
         "particles_per_rank": [r["particles"] for r in reports],
     }
 
@@ -217,6 +255,9 @@ def main():
     parser.add_argument("--adjoint", action="store_true",
                         help="time forward and backward of a whole run with the adjoint method instead")
     parser.add_argument("--steps", type=int, default=5, help="steps of the run (--adjoint)")
+    parser.add_argument("--sort-every", type=int, default=0,
+                        help="sort the particles into spatial order after every k-th migration "
+                             "(Simulation's sort_every; 0: never)")
     arguments = parser.parse_args()
     if arguments.adjoint:
         print(f"# torchpm distributed adjoint, gloo on the CPU ({os.cpu_count()} cores), torch {torch.__version__}, "
@@ -233,19 +274,22 @@ def main():
         return
     print(f"# torchpm distributed PM step, gloo on the CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), "
           f"torch {torch.__version__}, {datetime.date.today()}")
-    print(f"# {arguments.threads_per_rank} thread(s) per rank, median of {arguments.repeats} steps (slowest rank)")
-    header = ["size", "ranks", "grid", "step ms"] + [f"{p} ms" for p in PHASES] + ["peak MiB/rank", "vs 1 rank"]
+    print(f"# {arguments.threads_per_rank} thread(s) per rank, median of {arguments.repeats} steps (slowest rank); "
+          f"sort_every {arguments.sort_every}; late steps = the second half of the run")
+    header = (["size", "ranks", "grid", "step ms", "late steps ms"] + [f"{p} ms" for p in PHASES]
+              + ["peak MiB/rank", "vs 1 rank"])
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     single = {}
     for size in arguments.sizes:
         for world in arguments.ranks:
-            result = run(size, world, arguments.repeats, arguments.threads_per_rank)
+            result = run(size, world, arguments.repeats, arguments.threads_per_rank, arguments.sort_every)
             peak = result["peak_bytes"] / 2**20
             if world == 1:
                 single[size] = peak
             ratio = f"{peak / single[size]:.2f}x" if size in single and single[size] > 0 else "-"
-            cells = [f"{size}^3", str(world), "x".join(map(str, result["grid"])), f"{result['step_s'] * 1e3:.1f}"]
+            cells = [f"{size}^3", str(world), "x".join(map(str, result["grid"])), f"{result['step_s'] * 1e3:.1f}",
+                     f"{result['late_step_s'] * 1e3:.1f}"]
             cells += [f"{result['breakdown'][p] * 1e3:.1f}" for p in PHASES]
             cells += [f"{peak:.0f}", ratio]
             print("| " + " | ".join(cells) + " |", flush=True)

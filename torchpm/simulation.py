@@ -176,8 +176,13 @@ class Simulation(nn.Module):
             step for ``sort_every=1``). Default 0: on one device the particles stay
             in Lagrangian order, which is spatially coherent enough that on the
             2-core CPU a sort costs about what it saves at 128^3
-            (benchmarks/RESULTS.md, issue 13); sorting pays where the order is
-            scrambled (particles arriving by migration on a process grid).
+            (benchmarks/RESULTS.md, issue 13). On a process grid arrivals fill
+            the slots of the particles that left, and a 10-step 128^3 run on 2 and
+            4 ranks stayed coherent enough that sorting did not pay either (on 4
+            ranks sorting every step saved a fifth of paint and readout, ~12 ms,
+            and the sort cost ~37 ms; RESULTS section 7). Sorting pays where the
+            order is scrambled (particles given in random order: 1.5-1.8x per step
+            at 128^3).
 
     ``forward(white_noise)`` returns a :class:`SimulationState` in Mpc/h. Shapes on
     one device: white noise ``(B, nx, ny, nz)`` (or without the batch axis),
