@@ -295,6 +295,7 @@ def case_migration(grid, ctx):
         plan, positions, new_ids, attribute = mesh.migrate(moved, ids, _attribute(ids))
         old_ids, ids = ids, new_ids
         valid = ids >= 0
+        assert torch.equal(plan.padding, ~valid), f"round {round_}: the plan's padding is not the empty slots"
         assert _owned(mesh, positions, ids, grid), f"round {round_}: a particle is not on its owner"
         assert torch.equal(attribute[valid], _attribute(ids)[valid]), f"round {round_}: attributes lost their particle"
         for axis in (0, 1):

@@ -217,14 +217,19 @@ class MigrationPlan:
 
     Attributes:
         count_in, count_out: slots per batch member before and after.
-        padding: ``(B, count_out)`` bool, True for empty slots after the migration.
+        padding: ``(B, count_out)`` bool, True for empty slots after the migration
+            (computed when read: a step that does not read it makes no pass for it).
     """
 
-    def __init__(self, stages, count_in, count_out, padding):
+    def __init__(self, stages, count_in, count_out, ids):
         self.stages = stages
         self.count_in = count_in
         self.count_out = count_out
-        self.padding = padding
+        self._ids = ids  # after the migration
+
+    @property
+    def padding(self) -> torch.Tensor:
+        return self._ids < 0
 
     def exchange(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:
         """Move ``(B, count_in, ...)`` per-particle values with their particles:
@@ -251,7 +256,7 @@ class MigrationPlan:
         return tensors[0]
 
     def _check(self, tensor, count, method):
-        batch = self.padding.shape[0]
+        batch = self._ids.shape[0]
         if tensor.dim() < 2 or tensor.shape[0] != batch or tensor.shape[1] != count:
             raise ValueError(
                 f"MigrationPlan.{method}: expected a per-particle tensor of shape ({batch}, {count}, ...), "
@@ -436,8 +441,7 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         if bool((table[:, 0] > 0).any()) or bool((table[:, 1] >= 0).any()):
             raise RuntimeError(_status_error(table.cpu(), grid, capacity, "after the exchange"))
     # Empty slots hold the fill values: positions at the block's corner, ids -1, attributes 0.
-    padding = ids < 0
-    return (MigrationPlan(stages, count_in, count_out, padding), positions, ids, *attributes)
+    return (MigrationPlan(stages, count_in, count_out, ids), positions, ids, *attributes)
 
 
 def _count_non_finite(positions: torch.Tensor, ids: torch.Tensor) -> int:
