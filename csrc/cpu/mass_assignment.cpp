@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "../error_checking.h"
@@ -246,7 +247,7 @@ CheckResult check_and_bin(
 // range; stability makes the result the same for any number of ranges.
 void sort_by_bin(
     const int64_t* bin, const Ranges& split, int64_t bins, std::vector<int64_t>& counts,
-    std::vector<int64_t>& start, std::vector<int64_t>& order) {
+    std::vector<int64_t>& start, int64_t* order) {
   start.assign(bins + 1, 0);
   int64_t running = 0;
   for (int64_t k = 0; k < bins; ++k) {
@@ -258,7 +259,6 @@ void sort_by_bin(
     }
   }
   start[bins] = running;
-  order.resize(split.count);
   at::parallel_for(0, split.ranges, 1, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       int64_t* next = counts.data() + r * bins;
@@ -329,11 +329,13 @@ void paint_kernel(
   // many, and a different order from the serial path.
   const bool serial = total < kSerialPaintLimit;
   const Ranges split = split_for_threads(total);
-  std::vector<int64_t> particle_bin(serial ? 0 : total);
+  // Per-particle scratch, written in full before it is read: not zeroed (a
+  // std::vector would write it once more).
+  std::unique_ptr<int64_t[]> particle_bin(serial ? nullptr : new int64_t[total]);
   std::vector<int64_t> counts(serial ? 0 : split.ranges * batch * nx, 0);
   const CheckResult check = check_and_bin<scalar_t, W>(
       pos, check_finite ? values : nullptr, channels, split, n, g,
-      serial ? nullptr : particle_bin.data(), counts.data());
+      particle_bin.get(), counts.data());
   // Raises here in immediate mode; in deferred mode the valid particles are
   // painted and the mesh poisoned (NaN weights poison it by themselves).
   report_bad_particles(
@@ -343,10 +345,10 @@ void paint_kernel(
   }
   // Particles by bin (batch, plane).
   std::vector<int64_t> start;
-  std::vector<int64_t> order;
+  std::unique_ptr<int64_t[]> order(serial ? nullptr : new int64_t[total]);
   if (!serial) {
-    sort_by_bin(particle_bin.data(), split, batch * nx, counts, start, order);
-    particle_bin = std::vector<int64_t>();
+    sort_by_bin(particle_bin.get(), split, batch * nx, counts, start, order.get());
+    particle_bin.reset();
     counts = std::vector<int64_t>();
   }
   dispatch_channels(channels, [&](auto channel_count) {
