@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "../torchpm.h"
@@ -230,14 +231,15 @@ at::Tensor spatial_order_cpu(
     return out;
   }
   const int64_t geometry[3][2] = {{shape[0], shape[1]}, {offset[0], offset[1]}, {period[0], period[1]}};
-  std::vector<int64_t> bin(n);
+  // Written in full by order_one before it is read: not zeroed first.
+  std::unique_ptr<int64_t[]> bin(new int64_t[n]);
   AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "spatial_order_cpu", [&] {
     const scalar_t* pos = positions.data_ptr<scalar_t>();
     const int64_t* id = ids.data_ptr<int64_t>();
     int64_t* result = out.data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; ++b) {
       order_one<scalar_t>(pos + 3 * n * b, id + n * b, n, geometry[0], geometry[1], geometry[2],
-                          bin.data(), result + n * b);
+                          bin.get(), result + n * b);
     }
   });
   return out;
