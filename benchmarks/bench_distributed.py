@@ -82,6 +82,35 @@ class PhaseTimer:
         return totals
 
 
+def _timed_steps(sim, factors, positions, momenta, forces, ids, sort_every):
+    """Steps 2.. of the run, each after a barrier, timed whole and by phase (PhaseTimer)."""
+    import torch.distributed as dist
+    from torchpm import simulation
+    from torchpm.distributed import decomposition, fft, halo
+
+    timer = PhaseTimer()
+    timer.wrap(decomposition, "_paint", "paint")
+    timer.wrap(decomposition, "_readout", "readout")
+    timer.wrap(halo, "add_halo", "halo")
+    timer.wrap(halo, "fill_halo", "halo")
+    timer.wrap(fft, "transpose", "transposes")
+    timer.wrap(fft, "rfftn", "FFT")
+    timer.wrap(fft, "irfftn", "FFT")
+    timer.wrap(torch.ops.torchpm, "_fd4_gradient", "stencil")  # the 4-point gradient, without its halo fill
+    timer.wrap(decomposition.PencilDecomposition, "migrate", "migration")
+    timer.wrap(simulation, "sort_particles", "sort")
+    steps, breakdowns = [], []
+    for number, factor in enumerate(factors[1:], start=2):
+        dist.barrier()
+        timer.take()
+        start = time.perf_counter()
+        sort = bool(sort_every) and number % sort_every == 0
+        positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factor, sort=sort)
+        steps.append(time.perf_counter() - start)
+        breakdowns.append(timer.take())
+    return {"steps": steps, "breakdowns": breakdowns, "particles": int((ids >= 0).sum())}
+
+
 def _worker(rank, world, size, repeats, threads, store, result_path, sort_every=0, memory_only=False):
     """One rank: with ``memory_only`` the peak memory of the 2LPT and one step, else the
     timed steps (the two run in separate processes: see :func:`run`)."""
@@ -93,7 +122,7 @@ def _worker(rank, world, size, repeats, threads, store, result_path, sort_every=
     import torchpm
     from bench_pm import PeakMemory
     from torchpm import simulation
-    from torchpm.distributed import balanced_grid, decomposition, fft, halo
+    from torchpm.distributed import balanced_grid
     from torchpm.pm import step_factors
 
     grid = balanced_grid(world)
@@ -111,33 +140,10 @@ def _worker(rank, world, size, repeats, threads, store, result_path, sort_every=
             positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factors[0],
                                                         sort=sort_every == 1)
         if memory_only:
-            with open(result_path.format(rank=rank), "w") as handle:
-                json.dump({"rank": rank, "peak": memory.peak}, handle)
-            dist.barrier()
-            dist.destroy_process_group()
-            return
-        timer = PhaseTimer()
-        timer.wrap(decomposition, "_paint", "paint")
-        timer.wrap(decomposition, "_readout", "readout")
-        timer.wrap(halo, "add_halo", "halo")
-        timer.wrap(halo, "fill_halo", "halo")
-        timer.wrap(fft, "transpose", "transposes")
-        timer.wrap(fft, "rfftn", "FFT")
-        timer.wrap(fft, "irfftn", "FFT")
-        timer.wrap(torch.ops.torchpm, "_fd4_gradient", "stencil")  # the 4-point gradient, without its halo fill
-        timer.wrap(decomposition.PencilDecomposition, "migrate", "migration")
-        timer.wrap(simulation, "sort_particles", "sort")
-        steps, breakdowns = [], []
-        for number, factor in enumerate(factors[1:], start=2):
-            dist.barrier()
-            timer.take()
-            start = time.perf_counter()
-            sort = bool(sort_every) and number % sort_every == 0
-            positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factor, sort=sort)
-            steps.append(time.perf_counter() - start)
-            breakdowns.append(timer.take())
-    count = int((ids >= 0).sum())
-    report = {"rank": rank, "steps": steps, "breakdowns": breakdowns, "particles": count, "grid": list(grid)}
+            report = {"rank": rank, "peak": memory.peak}
+        else:
+            report = _timed_steps(sim, factors, positions, momenta, forces, ids, sort_every)
+            report.update(rank=rank, grid=list(grid))
     with open(result_path.format(rank=rank), "w") as handle:
         json.dump(report, handle)
     dist.barrier()
