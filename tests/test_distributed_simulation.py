@@ -37,7 +37,7 @@ def case_ids(world_size):
         ids += [f"simulation_b1-{grid}", f"simulation_b2-{grid}", f"gradient_b1-{grid}", f"gradient_b2-{grid}",
                 f"adjoint_b2-{grid}", f"adjoint_fused_force_b2-{grid}"]
         if world_size > 1:
-            ids += [f"migration-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
+            ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}"]
     if world_size > 1:
         ids.append(f"failfast-{GRIDS[world_size][0][0]}x{GRIDS[world_size][0][1]}")  # last: breaks its groups
@@ -292,7 +292,19 @@ def case_migration(grid, ctx):
             step[0] = 0
         moved = positions + step
         moved = torch.where((ids >= 0).unsqueeze(-1), moved, positions)
-        plan, positions, new_ids, attribute = mesh.migrate(moved, ids, _attribute(ids))
+        # Odd rounds let the migration write into its inputs (as the simulation's step
+        # does); it must never write into ids, nor into anything when not allowed.
+        overwrite = round_ % 2 == 1
+        given, given_ids, given_attribute = moved.clone(), ids.clone(), _attribute(ids)
+        plan, positions, new_ids, attribute = mesh.migrate(moved, ids, given_attribute, overwrite=overwrite)
+        assert torch.equal(ids, given_ids), f"round {round_}: the migration wrote into its ids"
+        if not overwrite:
+            assert torch.equal(moved, given), f"round {round_}: the migration wrote into its positions"
+            assert torch.equal(given_attribute, _attribute(given_ids)), f"round {round_}: ... into its attribute"
+        elif positions.shape[1] == moved.shape[1] and 1 in grid:
+            # One stage and no growth: written in place, no copy.
+            assert positions.data_ptr() == moved.data_ptr(), f"round {round_}: positions copied despite overwrite"
+            assert attribute.data_ptr() == given_attribute.data_ptr(), f"round {round_}: attribute copied"
         old_ids, ids = ids, new_ids
         valid = ids >= 0
         assert torch.equal(plan.padding, ~valid), f"round {round_}: the plan's padding is not the empty slots"
@@ -331,6 +343,42 @@ def case_migration(grid, ctx):
             mine = ids[ids >= 0]
             mine = torch.where(mine >= 10_000, mine - 10_000, mine) // per_rank
             assert bool((mine == rank).all()) and int((ids >= 0).sum()) == batch * per_rank, "routing home"
+
+
+def case_migration_headroom(grid, ctx):
+    """A rank that gains a few particles at every migration grows its slots once, not at
+    every migration (it would copy every per-particle tensor each time), and the
+    migrations that do not grow write in place when allowed."""
+    from torchpm.distributed import PencilDecomposition
+
+    mesh = PencilDecomposition((16, 16, 4), ctx["groups"][grid])
+    rank, world = ctx["rank"], ctx["world"]
+    per_rank = 3200
+    generator = torch.Generator().manual_seed(5 + rank)
+    low = torch.tensor(mesh.local_real_offset, dtype=torch.float64)
+    size = torch.tensor(mesh.local_real_shape, dtype=torch.float64)
+    positions = low + torch.rand(1, per_rank, 3, generator=generator, dtype=torch.float64) * size
+    ids = torch.arange(per_rank).unsqueeze(0) + rank * per_rank
+    target = torch.tensor([0.5, 0.5, 0.5], dtype=torch.float64)  # in rank 0's block
+    counts, in_place = [], []
+    rounds = 10  # 50 arrivals: within the headroom of 1/64 of 3200 slots
+    for round_ in range(rounds):
+        moved = positions.clone()
+        if rank == world - 1:  # five particles to rank 0 per round
+            sending = torch.nonzero(ids[0] >= 0).reshape(-1)[:5]
+            moved[0, sending] = target
+        _, positions, ids = mesh.migrate(moved, ids, overwrite=True)
+        counts.append(positions.shape[1])
+        in_place.append(positions.data_ptr() == moved.data_ptr())
+    if rank == 0:
+        assert sum(1 for a, b in zip([per_rank] + counts, counts) if b != a) == 1, f"slot counts {counts}"
+        assert counts[-1] - per_rank >= rounds * 5, counts
+        grown = counts.index(counts[-1])
+        assert all(in_place[grown + 1:]) and not in_place[grown], (counts, in_place)
+    elif rank == world - 1:
+        assert counts == [per_rank] * rounds and all(in_place), (counts, in_place)
+    gained = rounds * 5
+    assert int((ids >= 0).sum()) == per_rank + (gained if rank == 0 else -gained if rank == world - 1 else 0)
 
 
 def case_migration_gradcheck(grid, ctx):

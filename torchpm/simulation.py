@@ -645,8 +645,9 @@ class Simulation(nn.Module):
         into spatial order after it when ``sort``)."""
         momenta = add_scaled(momenta, forces, factor.first_kick)
         positions = add_scaled(positions, momenta, factor.drift)
+        # Both are new tensors of this step: the migration may write into them.
         _, positions, ids, momenta = self.force_mesh.migrate(
-            positions, ids, momenta, capacity=self.particle_capacity
+            positions, ids, momenta, capacity=self.particle_capacity, overwrite=True
         )
         if sort:
             positions, ids, momenta = sort_particles(self.force_mesh, positions, ids, momenta)

@@ -609,7 +609,7 @@ class PencilDecomposition:
     # -------------------------------------------------------------- particles
 
     def migrate(self, positions: torch.Tensor, ids: torch.Tensor, *attributes: torch.Tensor,
-                capacity: int | None = None, destination: torch.Tensor | None = None):
+                capacity: int | None = None, destination: torch.Tensor | None = None, overwrite: bool = False):
         """Move particles to the rank that owns their position (wrapped along split axes).
 
         Args:
@@ -619,6 +619,9 @@ class PencilDecomposition:
             capacity: most slots per batch member on a rank afterwards (None: grow as needed).
             destination: optional ``(B, n)`` int64 grid rank (``r0 * P1 + r1``) to send each
                 particle to instead of the owner of its position.
+            overwrite: ``positions`` and ``attributes`` are scratch that the migration may
+                write into instead of copying (never ``ids``, nor a tensor that records
+                gradients): saves a copy of each when this rank's slot count is unchanged.
 
         Returns:
             ``(plan, positions, ids, *attributes)``; ``plan.exchange`` moves any
@@ -658,7 +661,7 @@ class PencilDecomposition:
         before = (ids >= 0).sum(1) if debug else None
         plan, positions, ids, *moved = _particles.migrate(
             self.layout, self.grid, positions, ids, *attributes, capacity=capacity, corner=corner,
-            destination=destination,
+            destination=destination, overwrite=overwrite,
         )
         if debug:
             self.check_conservation(before, ids)

@@ -9,12 +9,16 @@ zero mass). A single device never pads.
 
 Particles that stay keep their slot: only the particles that leave are selected,
 sent and written into the slots that are free after the exchange (the slots of the
-particles that left and earlier padding, then new slots at the end). Per split grid
-axis this is one exchange of counts and one uneven all-to-all carrying every
-per-particle tensor at once (positions, momenta, ids and any attribute, packed side
-by side), so a step costs O(particles that move) in selection and communication and
-one copy of each per-particle tensor. When more than a quarter of the slots end up
-empty, the particles are compacted to the front.
+particles that left and earlier padding, then new slots at the end: when a member
+outgrows its slots they grow by 1/64 more than needed, so that a rank gaining
+particles step after step does not grow at every step). Per split grid axis this is
+one exchange of counts and one uneven all-to-all carrying every per-particle tensor at
+once (positions, momenta, ids and any attribute, packed side by side), so a step
+costs O(particles that move) in selection and communication, plus one copy of each
+per-particle tensor that the caller does not let it overwrite (``overwrite``: the
+simulation's step lets it write into its freshly drifted positions and momenta). When
+more than a quarter of the slots end up empty, the particles are compacted to the
+front.
 
 A :class:`MigrationPlan` is computed once from positions and ids (who goes where)
 and then moves any number of per-particle tensors (momenta, user attributes) with
@@ -49,6 +53,8 @@ _DEBUG = os.environ.get("TORCHPM_DEBUG_MIGRATION", "0").lower() not in ("", "0",
 
 # Compact the slots when more than this fraction of them is empty after a migration.
 _COMPACT_FRACTION = 0.25
+# Slots grow by this fraction more than needed (see _headroom).
+_HEADROOM_DIVISOR = 64
 
 
 def debug_checks(enabled: bool | None = None) -> bool:
@@ -121,14 +127,21 @@ def _exchange_rows(rows: list[torch.Tensor], send_counts, receive_counts, group_
 # reverse swaps the roles, so both directions are one function.
 
 
-def _move(tensors, fills, batch, count_from, count_to, pick, put, clear, keep_base, exchange=None, wrap=None):
+def _move(tensors, fills, batch, count_from, count_to, pick, put, clear, keep_base, exchange=None, wrap=None,
+          overwrite=None):
     """Moves per-particle ``tensors`` ``(B, count_from, ...)`` to ``(B, count_to, ...)``.
 
     Rows ``pick`` are selected (``wrap = (axis, n)`` wraps column ``axis`` of the first
     tensor's, the positions', into ``[0, n)``), passed through ``exchange`` (rows ->
     rows) when given, and written to slots ``put``; slots ``clear`` get ``fill``. With
     ``keep_base`` the other slots keep their rows (the first ``count_to`` of each
-    member, ``fill`` beyond ``count_from``); without, they are ``fill``."""
+    member, ``fill`` beyond ``count_from``); without, they are ``fill``.
+
+    The rows are written into a new tensor (one copy of each input), or, where
+    ``overwrite[i]`` is true, into ``tensors[i]`` itself when the slot count does not
+    change (no copy; never for a tensor that records gradients). A base made here (a
+    grown or a filled one) is always written in place: it has no other user."""
+    overwrite = overwrite or [False] * len(tensors)
     flats = []
     for tensor in tensors:
         features = tuple(tensor.shape[2:])
@@ -140,15 +153,18 @@ def _move(tensors, fills, batch, count_from, count_to, pick, put, clear, keep_ba
     if exchange is not None:
         rows = exchange(rows)
     out = []
-    for (flat, features, width), moved, fill in zip(flats, rows, fills):
+    for (flat, features, width), moved, fill, mine in zip(flats, rows, fills, overwrite):
+        fresh = True
         if not keep_base:
             base = _fill_rows(batch * count_to, flat, width, fill).contiguous()
         elif count_to == count_from:
             base = flat
+            fresh = mine and not (torch.is_grad_enabled() and flat.requires_grad)
         else:
             view = flat.reshape(batch, count_from, width)
             if count_to < count_from:
                 view = view[:, :count_to]
+                fresh = False  # a view of the input
             else:
                 extra = _fill_rows(count_to - count_from, view, width, fill).unsqueeze(0).expand(batch, -1, -1)
                 view = torch.cat([view, extra], dim=1)
@@ -157,7 +173,8 @@ def _move(tensors, fills, batch, count_from, count_to, pick, put, clear, keep_ba
         if clear is not None and clear.numel():
             index = torch.cat([put, clear])
             values = torch.cat([moved, _fill_rows(clear.numel(), moved, width, fill)])
-        out.append(base.index_copy(0, index, values).view(batch, count_to, *features))
+        written = base.index_copy_(0, index, values) if fresh else base.index_copy(0, index, values)
+        out.append(written.view(batch, count_to, *features))
     return out
 
 
@@ -178,14 +195,16 @@ class _Stage:
         self.send_counts = send_counts  # particles to each peer
         self.receive_counts = receive_counts  # particles from each peer
 
-    def forward_many(self, tensors: Sequence[torch.Tensor], fills: Sequence, wrap=None) -> list[torch.Tensor]:
+    def forward_many(self, tensors: Sequence[torch.Tensor], fills: Sequence, wrap=None,
+                     overwrite=None) -> list[torch.Tensor]:
         """Move ``(B, count_in, ...)`` tensors; ``wrap = (axis, n)`` wraps the first tensor's
-        (the positions') column ``axis`` of the particles that leave into ``[0, n)``."""
+        (the positions') column ``axis`` of the particles that leave into ``[0, n)``;
+        ``overwrite[i]``: ``tensors[i]`` may be written in place (see :func:`_move`)."""
         def exchange(rows):
             return _exchange_rows(rows, self.send_counts, self.receive_counts, self.grid_axis.name)
 
         return _move(tensors, fills, self.batch, self.count_in, self.count_out, self.send_index, self.target,
-                     self.clear_out, True, exchange, wrap)
+                     self.clear_out, True, exchange, wrap, overwrite)
 
     def backward_many(self, tensors: Sequence[torch.Tensor], fills: Sequence) -> list[torch.Tensor]:
         def exchange(rows):
@@ -301,8 +320,18 @@ def _status_error(table, grid: GridGroups, capacity, what):
     return f"particle migration ({what}) failed: " + "; ".join(lines) + "." + advice
 
 
-def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids, destination):
-    """The stage of grid ``axis`` for particles ``positions`` / ``ids`` ``(B, count, ...)``."""
+def _headroom(count: int, capacity: int | None) -> int:
+    """Empty slots added when a member outgrows its slots: 1/64 of them, within
+    ``capacity`` (far below the quarter that triggers a compaction)."""
+    room = count // _HEADROOM_DIVISOR
+    if capacity is not None:
+        room = min(room, max(0, capacity - count))
+    return room
+
+
+def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids, destination, capacity=None):
+    """The stage of grid ``axis`` for particles ``positions`` / ``ids`` ``(B, count, ...)``;
+    when the slots grow, they grow with headroom (within ``capacity``)."""
     grid_axis = grid.axes[axis]
     size = grid_axis.size
     batch, count = ids.shape
@@ -319,7 +348,12 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
     else:
         coordinate = destination // grid.shape[1] if axis == 0 else destination % grid.shape[1]
         leave = valid & (coordinate != me)
-    send_flat = torch.nonzero(leave.reshape(-1)).reshape(-1)
+    # Free slots after the particles leave: theirs and earlier padding, in slot order.
+    # One pass finds them all; the leavers and the earlier padding are split from them.
+    holes = torch.nonzero((leave | ~valid).reshape(-1)).reshape(-1)
+    hole_valid = valid.reshape(-1)[holes]
+    send_flat = holes[hole_valid]
+    clear_in = holes[~hole_valid]
     member = send_flat // count
     if destination is None:
         n = layout.global_shape[axis]
@@ -335,13 +369,16 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
     received = received.view(size, batch)
     arrivals = received.sum(0)  # per member
 
-    # Free slots after the particles left: theirs and earlier padding, in slot order.
-    holes = torch.nonzero((leave | ~valid).reshape(-1)).reshape(-1)
     hole_member = holes // count
     hole_slot = holes - hole_member * count
     free = torch.bincount(hole_member, minlength=batch)
     extra = (arrivals - free).clamp(min=0)
-    count_out = count + (int(extra.max()) if batch else 0)
+    grow = int(extra.max()) if batch else 0
+    count_out = count + grow
+    if grow:
+        # Headroom: a rank that gains particles step after step (a collapsing region)
+        # would otherwise grow, and copy every per-particle tensor, at every step.
+        count_out += _headroom(count_out, capacity)
     hole_rank = torch.arange(holes.numel(), device=device) - (torch.cumsum(free, 0) - free)[hole_member]
     used = hole_rank < arrivals[hole_member]
     arrival_start = torch.cumsum(arrivals, 0) - arrivals
@@ -356,7 +393,6 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
         slot_of_arrival[arrival_start[extra_member] + free[extra_member] + extra_rank] = (
             extra_member * count_out + count + extra_rank)
     clear_out = hole_member[~used] * count_out + hole_slot[~used]
-    clear_in = torch.nonzero((~valid).reshape(-1)).reshape(-1)
     # Received rows come by source, then member; arrivals of a member are numbered by source.
     lengths = received.reshape(-1)
     row_start = torch.cumsum(received, 0) - received
@@ -384,7 +420,7 @@ def _plan_compaction(ids: torch.Tensor, capacity: int | None):
 
 def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids: torch.Tensor,
             *attributes: torch.Tensor, capacity: int | None = None, corner=(0.0, 0.0, 0.0),
-            destination: torch.Tensor | None = None):
+            destination: torch.Tensor | None = None, overwrite: bool = False):
     """Move particles to the ranks that own their positions.
 
     Args:
@@ -397,6 +433,9 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         destination: optional ``(B, n)`` int64 grid rank ``r0 * P1 + r1`` to send each
             particle to, instead of the owner of its position (e.g. to bring values
             back to where they started).
+        overwrite: ``positions`` and ``attributes`` are the caller's scratch: the
+            migration may write into them instead of copying them (never into ``ids``,
+            nor into a tensor that records gradients).
 
     Returns:
         ``(plan, positions, ids, *attributes)`` ``(B, count_out, ...)``: positions are
@@ -412,11 +451,17 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
     for axis in (0, 1):
         if grid.axes[axis].size == 1:
             continue
-        stage = _plan_stage(layout, grid, axis, positions, ids, destination)
-        stages.append(stage)
+        stage = _plan_stage(layout, grid, axis, positions, ids, destination, capacity)
         payload = [positions, ids, *attributes] + ([] if destination is None else [destination])
         fills = [fill_position, -1] + [0] * len(attributes) + ([] if destination is None else [-1])
-        positions, ids, *rest = stage.forward_many(payload, fills, wrap=(axis, layout.global_shape[axis]))
+        # The first stage writes into the caller's tensors only if allowed; a later one
+        # into what the earlier stage made.
+        mine = [overwrite, False] + [overwrite] * len(attributes) + [False] * (destination is not None)
+        if stages:
+            mine = [True] * len(payload)
+        stages.append(stage)
+        positions, ids, *rest = stage.forward_many(payload, fills, wrap=(axis, layout.global_shape[axis]),
+                                                   overwrite=mine)
         attributes = tuple(rest[: len(attributes)])
         if destination is not None:
             destination = rest[-1]
