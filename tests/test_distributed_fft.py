@@ -351,8 +351,10 @@ def case_halo(grid, ctx):
         local = whole[real_slices(shape, grid, coords)].contiguous()
         padded = d.pad_halo(local, width) + 0.5  # garbage halo: must be ignored
         padded[..., lo:lo + local.shape[-3], lo:lo + local.shape[-2], :] = local
+        given = padded.clone()
         filled = d.fill_halo(padded, width)
         assert torch.equal(filled, expected), f"fill_halo width {width}"
+        assert torch.equal(padded, given), f"fill_halo width {width} wrote into its input"
         # add_halo: every rank's haloed block, added into the global mesh at
         # its periodic indices, then cut back to this rank's block.
         total = torch.zeros(2, *shape, dtype=torch.float64)
@@ -364,7 +366,9 @@ def case_halo(grid, ctx):
                 mine = values
             index = (torch.arange(2)[:, None, None], ix[None, :, None], iy[None, None, :])
             total.index_put_(index, values, accumulate=True)
+        given = mine.clone()
         added = d.add_halo(mine, width)
+        assert torch.equal(mine, given), f"add_halo width {width} wrote into its input"
         expected_added = torch.zeros_like(mine)
         lx, ly = local.shape[-3], local.shape[-2]
         expected_added[..., lo:lo + lx, lo:lo + ly, :] = total[real_slices(shape, grid, coords)]

@@ -398,7 +398,8 @@ class PencilDecomposition:
                                  ("halo widths (field, readout refill) of `halo_for`",
                                   lambda: prepared[0][0:3:2] if prepared else str(halo_for)))
         widths, periodic, refill, scale, padded = prepared[0]
-        gradient = torch.ops.torchpm._fd4_gradient(_halo.fill_halo(padded, widths, self._axes), scale, periodic)
+        gradient = torch.ops.torchpm._fd4_gradient(_halo.fill_halo(padded, widths, self._axes, inplace=True), scale,
+                                                   periodic)
         if refill is not None:  # too thin for one wide halo: the readout's halo from a second exchange
             gradient = self.with_stencil_halo(gradient, halo_for)
         return gradient
@@ -425,7 +426,7 @@ class PencilDecomposition:
 
         self._checked_collective("fd4_gradient_transpose", check, grad, "grad")
         widths, haloed = prepared[0]
-        return self.strip_halo(_halo.add_halo(haloed, widths, self._axes), widths)
+        return self.strip_halo(_halo.add_halo(haloed, widths, self._axes, inplace=True), widths)
 
     def fd4_readout_halo(self, order: str = "cic"):
         """Halo widths ``((lo_x, hi_x), (lo_y, hi_y))`` of the field for
@@ -567,7 +568,7 @@ class PencilDecomposition:
              lambda: tuple(painted[0][1].shape[:-3]) if painted else ()),
         )
         widths, block = painted[0]
-        return self.strip_halo(_halo.add_halo(block, widths, self._axes), widths)
+        return self.strip_halo(_halo.add_halo(block, widths, self._axes, inplace=True), widths)
 
     def readout(self, field: torch.Tensor, positions: torch.Tensor, *, order: str = "cic",
                 haloed: bool = False) -> torch.Tensor:
@@ -593,7 +594,7 @@ class PencilDecomposition:
         self._checked_collective("readout", check, field, "field",
                                  ("halo widths of `order`", lambda: prepared[0][0] if prepared else str(order)))
         widths, offset, periodic, padded = prepared[0]
-        field = _halo.fill_halo(padded, widths, self._axes)
+        field = _halo.fill_halo(padded, widths, self._axes, inplace=True)
         return _readout(field, positions, order=order, offset=offset, periodic=periodic)
 
     def with_stencil_halo(self, field: torch.Tensor, order: str = "cic") -> torch.Tensor:
@@ -604,7 +605,9 @@ class PencilDecomposition:
         widths = self.stencil_halo(order)
         if not any(lo or hi for lo, hi in widths):
             return field
-        return self.fill_halo(self.pad_halo(field, widths), widths)
+        padded = self.pad_halo(field, widths)
+        widths = self._checked_halo("fill_halo", padded, widths)
+        return _halo.fill_halo(padded, widths, self._axes, inplace=True)
 
     # -------------------------------------------------------------- particles
 

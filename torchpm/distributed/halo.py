@@ -14,7 +14,6 @@ collective backwards. Axes of grid size 1 wrap onto themselves.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ._ops import all_to_all
 from .groups import GridAxis
@@ -57,6 +56,7 @@ def exchange_neighbours(grid_axis: GridAxis, to_left: torch.Tensor, to_right: to
 
 
 def _fill_axis(field, grid_axis, dim, lo, hi):
+    """Fill the halo of ``field`` along ``dim`` in place."""
     if lo == 0 and hi == 0:
         return field
     n = field.shape[dim] - lo - hi
@@ -64,48 +64,96 @@ def _fill_axis(field, grid_axis, dim, lo, hi):
     from_right, from_left = exchange_neighbours(
         grid_axis, interior.narrow(dim, 0, hi).contiguous(), interior.narrow(dim, n - lo, lo).contiguous()
     )
-    return torch.cat([from_left, interior, from_right], dim)
+    field.narrow(dim, 0, lo).copy_(from_left)
+    field.narrow(dim, lo + n, hi).copy_(from_right)
+    return field
 
 
 def _add_axis(field, grid_axis, dim, lo, hi):
+    """Add the halo of ``field`` along ``dim`` into the neighbours and zero it, in place."""
     if lo == 0 and hi == 0:
         return field
     n = field.shape[dim] - lo - hi
-    interior = field.narrow(dim, lo, n)
     from_right, from_left = exchange_neighbours(
         grid_axis, field.narrow(dim, 0, lo).contiguous(), field.narrow(dim, lo + n, hi).contiguous()
     )
+    if grid_axis.size == 1:
+        # The "received" planes are views of this very halo: read them before zeroing it.
+        from_right, from_left = from_right.clone(), from_left.clone()
     # The next rank's low halo lands on my last `lo` planes, the previous
     # rank's high halo on my first `hi` planes.
-    interior = interior + _pad_along(from_right, dim, n - lo, 0) + _pad_along(from_left, dim, 0, n - hi)
-    zeros_lo = field.new_zeros(_replace(field.shape, dim, lo))
-    zeros_hi = field.new_zeros(_replace(field.shape, dim, hi))
-    return torch.cat([zeros_lo, interior, zeros_hi], dim)
+    field.narrow(dim, lo + n - lo, lo).add_(from_right)
+    field.narrow(dim, lo, hi).add_(from_left)
+    field.narrow(dim, 0, lo).zero_()
+    field.narrow(dim, lo + n, hi).zero_()
+    return field
 
 
-def fill_halo(field: torch.Tensor, widths, axes) -> torch.Tensor:
+class _FillHalo(torch.autograd.Function):
+    """:func:`fill_halo`; its backward is :func:`add_halo` itself, so the gradient is
+    the adjoint bit for bit (and differentiable again)."""
+
+    @staticmethod
+    def forward(ctx, field, widths, axes, inplace):
+        ctx.widths, ctx.axes = widths, axes
+        (lo_x, hi_x), (lo_y, hi_y) = widths
+        if inplace:
+            ctx.mark_dirty(field)
+        else:
+            field = field.clone()
+        field = _fill_axis(field, axes[0], -3, lo_x, hi_x)
+        return _fill_axis(field, axes[1], -2, lo_y, hi_y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return add_halo(grad, ctx.widths, ctx.axes), None, None, None
+
+
+class _AddHalo(torch.autograd.Function):
+    """:func:`add_halo`; its backward is :func:`fill_halo`."""
+
+    @staticmethod
+    def forward(ctx, field, widths, axes, inplace):
+        ctx.widths, ctx.axes = widths, axes
+        (lo_x, hi_x), (lo_y, hi_y) = widths
+        if inplace:
+            ctx.mark_dirty(field)
+        else:
+            field = field.clone()
+        field = _add_axis(field, axes[1], -2, lo_y, hi_y)
+        return _add_axis(field, axes[0], -3, lo_x, hi_x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return fill_halo(grad, ctx.widths, ctx.axes), None, None, None
+
+
+def _no_halo(widths) -> bool:
+    return not any(lo or hi for lo, hi in widths)
+
+
+def _writable(field: torch.Tensor, inplace: bool) -> bool:
+    """Whether ``field`` may be written in place: when allowed, except for a view that
+    records gradients (autograd forbids writing into, e.g., a custom op's view output)."""
+    return inplace and not (field._is_view() and field.requires_grad and torch.is_grad_enabled())
+
+
+def fill_halo(field: torch.Tensor, widths, axes, inplace: bool = False) -> torch.Tensor:
     """Fill the halo of ``field`` (``(..., lx + lo_x + hi_x, ly + lo_y + hi_y, nz)``) from the
-    periodic neighbours; ``widths = ((lo_x, hi_x), (lo_y, hi_y))``. The input halo is ignored."""
-    (lo_x, hi_x), (lo_y, hi_y) = widths
-    field = _fill_axis(field, axes[0], -3, lo_x, hi_x)
-    return _fill_axis(field, axes[1], -2, lo_y, hi_y)
+    periodic neighbours; ``widths = ((lo_x, hi_x), (lo_y, hi_y))``. The input halo is ignored.
+
+    Returns a new tensor (one copy of ``field``), or with ``inplace`` writes the halo
+    of ``field`` itself (a tensor of the caller's own). The exchange itself touches
+    only halo planes. Differentiable; the backward is :func:`add_halo`."""
+    if _no_halo(widths):
+        return field
+    return _FillHalo.apply(field, widths, axes, _writable(field, inplace))
 
 
-def add_halo(field: torch.Tensor, widths, axes) -> torch.Tensor:
+def add_halo(field: torch.Tensor, widths, axes, inplace: bool = False) -> torch.Tensor:
     """Add the halo of ``field`` into the neighbours' blocks; the returned halo is zero.
-    The adjoint of :func:`fill_halo` with the same ``widths``."""
-    (lo_x, hi_x), (lo_y, hi_y) = widths
-    field = _add_axis(field, axes[1], -2, lo_y, hi_y)
-    return _add_axis(field, axes[0], -3, lo_x, hi_x)
-
-
-def _replace(shape, dim, value):
-    shape = list(shape)
-    shape[dim] = value
-    return shape
-
-
-def _pad_along(t, dim, before, after):
-    """Zero-pad ``t`` along a negative ``dim`` (F.pad counts from the last dimension)."""
-    pad = [0, 0] * (-dim - 1) + [before, after]
-    return F.pad(t, pad)
+    The adjoint of :func:`fill_halo` with the same ``widths``; ``inplace`` as there;
+    the backward is :func:`fill_halo`."""
+    if _no_halo(widths):
+        return field
+    return _AddHalo.apply(field, widths, axes, _writable(field, inplace))
