@@ -99,6 +99,11 @@ TORCH_LIBRARY(torchpm, m) {
   m.def(
       "_spatial_order(Tensor positions, Tensor ids, int[] shape, int[] offset, "
       "int[] period) -> Tensor");
+  // The slots a migration stage frees (torchpm/distributed/particles.py): flat
+  // indices, increasing, of the empty slots (id < 0) and of the occupied ones
+  // whose coordinate `axis` is outside [low, high) (NaN stays); and, as a 0-d
+  // int64, the number of occupied slots with a non-finite coordinate.
+  m.def("_migration_holes(Tensor positions, Tensor ids, int axis, float low, float high) -> (Tensor, Tensor)");
   // Permutation of per-particle rows: _gather_rows: out[b, k, ...] = input[b,
   // order[b, k], ...]; _scatter_rows: out[b, order[b, k], ...] = input[b, k, ...]
   // (for a permutation, each is the inverse and the adjoint of the other).

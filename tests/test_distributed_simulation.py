@@ -564,3 +564,45 @@ def test_migration_counts_exactly_the_occupied_slots_with_non_finite_positions(d
     overflowing = torch.full((1, 3, 3), big, dtype=dtype)
     assert not torch.isfinite(overflowing.sum())
     assert _count_non_finite(overflowing, torch.arange(3).view(1, 3)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_migration_holes_op_matches_its_pure_torch_twin_and_hand_cases(device, dtype):
+    """torch.ops.torchpm._migration_holes (one pass: the empty slots and the leavers of
+    one axis, increasing, and the non-finite count) against hand-made cases and its
+    pure-torch twin, over random batches with padding, NaN, infinities, coordinates on
+    the bounds and strided positions."""
+    from torchpm.distributed.particles import migration_holes_reference
+
+    op = torch.ops.torchpm._migration_holes
+    # Hand case: block [2, 5) along x.
+    positions = torch.tensor([[[2.0, 0, 0], [5.0, 0, 0], [4.99, 9, 9], [1.99, 0, 0], [float("nan"), 0, 0],
+                               [3.0, float("inf"), 0], [float("inf"), 0, 0], [3.0, 0, 0]]], dtype=dtype, device=device)
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, -1]], device=device)
+    holes, bad = op(positions, ids, 0, 2.0, 5.0)
+    # 5.0 and 1.99 leave, NaN stays, +inf leaves, the empty slot is a hole.
+    assert holes.tolist() == [1, 3, 6, 7] and holes.dtype == torch.int64
+    assert int(bad) == 3 and bad.dim() == 0  # NaN, inf in y, inf in x
+    generator = torch.Generator().manual_seed(21)
+    for trial in range(20):
+        batch, n = 1 + trial % 3, [0, 1, 37, 70_000][trial % 4]
+        base = torch.rand(batch, n, 4, generator=generator, dtype=torch.float64) * 12 - 2
+        base = base.round(decimals=trial % 2)  # some coordinates exactly on the bounds
+        x = base[..., :3].to(dtype)  # strided: every 4th value skipped
+        special = torch.rand(batch, n, 3, generator=generator)
+        x = torch.where(special < 0.01, float("nan"), x)
+        x = torch.where((special > 0.995), float("-inf"), x)
+        slots = torch.arange(batch * n).view(batch, n)
+        slots = torch.where(torch.rand(batch, n, generator=generator) < 0.1, -1, slots)
+        x, slots = x.to(device), slots.to(device)
+        axis, low = trial % 3, float(trial % 5)
+        holes, bad = op(x, slots, axis, low, low + 4.0)
+        expected_holes, expected_bad = migration_holes_reference(x, slots, axis, low, low + 4.0)
+        assert torch.equal(holes, expected_holes), f"trial {trial}: holes"
+        assert int(bad) == int(expected_bad), f"trial {trial}: non-finite count"
+    with pytest.raises(ValueError, match="axis"):
+        op(positions, ids, 3, 2.0, 5.0)
+    with pytest.raises(ValueError, match="low"):
+        op(positions, ids, 0, 5.0, 2.0)
+    with pytest.raises(ValueError, match="ids"):
+        op(positions, ids[:, :4], 0, 2.0, 5.0)

@@ -285,6 +285,29 @@ class MigrationPlan:
 
 # ------------------------------------------------------------------ planning
 
+def migration_holes_reference(positions: torch.Tensor, ids: torch.Tensor, axis: int, low: float, high: float):
+    """Pure-torch twin of ``torch.ops.torchpm._migration_holes`` (the test oracle, and
+    the kernel on CUDA, where each of its passes is one fast kernel): the flat indices,
+    increasing, of the empty slots and of the occupied ones whose coordinate ``axis``
+    is outside ``[low, high)`` (NaN stays), and the number of occupied slots with a
+    non-finite coordinate (0-d int64)."""
+    valid = ids >= 0
+    column = positions[..., axis].detach()
+    leave = valid & ((column < low) | (column >= high))
+    holes = torch.nonzero((leave | ~valid).reshape(-1)).reshape(-1)
+    non_finite = (valid & ~torch.isfinite(positions.detach()).all(-1)).sum()
+    return holes, non_finite
+
+
+def _migration_holes_fake(positions, ids, axis, low, high):
+    size = torch.library.get_ctx().new_dynamic_size()
+    return ids.new_empty(size), ids.new_empty(())
+
+
+torch.library.register_fake("torchpm::_migration_holes")(_migration_holes_fake)
+torch.library.register_kernel("torchpm::_migration_holes", "cuda")(migration_holes_reference)
+
+
 def _wrapped_column(column: torch.Tensor, n: int) -> torch.Tensor:
     """``column`` wrapped into ``[0, n)``."""
     wrapped = torch.remainder(column, n)
@@ -337,27 +360,26 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
     batch, count = ids.shape
     device = ids.device
     me = grid.coords[axis]
-    valid = ids >= 0
+    # Free slots after the particles leave: theirs and earlier padding, in slot order
+    # (one pass); the leavers and the earlier padding are split from them.
+    non_finite = None
     if destination is None:
         sizes = layout.real_x if axis == 0 else layout.real_y
         low = split_offsets(sizes)[me]
-        high = low + sizes[me]
-        column = positions[..., axis].detach()
-        # NaN compares False both ways: it stays, and the finiteness check reports it.
-        leave = valid & ((column < low) | (column >= high))
+        # NaN compares False both ways: it stays, and the finiteness count reports it.
+        holes, non_finite = torch.ops.torchpm._migration_holes(
+            positions.detach(), ids, axis, float(low), float(low + sizes[me]))
     else:
         coordinate = destination // grid.shape[1] if axis == 0 else destination % grid.shape[1]
-        leave = valid & (coordinate != me)
-    # Free slots after the particles leave: theirs and earlier padding, in slot order.
-    # One pass finds them all; the leavers and the earlier padding are split from them.
-    holes = torch.nonzero((leave | ~valid).reshape(-1)).reshape(-1)
-    hole_valid = valid.reshape(-1)[holes]
+        holes = torch.nonzero(((ids < 0) | (coordinate != me)).reshape(-1)).reshape(-1)
+    hole_valid = ids.reshape(-1)[holes] >= 0
     send_flat = holes[hole_valid]
     clear_in = holes[~hole_valid]
     member = send_flat // count
     if destination is None:
         n = layout.global_shape[axis]
-        plane = torch.floor(_wrapped_column(column.reshape(-1)[send_flat], n))
+        column = positions.detach().reshape(-1, 3)[send_flat, axis]
+        plane = torch.floor(_wrapped_column(column, n))
         peer = layout.owner(plane.to(torch.int64).clamp_(0, n - 1), axis)
     else:
         peer = coordinate.reshape(-1)[send_flat]
@@ -398,20 +420,23 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
     row_start = torch.cumsum(received, 0) - received
     segment = (arrival_start.unsqueeze(0) + row_start).reshape(-1) - (torch.cumsum(lengths, 0) - lengths)
     target = slot_of_arrival[torch.repeat_interleave(segment, lengths) + torch.arange(total, device=device)]
-    return _Stage(grid_axis, batch, count, count_out, send_index, target, clear_out, clear_in,
-                  counts.sum(1).tolist(), received.sum(1).tolist())
+    stage = _Stage(grid_axis, batch, count, count_out, send_index, target, clear_out, clear_in,
+                   counts.sum(1).tolist(), received.sum(1).tolist())
+    # Occupied slots per member afterwards, without a pass over the slots.
+    occupied = count - free + arrivals
+    return stage, occupied, non_finite
 
 
-def _plan_compaction(ids: torch.Tensor, capacity: int | None):
+def _plan_compaction(ids: torch.Tensor, capacity: int | None, occupied: torch.Tensor):
     """A :class:`_Compaction` when more than a quarter of the slots is empty, or when
-    compacting brings the slots within ``capacity``; else None."""
+    compacting brings the slots within ``capacity``; else None. ``occupied``: the
+    occupied slots of each member, ``(B,)``."""
     batch, count = ids.shape
-    valid = ids >= 0
-    occupied = valid.sum(1)
     count_out = int(occupied.max()) if batch else 0
     needed = capacity is not None and count > capacity
     if count_out == count or (count - count_out <= _COMPACT_FRACTION * count and not needed):
         return None
+    valid = ids >= 0
     keep = torch.nonzero(valid.reshape(-1)).reshape(-1)
     member = keep // count
     rank = torch.arange(keep.numel(), device=ids.device) - (torch.cumsum(occupied, 0) - occupied)[member]
@@ -442,7 +467,7 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         wrapped into ``[0, n)`` along split axes. Collective over the grid.
     """
     batch = ids.shape[0]
-    bad = _count_non_finite(positions, ids) if grid.size > 1 else 0
+    bad = None  # occupied slots with a non-finite position, counted by the first stage's pass
     # Only a grid migrates: on one device nothing here touches the host (a CUDA graph
     # may capture the step).
     fill_position = torch.tensor(corner, dtype=positions.dtype, device=positions.device) if grid.size > 1 else None
@@ -451,7 +476,9 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
     for axis in (0, 1):
         if grid.axes[axis].size == 1:
             continue
-        stage = _plan_stage(layout, grid, axis, positions, ids, destination, capacity)
+        stage, occupied, non_finite = _plan_stage(layout, grid, axis, positions, ids, destination, capacity)
+        if bad is None:
+            bad = _count_non_finite(positions, ids) if non_finite is None else int(non_finite)
         payload = [positions, ids, *attributes] + ([] if destination is None else [destination])
         fills = [fill_position, -1] + [0] * len(attributes) + ([] if destination is None else [-1])
         # The first stage writes into the caller's tensors only if allowed; a later one
@@ -466,7 +493,7 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         if destination is not None:
             destination = rest[-1]
     if stages:
-        compaction = _plan_compaction(ids, capacity)
+        compaction = _plan_compaction(ids, capacity, occupied)
         if compaction is not None:
             stages.append(compaction)
             fills = [fill_position, -1] + [0] * len(attributes)

@@ -1,0 +1,124 @@
+// CPU kernel of torchpm::_migration_holes: who leaves a block, in one pass
+// (torchpm/distributed/particles.py plans a migration stage from it).
+//
+// The slots that are free once the particles leaving along one grid axis are
+// gone: every empty slot (id < 0) and every occupied slot whose coordinate
+// along `axis` lies outside [low, high). A NaN coordinate compares false both
+// ways and stays (the count of non-finite positions reports it). The flat slot
+// indices come out in increasing order. Torch needs about seven passes over the
+// slots for this (the comparisons, their combinations and nonzero); the same
+// pass also counts the occupied slots with a non-finite coordinate, which the
+// migration must report on every rank.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#include "../torchpm.h"
+
+namespace torchpm {
+namespace {
+
+constexpr int64_t kChunk = 1 << 16;
+
+template <typename scalar_t>
+void find_holes(
+    const scalar_t* pos,
+    const int64_t* ids,
+    int64_t count,
+    int axis,
+    double low,
+    double high,
+    std::vector<std::vector<int64_t>>& holes,
+    std::vector<int64_t>& bad) {
+  const int64_t chunks = static_cast<int64_t>(holes.size());
+  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    // Flags first, in a loop without branches the compiler can vectorise; then the
+    // (few) flagged slots are collected.
+    std::unique_ptr<uint8_t[]> flag(new uint8_t[kChunk]);
+    for (int64_t c = first; c < last; ++c) {
+      const int64_t begin = c * kChunk;
+      const int64_t n = std::min(count, begin + kChunk) - begin;
+      const int64_t* id = ids + begin;
+      const scalar_t* p = pos + 3 * begin;
+      const scalar_t lo = static_cast<scalar_t>(low);
+      const scalar_t hi = static_cast<scalar_t>(high);
+      int64_t non_finite = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const bool empty = id[i] < 0;
+        const scalar_t x = p[3 * i + axis];
+        // x - x is 0 for a finite x and NaN otherwise: NaN sums propagate.
+        const scalar_t probe = (p[3 * i] - p[3 * i]) + (p[3 * i + 1] - p[3 * i + 1]) + (p[3 * i + 2] - p[3 * i + 2]);
+        non_finite += static_cast<int64_t>(!empty & !(probe == scalar_t(0)));
+        flag[i] = static_cast<uint8_t>(empty | (x < lo) | (x >= hi));
+      }
+      std::vector<int64_t>& mine = holes[c];
+      for (int64_t i = 0; i < n; ++i) {
+        if (flag[i]) {
+          mine.push_back(begin + i);
+        }
+      }
+      bad[c] = non_finite;
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> migration_holes_cpu(
+    const at::Tensor& positions_in,
+    const at::Tensor& ids_in,
+    int64_t axis,
+    double low,
+    double high) {
+  const char* op = "torchpm._migration_holes";
+  const at::Tensor positions = check_positions(op, positions_in);
+  TORCH_CHECK_VALUE(
+      ids_in.scalar_type() == at::kLong && ids_in.dim() == 2 &&
+          ids_in.size(0) == positions.size(0) && ids_in.size(1) == positions.size(1),
+      op, ": expected int64 `ids` of shape (", positions.size(0), ", ", positions.size(1),
+      ") like `positions`, got ", ids_in.scalar_type(), " ", format_list(ids_in.sizes()), ".");
+  TORCH_CHECK_VALUE(axis >= 0 && axis < 3, op, ": expected `axis` 0, 1 or 2, got ", axis, ".");
+  TORCH_CHECK_VALUE(
+      std::isfinite(low) && std::isfinite(high) && low <= high, op,
+      ": expected finite bounds `low` <= `high`, got ", low, " and ", high, ".");
+  const at::Tensor ids = ids_in.contiguous();
+  const int64_t count = ids.numel();
+  const int64_t chunks = (count + kChunk - 1) / kChunk;
+  std::vector<std::vector<int64_t>> holes(chunks);
+  std::vector<int64_t> bad(chunks, 0);
+  if (count > 0) {
+    AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "migration_holes_cpu", [&] {
+      find_holes<scalar_t>(
+          positions.data_ptr<scalar_t>(), ids.data_ptr<int64_t>(), count, static_cast<int>(axis), low,
+          high, holes, bad);
+    });
+  }
+  int64_t total = 0;
+  int64_t non_finite = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    total += static_cast<int64_t>(holes[c].size());
+    non_finite += bad[c];
+  }
+  auto out = at::empty({total}, ids.options());
+  int64_t* dst = out.data_ptr<int64_t>();
+  for (const auto& part : holes) {
+    if (!part.empty()) {
+      std::memcpy(dst, part.data(), part.size() * sizeof(int64_t));
+      dst += part.size();
+    }
+  }
+  return {out, at::scalar_tensor(non_finite, ids.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
+  m.impl("_migration_holes", &migration_holes_cpu);
+}
+
+}  // namespace torchpm
