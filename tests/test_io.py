@@ -257,6 +257,31 @@ def test_restart_needs_the_exact_fields(tmp_path):
         restart_state(read_snapshot(path), sim)
 
 
+def test_restart_rebuilds_the_slot_layout_and_refuses_a_broken_one(tmp_path):
+    """A state with empty slots (as a rank of a grid holds it) comes back from its file
+    with every particle in its slot and the empty slots as a migration leaves them; a
+    file whose slot record repeats a slot is refused."""
+    sim = _sim(torch.float64)
+    state = sim(sim.white_noise(seed=2), until=0.5, return_mesh_units=True)
+    n = sim.n_total
+    slots = torch.randperm(n + 7, generator=torch.Generator().manual_seed(3))[:n].sort().values
+    spread = lambda values, fill: torch.full((1, n + 7, *values.shape[2:]), fill, dtype=values.dtype).index_copy(
+        1, slots, values)
+    padded = torchpm.SimulationState(spread(state.positions, 0.0), spread(state.momenta, 0.0), state.a,
+                                     spread(state.ids, -1))
+    path = str(tmp_path / "snap.hdf5")
+    write_snapshot(path, padded, sim, mesh_units=True)
+    snapshot = read_snapshot(path)
+    assert snapshot.slot_count == n + 7 and torch.equal(snapshot.mesh_slots, slots)
+    restored = restart_state(snapshot, sim)
+    assert torch.equal(restored.ids, padded.ids) and torch.equal(restored.positions, padded.positions)
+    assert torch.equal(restored.momenta, padded.momenta)
+    with h5py.File(path, "r+") as handle:
+        handle["torchpm/MeshSlots"][1] = handle["torchpm/MeshSlots"][0]
+    with pytest.raises(ValueError, match="slot layout"):
+        restart_state(read_snapshot(path), sim)
+
+
 # ----------------------------------------------------------------------------------
 # Multi-file sets from 2 gloo ranks.
 
@@ -315,7 +340,10 @@ def run_case(case_id, ctx):
     elif kind == "restart":
         # A distributed run (grid 2x1) writes its per-rank files at a = 0.5; every rank
         # resumes from a share of the set; the result equals the uninterrupted run bit for bit.
-        grid_sim = _sim(torch.float64, grid=(world_size, 1))
+        # 12^3 particles: enough that ranks hold empty slots between particles at a = 0.5,
+        # which the later migrations fill in order (a resume that loses the slot layout
+        # differs from the run by rounding).
+        grid_sim = _sim(torch.float64, grid=(world_size, 1), n_particles=12, box_size=24.0)
         noise = grid_sim.white_noise(seed=13)
         whole = grid_sim(noise, return_mesh_units=True)
         middle = grid_sim(noise, until=0.5, return_mesh_units=True)
@@ -328,8 +356,13 @@ def run_case(case_id, ctx):
 
         # Each rank its own file: the run's particles in the run's order, so the paint sums
         # in the same order and the resumed run is bit-identical.
-        own = grid_sim.resume(restart_state(read_snapshot(path, file_index=rank), grid_sim), mesh_units=True,
-                              return_mesh_units=True)
+        mine = read_snapshot(path, file_index=rank)
+        assert mine.slot_count == middle.ids.shape[1], "the file records the rank's slot count"
+        assert torch.equal(mine.mesh_slots, torch.nonzero(middle.ids[0] >= 0).reshape(-1))
+        empty = torch.tensor([int((middle.ids[0] < 0).sum())])
+        dist.all_reduce(empty)
+        assert int(empty) > 0, "no rank holds empty slots: the case tests nothing"
+        own = grid_sim.resume(restart_state(mine, grid_sim), mesh_units=True, return_mesh_units=True)
         for expected, got in zip(owned(whole), owned(own)):
             assert torch.equal(expected, got)
         # Any other split of the set (here the other rank's file) resumes too: the particles

@@ -326,6 +326,10 @@ def write_snapshot(
             raw_momenta = ours.create_dataset("MeshMomenta", (valid, 3), dtype=numpy_dtype)
             raw_positions.attrs["unit"] = "force-mesh cells, unwrapped"
             raw_momenta.attrs["unit"] = "force-mesh cells (p = a^3 E dx/da)"
+            # Where each particle sat among the rank's slots (empty ones included): a
+            # restart from this file rebuilds that layout, which the run's later
+            # migrations (arrivals fill the empty slots in order) and so its bits depend on.
+            raw_slots = ours.create_dataset("MeshSlots", (valid,), dtype="i8") if mesh_units else None
 
             written = 0
             velocity_factor = 100.0 / a**1.5
@@ -345,6 +349,8 @@ def write_snapshot(
                 datasets["ParticleIDs"][rows] = ids[begin:end][keep].cpu().numpy().astype("u8")
                 raw_positions[rows] = mesh_x.detach().cpu().numpy()
                 raw_momenta[rows] = mesh_p.detach().cpu().numpy()
+                if raw_slots is not None:
+                    raw_slots[rows] = torch.nonzero(keep.cpu()).reshape(-1).add_(begin).numpy()
                 written += x.shape[0]
 
             ours.attrs["format_version"] = FORMAT_VERSION
@@ -357,6 +363,7 @@ def write_snapshot(
             ours.attrs["mesh_factor"] = sim.mesh_factor
             ours.attrs["dtype"] = str(dtype).replace("torch.", "")
             ours.attrs["exact_restart"] = bool(mesh_units)
+            ours.attrs["slot_count"] = count  # the member's slots on this rank, empty ones included
             ours.attrs["member"] = member
             ours.attrs["file_index"] = file_index
             ours.attrs["integrator"] = sim.integrator
@@ -417,6 +424,9 @@ class Snapshot:
         units with the bits of the run; momenta: ``(N, 3)`` ``p`` in Mpc/h.
         files: the files read.
         total: particles in the whole snapshot (all files), of which these are a share or all.
+        mesh_slots: ``(N,)`` int64, each particle's slot among the ``slot_count`` slots
+            of the rank that wrote the file (empty slots included), when one whole file
+            with that record was read; else None.
     """
 
     a: float
@@ -433,6 +443,8 @@ class Snapshot:
     mesh_momenta: torch.Tensor | None
     files: list
     total: int = 0
+    mesh_slots: torch.Tensor | None = None
+    slot_count: int | None = None
 
     def state(self):
         """The particles as a :class:`torchpm.SimulationState` in Mpc/h, batch of 1."""
@@ -516,6 +528,8 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
         header = {key: _python(value) for key, value in handle["Header"].attrs.items()}
         attributes = {key: _python(value) for key, value in handle["torchpm"].attrs.items()} if "torchpm" in handle else {}
         has_raw = "torchpm" in handle and "MeshPositions" in handle["torchpm"]
+        # The slot layout belongs to one file as its rank held it: only a whole single file.
+        has_slots = has_raw and "MeshSlots" in handle["torchpm"] and len(files) == 1 and share is None
         float_dtype = handle["PartType1/Coordinates"].dtype if "PartType1" in handle else "f4"
     torch_dtype = torch.float64 if str(float_dtype) == "float64" else torch.float32
     n = end - begin
@@ -528,6 +542,9 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
     if has_raw:
         arrays.update(mesh_positions=torch.empty(n, 3, dtype=torch_dtype), mesh_momenta=torch.empty(n, 3, dtype=torch_dtype))
         sources.update(mesh_positions="torchpm/MeshPositions", mesh_momenta="torchpm/MeshMomenta")
+    if has_slots:
+        arrays.update(mesh_slots=torch.empty(n, dtype=torch.int64))
+        sources.update(mesh_slots="torchpm/MeshSlots")
     offset = 0
     for name, file_count in zip(files, counts):
         low, high = max(begin - offset, 0), min(end - offset, file_count)
@@ -558,6 +575,8 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
         mesh_momenta=arrays.get("mesh_momenta"),
         files=files,
         total=int(header["NumPart_Total"][1]) + (int(header.get("NumPart_Total_HighWord", [0, 0])[1]) << 32),
+        mesh_slots=arrays.get("mesh_slots"),
+        slot_count=int(attributes["slot_count"]) if has_slots and "slot_count" in attributes else None,
     )
 
 
@@ -611,7 +630,10 @@ def check_restart(snapshot: Snapshot, sim) -> None:
 def restart_state(snapshot: Snapshot, sim):
     """The snapshot's particles in force-mesh units, in the order the file holds them (the
     run's own order, which a bit-exact restart needs), as a batch-of-1
-    :class:`torchpm.SimulationState` for ``sim.resume(state, mesh_units=True)``.
+    :class:`torchpm.SimulationState` for ``sim.resume(state, mesh_units=True)``. From one
+    whole file that records its slot layout (``mesh_slots``: a rank's own file of a
+    process grid), every particle goes back to its slot among the rank's empty ones,
+    since the run's later migrations fill empty slots in order.
 
     Checks compatibility first (:func:`check_restart`). A whole snapshot must hold every
     particle exactly once; a part of one (``read_snapshot(..., file_index=rank)`` or
@@ -633,4 +655,25 @@ def restart_state(snapshot: Snapshot, sim):
         raise ValueError(f"snapshot part holds ids outside [0, {n}) or repeated ids")
     # The snapshot's float64 a, snapped to the grid value the run uses.
     a = sim.scale_factors[scale_factor_index(sim, snapshot.a)]
-    return SimulationState(snapshot.mesh_positions[None], snapshot.mesh_momenta[None], a, ids[None])
+    positions, momenta = snapshot.mesh_positions, snapshot.mesh_momenta
+    if snapshot.mesh_slots is not None and snapshot.slot_count is not None:
+        # One rank's file: the particles back in the slots the run held them in, the
+        # empty slots as a migration leaves them (the block's corner, zero momentum,
+        # id -1). The run's later migrations fill empty slots in order, so this layout
+        # is what makes the resumed run bit-identical.
+        slots, count = snapshot.mesh_slots, snapshot.slot_count
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= count
+                              or torch.unique(slots).numel() != slots.numel()):
+            raise ValueError(f"snapshot {snapshot.files[0]!r}: its slot layout (MeshSlots) is not "
+                             f"{slots.numel()} distinct slots in [0, {count})")
+        corner = torch.tensor(sim.force_mesh.padding_position, dtype=positions.dtype)
+        laid_out = corner.expand(count, 3).clone()
+        laid_out[slots] = positions
+        positions = laid_out
+        laid_out = momenta.new_zeros(count, 3)
+        laid_out[slots] = momenta
+        momenta = laid_out
+        laid_out = torch.full((count,), -1, dtype=torch.int64)
+        laid_out[slots] = ids
+        ids = laid_out
+    return SimulationState(positions[None], momenta[None], a, ids[None])

@@ -611,6 +611,13 @@ class PencilDecomposition:
 
     # -------------------------------------------------------------- particles
 
+    @property
+    def padding_position(self) -> list[float]:
+        """The position (mesh cells) that :meth:`migrate` gives empty slots: the lower
+        corner of the local block along split axes, 0 along the others."""
+        return [float(o) if self.grid_shape[axis] > 1 else 0.0
+                for axis, o in enumerate(self.local_real_offset[:2])] + [0.0]
+
     def migrate(self, positions: torch.Tensor, ids: torch.Tensor, *attributes: torch.Tensor,
                 capacity: int | None = None, destination: torch.Tensor | None = None, overwrite: bool = False):
         """Move particles to the rank that owns their position (wrapped along split axes).
@@ -658,8 +665,7 @@ class PencilDecomposition:
              tuple((str(a.dtype), tuple(a.shape[2:])) if isinstance(a, torch.Tensor) else type(a).__name__
                    for a in attributes)),
         )
-        corner = [float(o) if self.grid_shape[axis] > 1 else 0.0
-                  for axis, o in enumerate(self.local_real_offset[:2])] + [0.0]
+        corner = self.padding_position
         debug = _particles.debug_checks()
         before = (ids >= 0).sum(1) if debug else None
         plan, positions, ids, *moved = _particles.migrate(
