@@ -221,6 +221,54 @@ def test_snapshots_resume_and_overwrite(tmp_path, capsys, monkeypatch):
     assert "box_size" in capsys.readouterr().err
 
 
+def test_batch_run_resumes_every_member_bit_for_bit(tmp_path, capsys, monkeypatch):
+    """A batch of 2 writes one snapshot per member; --resume with either member's file
+    finds the other and continues both, bit for bit; a name without the member, or a
+    missing member, is one clear line."""
+    import h5py
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'n_particles = 8\nbox_size = 64.0\nsteps = [0.3, 0.5, 0.7, 1.0]\nsnapshots = [0.5, 1.0]\n'
+        'output = "first"\nseed = 5\nbatch = 2\n'
+    )
+    assert main(["run", str(config)]) == 0
+    first = tmp_path / "first"
+    assert sorted(p.name for p in first.glob("snap_*")) == [
+        "snap_000_member0.hdf5", "snap_000_member1.hdf5", "snap_001_member0.hdf5", "snap_001_member1.hdf5"]
+    with h5py.File(first / "snap_001_member0.hdf5", "r") as a, h5py.File(first / "snap_001_member1.hdf5", "r") as b:
+        assert not np.array_equal(a["torchpm/MeshPositions"][:], b["torchpm/MeshPositions"][:]), "members differ"
+    assert main(["run", str(config), "--resume", str(first / "snap_000_member1.hdf5"), "--output", "second"]) == 0
+    second = tmp_path / "second"
+    for member in range(2):
+        name = f"snap_001_member{member}.hdf5"
+        with h5py.File(first / name, "r") as a, h5py.File(second / name, "r") as b:
+            for key in ("torchpm/MeshPositions", "torchpm/MeshMomenta", "PartType1/ParticleIDs"):
+                np.testing.assert_array_equal(a[key][:], b[key][:])
+    capsys.readouterr()
+    assert main(["run", str(config), "--check", "--resume", str(first / "snap_000.hdf5")]) == 2
+    assert "batch = 2" in capsys.readouterr().err
+    (first / "snap_000_member1.hdf5").unlink()
+    assert main(["run", str(config), "--check", "--resume", str(first / "snap_000_member0.hdf5")]) == 2
+    assert "snap_000_member1.hdf5" in capsys.readouterr().err
+
+
+def test_stacking_members_pads_the_shorter_ones_with_empty_slots():
+    from torchpm import SimulationState
+    from torchpm.__main__ import stack_members
+
+    a = SimulationState(torch.ones(1, 3, 3), torch.full((1, 3, 3), 2.0), 0.5, torch.tensor([[4, 5, 6]]))
+    b = SimulationState(torch.full((1, 1, 3), 7.0), torch.full((1, 1, 3), 8.0), 0.5, torch.tensor([[9]]))
+    stacked = stack_members([a, b], [16.0, 0.0, 0.0])
+    assert stacked.ids.tolist() == [[4, 5, 6], [9, -1, -1]]
+    assert stacked.positions[1].tolist() == [[7.0] * 3, [16.0, 0.0, 0.0], [16.0, 0.0, 0.0]]
+    assert stacked.momenta[1].tolist() == [[8.0] * 3, [0.0] * 3, [0.0] * 3]
+    assert torch.equal(stacked.positions[0], a.positions[0])
+    with pytest.raises(ValueError, match="different scale factors"):
+        stack_members([a, SimulationState(b.positions, b.momenta, 0.7, b.ids)], [0.0, 0.0, 0.0])
+
+
 @pytest.mark.distributed
 def test_torchrun_snapshots_and_bit_identical_resume(tmp_path):
     """2 gloo ranks write a Gadget multi-file set; a 2-rank --resume (each rank its own

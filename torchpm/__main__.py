@@ -13,7 +13,8 @@ progress bar over the steps, and writes into the run's output folder (default ``
 
 The folder is created and tested for writing before the run; a folder that
 already holds outputs is refused unless ``--overwrite``. ``--resume snap.hdf5``
-continues a run from one of its snapshots (bit for bit on the CPU); ``--check``
+continues a run from one of its snapshots (bit for bit on the CPU; a batch run from
+any one member's ``snap_003_member0.hdf5``, the others found next to it); ``--check``
 validates the config and prints the resolved settings and the memory estimate
 without running. Every key, its default, unit and meaning: the README table,
 generated from :data:`torchpm.config.SETTINGS` (``python -m torchpm config-table``).
@@ -28,6 +29,7 @@ import glob
 import math
 import inspect
 import os
+import re
 import sys
 import tempfile
 import time
@@ -138,6 +140,45 @@ def prepare_output(folder: str, overwrite: bool) -> None:
         )
 
 
+_MEMBER_NAME = re.compile(r"^(?P<head>.*_member)(?P<member>\d+)(?P<tail>(\.\d+)?(\.hdf5)?)$")
+
+
+def member_snapshots(path: str, batch: int) -> list[str]:
+    """The snapshot of every batch member, from the name of any one of them: a batch run
+    writes ``snap_003_member0.hdf5``, ``snap_003_member1.hdf5``, ... (multi-file sets
+    ``snap_003_member0.0.hdf5``, ...); one simulation ``snap_003.hdf5``."""
+    if batch == 1:
+        return [path]
+    folder, name = os.path.split(path)
+    match = _MEMBER_NAME.match(name)
+    if match is None:
+        raise UserError(
+            f"--resume {path!r}: a run with batch = {batch} resumes from one member's snapshot, named like "
+            "snap_003_member0.hdf5 (the others are found next to it)"
+        )
+    return [os.path.join(folder, f"{match['head']}{member}{match['tail']}") for member in range(batch)]
+
+
+def stack_members(states, padding_position):
+    """One batch ``SimulationState`` from the batch-of-1 states of its members (same
+    ``a``): members holding fewer slots are padded with empty slots (id -1, zero
+    momentum, at ``padding_position``, as a migration leaves them)."""
+    from .simulation import SimulationState
+
+    if len({float(state.a) for state in states}) != 1:
+        raise ValueError("the members' snapshots are at different scale factors: "
+                         + ", ".join(str(state.a) for state in states))
+    count = max(state.ids.shape[1] for state in states)
+    positions, momenta, ids = [], [], []
+    for state in states:
+        extra = count - state.ids.shape[1]
+        corner = torch.tensor(padding_position, dtype=state.positions.dtype).expand(1, extra, 3)
+        positions.append(torch.cat([state.positions, corner], dim=1))
+        momenta.append(torch.cat([state.momenta, state.momenta.new_zeros(1, extra, 3)], dim=1))
+        ids.append(torch.cat([state.ids, state.ids.new_full((1, extra), -1)], dim=1))
+    return SimulationState(torch.cat(positions), torch.cat(momenta), states[0].a, torch.cat(ids))
+
+
 def _read_for_resume(path, context, read_snapshot):
     """The snapshot for this rank: the whole of it on one process; on a process grid the
     rank's own file when the set has one file per rank (same order as the run: bit-exact),
@@ -226,12 +267,19 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
 
     start_state = None
     if resume is not None:
-        if batch != 1:
-            raise UserError(f"--resume continues one simulation; set batch = 1 (got {batch})")
+        paths = member_snapshots(resume, batch)
+        states = []
+        for member, path in enumerate(paths):
+            try:
+                snapshot = _read_for_resume(path, context, read_snapshot)
+                if batch > 1 and int(snapshot.attributes.get("member", member)) != member:
+                    raise ValueError(f"it holds batch member {snapshot.attributes['member']}, not {member}")
+                states.append(restart_state(snapshot, simulation))
+            except (OSError, ValueError, KeyError) as error:
+                raise UserError(f"cannot resume from {path!r}: {error}") from None
         try:
-            snapshot = _read_for_resume(resume, context, read_snapshot)
-            start_state = restart_state(snapshot, simulation)
-        except (OSError, ValueError, KeyError) as error:
+            start_state = stack_members(states, simulation.force_mesh.padding_position)
+        except ValueError as error:
             raise UserError(f"cannot resume from {resume!r}: {error}") from None
     if check:
         if main_rank:
