@@ -326,10 +326,12 @@ def write_snapshot(
             raw_momenta = ours.create_dataset("MeshMomenta", (valid, 3), dtype=numpy_dtype)
             raw_positions.attrs["unit"] = "force-mesh cells, unwrapped"
             raw_momenta.attrs["unit"] = "force-mesh cells (p = a^3 E dx/da)"
-            # Where each particle sat among the rank's slots (empty ones included): a
+            # Where each particle sat among the rank's slots, when some are empty: a
             # restart from this file rebuilds that layout, which the run's later
-            # migrations (arrivals fill the empty slots in order) and so its bits depend on.
-            raw_slots = ours.create_dataset("MeshSlots", (valid,), dtype="i8") if mesh_units else None
+            # migrations (arrivals fill the empty slots in order) and so its bits depend
+            # on. Without empty slots (always on one device) the file order is the layout.
+            padded = mesh_units and valid < count
+            raw_slots = ours.create_dataset("MeshSlots", (valid,), dtype="i8") if padded else None
 
             written = 0
             velocity_factor = 100.0 / a**1.5
@@ -426,7 +428,7 @@ class Snapshot:
         total: particles in the whole snapshot (all files), of which these are a share or all.
         mesh_slots: ``(N,)`` int64, each particle's slot among the ``slot_count`` slots
             of the rank that wrote the file (empty slots included), when one whole file
-            with that record was read; else None.
+            with that record (written when the rank held empty slots) was read; else None.
     """
 
     a: float
