@@ -88,6 +88,15 @@ at::Tensor check_positions(const char* op, const at::Tensor& positions) {
   return positions.contiguous();
 }
 
+at::Tensor check_particle_ids(const char* op, const at::Tensor& ids, const at::Tensor& positions) {
+  TORCH_CHECK_VALUE(
+      ids.scalar_type() == at::kLong && ids.dim() == 2 && ids.size(0) == positions.size(0) &&
+          ids.size(1) == positions.size(1),
+      op, ": expected int64 `ids` of shape (", positions.size(0), ", ", positions.size(1),
+      ") like `positions`, got ", ids.scalar_type(), " ", format_list(ids.sizes()), ".");
+  return ids.contiguous();
+}
+
 at::Tensor check_particle_values(
     const char* op,
     const char* name,

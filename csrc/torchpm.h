@@ -59,6 +59,9 @@ void check_mesh_size(
 
 // Validates positions (B, N, 3) and returns a contiguous copy or view.
 at::Tensor check_positions(const char* op, const at::Tensor& positions);
+// int64 `ids` (B, N) like the (B, N, 3) `positions` (already checked); returned
+// contiguous.
+at::Tensor check_particle_ids(const char* op, const at::Tensor& ids, const at::Tensor& positions);
 
 // Validates per-particle values (B, N) or (B, N, C) against positions, returns
 // a contiguous (B, N, C) view and sets channels / squeeze accordingly.

@@ -77,16 +77,11 @@ std::tuple<at::Tensor, at::Tensor> migration_holes_cpu(
     double high) {
   const char* op = "torchpm._migration_holes";
   const at::Tensor positions = check_positions(op, positions_in);
-  TORCH_CHECK_VALUE(
-      ids_in.scalar_type() == at::kLong && ids_in.dim() == 2 &&
-          ids_in.size(0) == positions.size(0) && ids_in.size(1) == positions.size(1),
-      op, ": expected int64 `ids` of shape (", positions.size(0), ", ", positions.size(1),
-      ") like `positions`, got ", ids_in.scalar_type(), " ", format_list(ids_in.sizes()), ".");
   TORCH_CHECK_VALUE(axis >= 0 && axis < 3, op, ": expected `axis` 0, 1 or 2, got ", axis, ".");
   TORCH_CHECK_VALUE(
       std::isfinite(low) && std::isfinite(high) && low <= high, op,
       ": expected finite bounds `low` <= `high`, got ", low, " and ", high, ".");
-  const at::Tensor ids = ids_in.contiguous();
+  const at::Tensor ids = check_particle_ids(op, ids_in, positions);
   const int64_t count = ids.numel();
   const int64_t chunks = (count + kChunk - 1) / kChunk;
   std::vector<std::vector<int64_t>> holes(chunks);

@@ -209,11 +209,6 @@ at::Tensor spatial_order_cpu(
   const char* op = "torchpm._spatial_order";
   const at::Tensor positions = check_positions(op, positions_in);
   TORCH_CHECK_VALUE(
-      ids_in.scalar_type() == at::kLong && ids_in.dim() == 2 &&
-          ids_in.size(0) == positions.size(0) && ids_in.size(1) == positions.size(1),
-      op, ": expected int64 `ids` of shape (", positions.size(0), ", ", positions.size(1),
-      ") like `positions`, got ", ids_in.scalar_type(), " ", format_list(ids_in.sizes()), ".");
-  TORCH_CHECK_VALUE(
       shape.size() == 2 && offset.size() == 2 && period.size() == 2, op,
       ": `shape`, `offset` and `period` must have 2 entries (x and y), got ",
       format_list(shape), ", ", format_list(offset), ", ", format_list(period), ".");
@@ -223,7 +218,7 @@ at::Tensor spatial_order_cpu(
         ": `shape` and `period` must be positive mesh sizes, got ", format_list(shape), " and ",
         format_list(period), ".");
   }
-  const at::Tensor ids = ids_in.contiguous();
+  const at::Tensor ids = check_particle_ids(op, ids_in, positions);
   const int64_t batch = positions.size(0);
   const int64_t n = positions.size(1);
   auto out = at::empty({batch, n}, ids.options());

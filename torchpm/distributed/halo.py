@@ -89,18 +89,23 @@ def _add_axis(field, grid_axis, dim, lo, hi):
     return field
 
 
+def _target(ctx, field, widths, axes, inplace):
+    """The tensor a halo exchange writes: ``field`` itself (marked as modified) or a copy."""
+    ctx.widths, ctx.axes = widths, axes
+    if inplace:
+        ctx.mark_dirty(field)
+        return field
+    return field.clone()
+
+
 class _FillHalo(torch.autograd.Function):
     """:func:`fill_halo`; its backward is :func:`add_halo` itself, so the gradient is
     the adjoint bit for bit (and differentiable again)."""
 
     @staticmethod
     def forward(ctx, field, widths, axes, inplace):
-        ctx.widths, ctx.axes = widths, axes
+        field = _target(ctx, field, widths, axes, inplace)
         (lo_x, hi_x), (lo_y, hi_y) = widths
-        if inplace:
-            ctx.mark_dirty(field)
-        else:
-            field = field.clone()
         field = _fill_axis(field, axes[0], -3, lo_x, hi_x)
         return _fill_axis(field, axes[1], -2, lo_y, hi_y)
 
@@ -114,12 +119,8 @@ class _AddHalo(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, field, widths, axes, inplace):
-        ctx.widths, ctx.axes = widths, axes
+        field = _target(ctx, field, widths, axes, inplace)
         (lo_x, hi_x), (lo_y, hi_y) = widths
-        if inplace:
-            ctx.mark_dirty(field)
-        else:
-            field = field.clone()
         field = _add_axis(field, axes[1], -2, lo_y, hi_y)
         return _add_axis(field, axes[0], -3, lo_x, hi_x)
 
