@@ -163,20 +163,17 @@ def stack_members(states, padding_position):
     """One batch ``SimulationState`` from the batch-of-1 states of its members (same
     ``a``): members holding fewer slots are padded with empty slots (id -1, zero
     momentum, at ``padding_position``, as a migration leaves them)."""
+    from .io import _in_slots
     from .simulation import SimulationState
 
     if len({float(state.a) for state in states}) != 1:
         raise ValueError("the members' snapshots are at different scale factors: "
                          + ", ".join(str(state.a) for state in states))
     count = max(state.ids.shape[1] for state in states)
-    positions, momenta, ids = [], [], []
-    for state in states:
-        extra = count - state.ids.shape[1]
-        corner = torch.tensor(padding_position, dtype=state.positions.dtype).expand(1, extra, 3)
-        positions.append(torch.cat([state.positions, corner], dim=1))
-        momenta.append(torch.cat([state.momenta, state.momenta.new_zeros(1, extra, 3)], dim=1))
-        ids.append(torch.cat([state.ids, state.ids.new_full((1, extra), -1)], dim=1))
-    return SimulationState(torch.cat(positions), torch.cat(momenta), states[0].a, torch.cat(ids))
+    members = [_in_slots(state.positions[0], state.momenta[0], state.ids[0],
+                        torch.arange(state.ids.shape[1]), count, padding_position) for state in states]
+    positions, momenta, ids = (torch.stack(parts) for parts in zip(*members))
+    return SimulationState(positions, momenta, states[0].a, ids)
 
 
 def _read_for_resume(path, context, read_snapshot):

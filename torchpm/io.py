@@ -668,14 +668,15 @@ def restart_state(snapshot: Snapshot, sim):
                               or torch.unique(slots).numel() != slots.numel()):
             raise ValueError(f"snapshot {snapshot.files[0]!r}: its slot layout (MeshSlots) is not "
                              f"{slots.numel()} distinct slots in [0, {count})")
-        corner = torch.tensor(sim.force_mesh.padding_position, dtype=positions.dtype)
-        laid_out = corner.expand(count, 3).clone()
-        laid_out[slots] = positions
-        positions = laid_out
-        laid_out = momenta.new_zeros(count, 3)
-        laid_out[slots] = momenta
-        momenta = laid_out
-        laid_out = torch.full((count,), -1, dtype=torch.int64)
-        laid_out[slots] = ids
-        ids = laid_out
+        positions, momenta, ids = _in_slots(positions, momenta, ids, slots, count, sim.force_mesh.padding_position)
     return SimulationState(positions[None], momenta[None], a, ids[None])
+
+
+def _in_slots(positions, momenta, ids, slots, count: int, padding_position):
+    """Particles ``(N, 3)``, ``(N, 3)``, ``(N,)`` placed at ``slots`` among ``count``
+    slots; the other slots empty as a migration leaves them (at ``padding_position``,
+    zero momentum, id -1)."""
+    corner = torch.tensor(padding_position, dtype=positions.dtype, device=positions.device)
+    return (corner.expand(count, 3).index_copy(0, slots, positions),
+            momenta.new_zeros(count, 3).index_copy(0, slots, momenta),
+            ids.new_full((count,), -1).index_copy(0, slots, ids))

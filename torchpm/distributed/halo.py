@@ -89,44 +89,33 @@ def _add_axis(field, grid_axis, dim, lo, hi):
     return field
 
 
-def _target(ctx, field, widths, axes, inplace):
-    """The tensor a halo exchange writes: ``field`` itself (marked as modified) or a copy."""
-    ctx.widths, ctx.axes = widths, axes
-    if inplace:
-        ctx.mark_dirty(field)
-        return field
-    return field.clone()
-
-
-class _FillHalo(torch.autograd.Function):
-    """:func:`fill_halo`; its backward is :func:`add_halo` itself, so the gradient is
-    the adjoint bit for bit (and differentiable again)."""
-
-    @staticmethod
-    def forward(ctx, field, widths, axes, inplace):
-        field = _target(ctx, field, widths, axes, inplace)
-        (lo_x, hi_x), (lo_y, hi_y) = widths
-        field = _fill_axis(field, axes[0], -3, lo_x, hi_x)
-        return _fill_axis(field, axes[1], -2, lo_y, hi_y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return add_halo(grad, ctx.widths, ctx.axes), None, None, None
-
-
-class _AddHalo(torch.autograd.Function):
-    """:func:`add_halo`; its backward is :func:`fill_halo`."""
-
-    @staticmethod
-    def forward(ctx, field, widths, axes, inplace):
-        field = _target(ctx, field, widths, axes, inplace)
-        (lo_x, hi_x), (lo_y, hi_y) = widths
+def _exchange(field, widths, axes, add: bool):
+    """The halo exchange, in place on ``field``: the add (y, then x) or the fill (x, then y)."""
+    (lo_x, hi_x), (lo_y, hi_y) = widths
+    if add:
         field = _add_axis(field, axes[1], -2, lo_y, hi_y)
         return _add_axis(field, axes[0], -3, lo_x, hi_x)
+    field = _fill_axis(field, axes[0], -3, lo_x, hi_x)
+    return _fill_axis(field, axes[1], -2, lo_y, hi_y)
+
+
+class _Halo(torch.autograd.Function):
+    """:func:`fill_halo` or :func:`add_halo`; the backward of each is the other one
+    itself, so the gradient is the adjoint bit for bit (and differentiable again)."""
+
+    @staticmethod
+    def forward(ctx, field, widths, axes, inplace, add):
+        ctx.widths, ctx.axes, ctx.add = widths, axes, add
+        if inplace:
+            ctx.mark_dirty(field)
+        else:
+            field = field.clone()
+        return _exchange(field, widths, axes, add)
 
     @staticmethod
     def backward(ctx, grad):
-        return fill_halo(grad, ctx.widths, ctx.axes), None, None, None
+        adjoint = fill_halo if ctx.add else add_halo
+        return adjoint(grad, ctx.widths, ctx.axes), None, None, None, None
 
 
 def _no_halo(widths) -> bool:
@@ -148,7 +137,7 @@ def fill_halo(field: torch.Tensor, widths, axes, inplace: bool = False) -> torch
     only halo planes. Differentiable; the backward is :func:`add_halo`."""
     if _no_halo(widths):
         return field
-    return _FillHalo.apply(field, widths, axes, _writable(field, inplace))
+    return _Halo.apply(field, widths, axes, _writable(field, inplace), False)
 
 
 def add_halo(field: torch.Tensor, widths, axes, inplace: bool = False) -> torch.Tensor:
@@ -157,4 +146,4 @@ def add_halo(field: torch.Tensor, widths, axes, inplace: bool = False) -> torch.
     the backward is :func:`fill_halo`."""
     if _no_halo(widths):
         return field
-    return _AddHalo.apply(field, widths, axes, _writable(field, inplace))
+    return _Halo.apply(field, widths, axes, _writable(field, inplace), True)

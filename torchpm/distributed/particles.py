@@ -504,7 +504,7 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         # Fail together: every rank reports (non-finite, overflowing member, its count).
         status = torch.tensor([bad, -1, 0], dtype=torch.int64)
         if capacity is not None and count_out > capacity:
-            occupied = (ids >= 0).sum(1)
+            # `occupied` (per member, from the last stage's counts) is unchanged by a compaction.
             status = torch.tensor([0, int(torch.argmax(occupied)), count_out], dtype=torch.int64)
         table = torch.zeros(grid.size, 3, dtype=torch.int64, device=ids.device)
         table[:, 1] = -1
