@@ -124,6 +124,22 @@ C10_HOST_DEVICE inline int64_t wrap_index(int64_t i, int64_t n) {
   return i < 0 ? i + n : i;
 }
 
+// The first of the W nodes along axis d (local index, wrapped on a periodic
+// axis) of a coordinate whose shifted floor (first_node) is floor_x; false when
+// on a block axis the stencil leaves the block.
+template <int W>
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool node_of_floor(
+    int64_t floor_x, int d, const StencilGeometry& g, int64_t& node) {
+  const int64_t first = floor_x - g.offset[d];
+  const int64_t n = g.shape[d];
+  if (g.periodic[d]) {
+    node = wrap_index(first, n);
+    return true;
+  }
+  node = first;
+  return first >= 0 && first + W <= n;
+}
+
 // The first of the W nodes a particle at coordinate x touches along axis d
 // (local index, wrapped on a periodic axis) and its stencil fraction t; false
 // when x is not finite, absurdly far out, or (on a block axis) the stencil
@@ -139,14 +155,7 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool first_node(
   const acc_t shifted = x + (acc_t(1) - acc_t(W) / acc_t(2));
   const acc_t floor_x = floor_of_bounded(shifted);
   t = shifted - floor_x;
-  const int64_t first = static_cast<int64_t>(floor_x) - g.offset[d];
-  const int64_t n = g.shape[d];
-  if (g.periodic[d]) {
-    node = wrap_index(first, n);
-    return true;
-  }
-  node = first;
-  return first >= 0 && first + W <= n;
+  return node_of_floor<W>(static_cast<int64_t>(floor_x), d, g, node);
 }
 
 // The first node (local index) and the weights along each axis of a particle
@@ -183,6 +192,29 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool locate(
 // rejected (first_node). `with_derivative` skips the derivatives when not needed.
 // `node_stride`: elements from one node to the next along z (MeshLayout; paints
 // write planar meshes, 1).
+// Fills axis d of `stencil` from the first node (first_node) and the stencil
+// fraction t along it; `stride`: elements from one node to the next along d.
+template <typename acc_t, int W, bool with_derivative>
+C10_HOST_DEVICE C10_ALWAYS_INLINE void fill_axis(
+    int d, int64_t node, acc_t t, int64_t n, int64_t stride, Stencil<acc_t, W>& stencil) {
+  TORCHPM_UNROLL
+  for (int k = 0; k < W; ++k) {
+    stencil.offset[d][k] = node * stride;
+    // Only a periodic axis can step past its last node (first_node keeps a
+    // block axis's stencil inside).
+    node = (node + 1 == n) ? 0 : node + 1;
+  }
+  if (d == 2) {
+    stencil.z_contiguous = stencil.offset[2][W - 1] - stencil.offset[2][0] == W - 1;
+  }
+  acc_t unused[W];
+  bspline_weights<W, acc_t>(t, stencil.weight[d], with_derivative ? stencil.derivative[d] : unused);
+}
+
+// Fills `stencil` for a particle at (x0, x1, x2) and returns false when it is
+// rejected (first_node). `with_derivative` skips the derivatives when not needed.
+// `node_stride`: elements from one node to the next along z (MeshLayout; paints
+// write planar meshes, 1).
 template <typename scalar_t, typename acc_t, int W, bool with_derivative = false>
 C10_HOST_DEVICE C10_ALWAYS_INLINE bool make_stencil(
     const scalar_t* position,
@@ -196,20 +228,7 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool make_stencil(
     if (!first_node<acc_t, W>(static_cast<acc_t>(position[d]), d, g, node, t)) {
       return false;
     }
-    const int64_t n = g.shape[d];
-    TORCHPM_UNROLL
-    for (int k = 0; k < W; ++k) {
-      stencil.offset[d][k] = node * stride[d];
-      // Only a periodic axis can step past its last node (first_node keeps a
-      // block axis's stencil inside).
-      node = (node + 1 == n) ? 0 : node + 1;
-    }
-    if (d == 2) {
-      stencil.z_contiguous = stencil.offset[2][W - 1] - stencil.offset[2][0] == W - 1;
-    }
-    acc_t unused[W];
-    bspline_weights<W, acc_t>(
-        t, stencil.weight[d], with_derivative ? stencil.derivative[d] : unused);
+    fill_axis<acc_t, W, with_derivative>(d, node, t, g.shape[d], stride[d], stencil);
   }
   return true;
 }

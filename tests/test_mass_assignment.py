@@ -390,6 +390,108 @@ def test_cpu_paint_does_not_depend_on_thread_count(order):
         assert torch.equal(serial, parallel)
 
 
+def _spline_weights(t, width):
+    """bspline_weights (csrc/stencil.h) with its operations in its order, so that in
+    IEEE arithmetic they give its bits: (W, ...) weights of fractions t."""
+    one, u = torch.ones_like(t), 1 - t
+    if width == 1:
+        return one.unsqueeze(0)
+    if width == 2:
+        return torch.stack([u, t])
+    if width == 3:
+        half = torch.full_like(t, 0.5)
+        return torch.stack([half * u * u, 0.75 - (t - 0.5) * (t - 0.5), half * t * t])
+    sixth = one / 6
+    return torch.stack([sixth * u * u * u, sixth * ((4 - 6 * t * t) + 3 * t * t * t),
+                        sixth * ((4 - 6 * u * u) + 3 * u * u * u), sixth * t * t * t])
+
+
+def paint_in_particle_order(x, w, shape, offset, periodic, width):
+    """Paint that adds every particle's contribution to each of its nodes one particle
+    after another, as a serial loop would, with the kernel's rounding: each node's
+    contributions are sorted by particle (stable) and added in rounds, the r-th
+    contribution of every node in round r. (B, C, *shape) like the op."""
+    batch, count, _ = x.shape
+    channels = 1 if w is None else (1 if w.dim() == 2 else w.shape[2])
+    values = torch.ones(batch, count, 1, dtype=x.dtype) if w is None else (w.unsqueeze(2) if w.dim() == 2 else w)
+    shift = 1 - width / 2
+    nodes, weights = [], []
+    for d in range(3):
+        shifted = x[..., d] + shift
+        floor = torch.floor(shifted)
+        t = shifted - floor
+        first = floor.long() - offset[d]
+        k = torch.arange(width)
+        node = first.unsqueeze(-1) + k
+        if periodic[d]:
+            node = node % shape[d]
+        nodes.append(node)  # (B, N, W)
+        weights.append(_spline_weights(t, width).movedim(0, -1))  # (B, N, W)
+    cells = math.prod(shape)
+    mesh = torch.zeros(batch * channels * cells, dtype=x.dtype)
+    a, b, c = torch.meshgrid(*(torch.arange(width),) * 3, indexing="ij")
+    a, b, c = a.reshape(-1), b.reshape(-1), c.reshape(-1)
+    index = (nodes[0][..., a] * shape[1] + nodes[1][..., b]) * shape[2] + nodes[2][..., c]  # (B, N, W^3)
+    wab = weights[0][..., a] * weights[1][..., b]
+    for ch in range(channels):
+        contribution = values[..., ch : ch + 1] * (wab * weights[2][..., c])  # (B, N, W^3)
+        target = (torch.arange(batch).view(batch, 1, 1) * channels + ch) * cells + index
+        target, contribution = target.reshape(-1), contribution.reshape(-1)  # particle-major
+        order = torch.sort(target, stable=True).indices
+        target, contribution = target[order], contribution[order]
+        start = torch.ones_like(target, dtype=torch.bool)
+        start[1:] = target[1:] != target[:-1]
+        group = torch.cumsum(start.long(), 0) - 1
+        first_of_group = torch.nonzero(start).squeeze(1)
+        rank = torch.arange(target.numel()) - first_of_group[group]
+        by_round = torch.sort(rank, stable=True)
+        target, contribution = target[by_round.indices], contribution[by_round.indices]
+        bounds = torch.searchsorted(by_round.values, torch.arange(int(rank.max()) + 2)).tolist()
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            mesh[target[lo:hi]] = mesh[target[lo:hi]] + contribution[lo:hi]
+    return mesh.reshape(batch, channels, *shape)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("mode", ["periodic", "block"])
+@pytest.mark.parametrize("channels", [None, 3, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_paint_of_ordered_particles_adds_in_particle_order(order, mode, channels, dtype):
+    # Particles in spatial order (the simulation's), 2 x 40 000: above the serial
+    # limit, painted by plane ownership, whose every node receives its contributions
+    # in particle order, bit for bit whatever the thread count. The order is rolled
+    # so that one chunk holds particles on both sides of the periodic seam.
+    shape, offset, periodic = geometry(mode)
+    if mode == "periodic":
+        shape = (13, 6, 5)
+    width = WIDTH[order]
+    count = 40_000
+    x = random_positions(2, count, order, shape, offset, periodic, torch.float64, "cpu", seed=11)
+    key = torch.floor(x + (1 - width / 2)) - torch.tensor(offset)
+    for d in range(3):
+        if periodic[d]:
+            key[..., d] %= shape[d]
+    key = (key[..., 0] * shape[1] + key[..., 1]) * shape[2] + key[..., 2]
+    spatial = torch.roll(torch.sort(key, dim=1, stable=True).indices, 50, dims=1)
+    x = torch.gather(x, 1, spatial.unsqueeze(-1).expand(-1, -1, 3)).to(dtype)
+    g = torch.Generator().manual_seed(12)
+    w = None if channels is None else torch.rand(2, count, channels, generator=g, dtype=torch.float64).to(dtype)
+    expected = paint_in_particle_order(x, w, shape, offset, periodic, width)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            mesh = torchpm.paint(x, w, shape, order=order, offset=offset, periodic=periodic)
+            mesh = mesh.reshape(expected.shape)
+            assert torch.equal(mesh, expected), (n_threads, (mesh - expected).abs().max())
+    finally:
+        torch.set_num_threads(threads)
+    # the float64 twin, to its rounding
+    reference = paint_reference(x.double(), None if w is None else w.double(), shape, offset, periodic, width)
+    torch.testing.assert_close(mesh.double().reshape(reference.shape), reference,
+                               rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-4 if dtype == torch.float32 else 1e-11)
+
+
 # --------------------------------------------------------------------------- identities
 
 

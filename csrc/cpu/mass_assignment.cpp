@@ -23,6 +23,7 @@
 #include "../error_checking.h"
 #include "../node_paint.h"
 #include "../stencil.h"
+#include "stencil_block.h"
 #include "../tile_paint.h"
 #include "../torchpm.h"
 
@@ -44,43 +45,155 @@ inline void dispatch_channels(int64_t channels, const F& f) {
   }
 }
 
+// Whether the W nodes a stencil touches along each axis are distinct mesh
+// nodes: always on a block axis (first_node keeps the stencil inside), and on a
+// periodic axis of at least W nodes (a smaller one wraps a node twice).
+template <int W>
+bool nodes_distinct(const StencilGeometry& g) {
+  for (int d = 0; d < 3; ++d) {
+    if (g.periodic[d] && g.shape[d] < W) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // Deposits one particle; C > 0: the channel count known at compile time (see
-// dispatch_channels), C = 0: `channels`.
-template <typename scalar_t, int W, int C>
-C10_ALWAYS_INLINE void deposit(
-    const scalar_t* position,
+// dispatch_channels), C = 0: `channels`. `distinct` (nodes_distinct): every
+// node of a channel is read before any is written back. Node (i, y, z) and
+// (i + 1, y, z) lie a plane apart, often a multiple of 4 KiB: a load issued
+// after a store to the plane before (read-add-write node by node) waits on
+// that store as if it overlapped (the core tells addresses apart by their low
+// 12 bits first), and that, not arithmetic or memory, bounded the deposit
+// (twice as fast for CIC in Lagrangian order). Each node still receives
+// exactly one rounded addition per particle, in particle order: the same bits.
+template <typename scalar_t, int W, int C, typename acc_t>
+C10_ALWAYS_INLINE void deposit_stencil(
+    const Stencil<acc_t, W>& s,
     const scalar_t* values,  // C entries, or nullptr for unit weight
     int64_t channels,
     int64_t channel_stride,
-    const StencilGeometry& g,
-    scalar_t* mesh) {
-  using acc_t = at::opmath_type<scalar_t>;
-  Stencil<acc_t, W> s;
-  if (!make_stencil<scalar_t, acc_t, W>(position, g, s)) {
-    return;  // rejected: reported, and poisoned by poison_rejected
+    bool distinct,
+    scalar_t* mesh,
+    int64_t rows_begin = 0,
+    int64_t rows_end = std::numeric_limits<int64_t>::max()) {
+  // The x planes this call may write (element offsets rows_begin <= offset <
+  // rows_end; all by default): a particle on the edge of a slab of the
+  // plane-ownership paint writes only its planes inside the slab.
+  unsigned inside = 0;
+  for (int a = 0; a < W; ++a) {
+    inside |= (s.offset[0][a] >= rows_begin && s.offset[0][a] < rows_end) ? 1u << a : 0u;
   }
+  if (inside == 0) {
+    return;
+  }
+  const bool all_rows = inside == (1u << W) - 1;
   const int64_t nc = C > 0 ? C : channels;
   for (int64_t ch = 0; ch < nc; ++ch) {
     const acc_t v = values ? static_cast<acc_t>(values[ch]) : acc_t(1);
     scalar_t* m = mesh + ch * channel_stride;
+    if (distinct && all_rows) {
+      constexpr int kNodes = W * W * W;
+      int64_t node[kNodes];
+      scalar_t sum[kNodes];
+#pragma GCC unroll 64
+      for (int i = 0; i < kNodes; ++i) {
+        node[i] = s.offset[0][i / (W * W)] + s.offset[1][(i / W) % W] + s.offset[2][i % W];
+      }
+#pragma GCC unroll 64
+      for (int i = 0; i < kNodes; ++i) {
+        sum[i] = m[node[i]];
+      }
+#pragma GCC unroll 64
+      for (int i = 0; i < kNodes; ++i) {
+        const acc_t wab = s.weight[0][i / (W * W)] * s.weight[1][(i / W) % W];
+        sum[i] += static_cast<scalar_t>(v * (wab * s.weight[2][i % W]));
+      }
+#pragma GCC unroll 64
+      for (int i = 0; i < kNodes; ++i) {
+        m[node[i]] = sum[i];
+      }
+      continue;
+    }
     for (int a = 0; a < W; ++a) {
+      if (!(inside & (1u << a))) {
+        continue;
+      }
       for (int b = 0; b < W; ++b) {
         scalar_t* row = m + s.offset[0][a] + s.offset[1][b];
         const acc_t wab = s.weight[0][a] * s.weight[1][b];
-        if (s.z_contiguous) {
-          // adjacent nodes: a fixed-length loop the compiler unrolls and vectorises
-          scalar_t* z = row + s.offset[2][0];
-          for (int c = 0; c < W; ++c) {
-            z[c] += static_cast<scalar_t>(v * (wab * s.weight[2][c]));
-          }
-        } else {
-          for (int c = 0; c < W; ++c) {
-            row[s.offset[2][c]] += static_cast<scalar_t>(v * (wab * s.weight[2][c]));
-          }
+        for (int c = 0; c < W; ++c) {
+          row[s.offset[2][c]] += static_cast<scalar_t>(v * (wab * s.weight[2][c]));
         }
       }
     }
   }
+}
+
+// deposit_stencil for particle k of a block, CIC (W = 2) with distinct nodes:
+// the 8 nodes and weights straight from the block's first nodes and fractions,
+// without the general stencil's arrays (which cost more than the deposit
+// itself). The same products and sums as deposit_stencil, so the same bits.
+// False when the particle has planes outside [rows_begin, rows_end): the
+// caller then takes deposit_stencil.
+template <typename scalar_t, int C, typename acc_t, int K>
+C10_ALWAYS_INLINE bool deposit_cic(
+    const BlockNodes<acc_t, K>& nodes, int k, const StencilGeometry& g, const scalar_t* values,
+    int64_t channel_stride, scalar_t* mesh, int64_t rows_begin, int64_t rows_end) {
+  static_assert(C > 0, "deposit_cic: channel count known at compile time");
+  const int64_t plane = g.shape[1] * g.shape[2];
+  const int64_t i0 = nodes.node[0][k];
+  const int64_t i1 = i0 + 1 == g.shape[0] ? 0 : i0 + 1;
+  const int64_t x0 = i0 * plane;
+  const int64_t x1 = i1 * plane;
+  if (!(x0 >= rows_begin && x0 < rows_end && x1 >= rows_begin && x1 < rows_end)) {
+    return false;
+  }
+  const int64_t j0 = nodes.node[1][k];
+  const int64_t y0 = j0 * g.shape[2];
+  const int64_t y1 = (j0 + 1 == g.shape[1] ? 0 : j0 + 1) * g.shape[2];
+  const int64_t z0 = nodes.node[2][k];
+  const int64_t z1 = z0 + 1 == g.shape[2] ? 0 : z0 + 1;
+  const acc_t tx = nodes.t[0][k];
+  const acc_t ty = nodes.t[1][k];
+  const acc_t tz = nodes.t[2][k];
+  const acc_t wx[2] = {acc_t(1) - tx, tx};
+  const acc_t wy[2] = {acc_t(1) - ty, ty};
+  const acc_t wz[2] = {acc_t(1) - tz, tz};
+  const int64_t row[4] = {x0 + y0, x0 + y1, x1 + y0, x1 + y1};
+  for (int ch = 0; ch < C; ++ch) {
+    const acc_t v = values ? static_cast<acc_t>(values[ch]) : acc_t(1);
+    scalar_t* m = mesh + ch * channel_stride;
+    scalar_t sum[8];
+    for (int r = 0; r < 4; ++r) {
+      sum[2 * r] = m[row[r] + z0];
+      sum[2 * r + 1] = m[row[r] + z1];
+    }
+    for (int r = 0; r < 4; ++r) {
+      const acc_t wab = wx[r >> 1] * wy[r & 1];
+      sum[2 * r] += static_cast<scalar_t>(v * (wab * wz[0]));
+      sum[2 * r + 1] += static_cast<scalar_t>(v * (wab * wz[1]));
+    }
+    for (int r = 0; r < 4; ++r) {
+      m[row[r] + z0] = sum[2 * r];
+      m[row[r] + z1] = sum[2 * r + 1];
+    }
+  }
+  return true;
+}
+
+// make_stencil and deposit_stencil: one particle, on the paths that visit
+// particles out of order.
+template <typename scalar_t, int W, int C>
+C10_ALWAYS_INLINE void deposit(
+    const scalar_t* position, const scalar_t* values, int64_t channels, int64_t channel_stride,
+    const StencilGeometry& g, bool distinct, scalar_t* mesh) {
+  using acc_t = at::opmath_type<scalar_t>;
+  Stencil<acc_t, W> s;
+  if (make_stencil<scalar_t, acc_t, W>(position, g, s)) {
+    deposit_stencil<scalar_t, W, C>(s, values, channels, channel_stride, distinct, mesh);
+  }
+  // else rejected: reported, and poisoned by poison_rejected
 }
 
 inline void prefetch(const void* address) {
@@ -89,6 +202,68 @@ inline void prefetch(const void* address) {
 #else
   (void)address;
 #endif
+}
+
+// CIC readout of particle k of a block straight from its nodes and fractions
+// (no general stencil, whose arrays cost more than the reads): the 3 or 4
+// channels of an interleaved mesh (read_interleaved) or `count` planar ones
+// (interpolate), with exactly their products and sums, so the same bits.
+// Returns whether every value is finite.
+template <typename scalar_t, typename acc_t, int K, int C>
+C10_ALWAYS_INLINE bool read_cic(
+    const BlockNodes<acc_t, K>& nodes, int k, const StencilGeometry& g, const MeshLayout& layout,
+    int64_t count, const scalar_t* m, scalar_t* out) {
+  const int64_t nz = g.shape[2];
+  const int64_t y_stride = nz * layout.node_stride;
+  const int64_t x_stride = g.shape[1] * y_stride;
+  const int64_t i0 = nodes.node[0][k];
+  const int64_t j0 = nodes.node[1][k];
+  const int64_t k0 = nodes.node[2][k];
+  const int64_t x[2] = {i0 * x_stride, (i0 + 1 == g.shape[0] ? 0 : i0 + 1) * x_stride};
+  const int64_t y[2] = {j0 * y_stride, (j0 + 1 == g.shape[1] ? 0 : j0 + 1) * y_stride};
+  const int64_t z[2] = {k0 * layout.node_stride, (k0 + 1 == nz ? 0 : k0 + 1) * layout.node_stride};
+  const acc_t tx = nodes.t[0][k];
+  const acc_t ty = nodes.t[1][k];
+  const acc_t tz = nodes.t[2][k];
+  const acc_t wx[2] = {acc_t(1) - tx, tx};
+  const acc_t wy[2] = {acc_t(1) - ty, ty};
+  const acc_t wz[2] = {acc_t(1) - tz, tz};
+  constexpr int kRead = C > 0 ? C : 1;
+  const int64_t channels = C > 0 ? C : count;
+  bool finite = true;
+  for (int64_t ch0 = 0; ch0 < channels; ch0 += kRead) {
+    // C > 0: all C channels of a node together (interleaved); else one planar
+    // channel at a time.
+    const scalar_t* mc = m + (C > 0 ? 0 : ch0 * layout.channel);
+    acc_t acc[kRead];
+    for (int ch = 0; ch < kRead; ++ch) {
+      acc[ch] = acc_t(0);
+    }
+    for (int a = 0; a < 2; ++a) {
+      for (int b = 0; b < 2; ++b) {
+        const scalar_t* row = mc + x[a] + y[b];
+        acc_t along_z[kRead];
+        for (int ch = 0; ch < kRead; ++ch) {
+          along_z[ch] = acc_t(0);
+        }
+        for (int c = 0; c < 2; ++c) {
+          const scalar_t* node = row + z[c];
+          for (int ch = 0; ch < kRead; ++ch) {
+            along_z[ch] += wz[c] * static_cast<acc_t>(node[ch]);
+          }
+        }
+        const acc_t wab = wx[a] * wy[b];
+        for (int ch = 0; ch < kRead; ++ch) {
+          acc[ch] += wab * along_z[ch];
+        }
+      }
+    }
+    for (int ch = 0; ch < kRead; ++ch) {
+      out[ch0 + ch] = static_cast<scalar_t>(acc[ch]);
+      finite = finite && finite_value(acc[ch]);
+    }
+  }
+  return finite;
 }
 
 // Visits particles [begin, end) in chunks, calling visit(p, stencil) for each
@@ -101,7 +276,15 @@ inline void prefetch(const void* address) {
 // memory system serve them in parallel instead of one after another. (Storing
 // and prefetching the stencils costs about a third of the kernel when the lines
 // are in cache already, hence the two paths.)
-template <typename scalar_t, typename acc_t, int W, bool with_derivative, typename Visit>
+struct NoBlockVisit {
+  template <typename Nodes>
+  bool operator()(int64_t, const Nodes&, int) const {
+    return false;
+  }
+};
+
+template <typename scalar_t, typename acc_t, int W, bool with_derivative, typename Visit,
+          typename VisitBlock = NoBlockVisit>
 int64_t gather_particles(
     const scalar_t* positions,
     int64_t begin,
@@ -112,7 +295,8 @@ int64_t gather_particles(
     int64_t batch,
     int64_t per_batch,
     int64_t channels,
-    const Visit& visit) {
+    const Visit& visit,
+    const VisitBlock& visit_block = VisitBlock()) {
   // Fewer particles per chunk for wide stencils: their prefetches fill the
   // line-fill buffers sooner.
   constexpr int kChunk = W <= 2 ? 16 : 4;
@@ -132,9 +316,16 @@ int64_t gather_particles(
         std::abs(static_cast<acc_t>(head[0]) - static_cast<acc_t>(tail[0])) <= near &&
         std::abs(static_cast<acc_t>(head[1]) - static_cast<acc_t>(tail[1])) <= near;
     if (coherent) {
-      for (int64_t p = first; p < first + count; ++p) {
-        if (make_stencil<scalar_t, acc_t, W, with_derivative>(positions + 3 * p, g, stencil[0], layout.node_stride)) {
-          visit(p, stencil[0]);
+      BlockNodes<acc_t, kChunk> nodes;
+      block_first_nodes<scalar_t, acc_t, W, kChunk>(head, count, g, nodes);
+      for (int i = 0; i < count; ++i) {
+        if (nodes.valid[i]) {
+          // visit_block: a lean path straight from the block's nodes, when it has one
+          if (visit_block(first + i, nodes, i)) {
+            continue;
+          }
+          block_stencil<acc_t, W, with_derivative, kChunk>(nodes, i, g, layout.node_stride, stencil[0]);
+          visit(first + i, stencil[0]);
         } else {
           ++bad;
         }
@@ -306,6 +497,133 @@ void poison_rejected(
   }
 }
 
+// Plane-ownership paint, the path for particles in spatial or Lagrangian
+// order (the simulation keeps them so). Particles are summarised in chunks of
+// kChunk: the circular range of x planes the chunk's stencils write. The
+// member's planes are cut into slabs holding similar particle counts; a task
+// owns one slab and walks, in particle order, the chunks whose range meets
+// it, depositing each particle's planes inside the slab. Every node is then
+// written by one task only, and receives its contributions in particle order:
+// the serial loop's order, whatever the thread and slab counts, with no sort.
+// Particles in scattered order make every chunk wide; they take the counting
+// sort by plane instead (paint_kernel).
+constexpr int64_t kOwnershipChunk = 128;
+
+struct ChunkPlanes {
+  int64_t start = 0;   // first plane (wrapped into [0, nx) on a periodic axis)
+  int64_t length = 0;  // planes written, start .. start + length - 1 (circular); 0: none
+  int64_t count = 0;   // particles
+};
+
+struct ChunkSummary {
+  std::vector<ChunkPlanes> chunks;  // per member, chunks_per_member each
+  int64_t chunks_per_member = 0;
+  CheckResult check;
+};
+
+// One pass over the particles: the chunk ranges and the rejected particles
+// (and non-finite values when `values` is not null).
+template <typename scalar_t, int W>
+ChunkSummary summarise_chunks(
+    const scalar_t* positions, const scalar_t* values, int64_t channels, int64_t batch, int64_t n,
+    const StencilGeometry& g) {
+  using acc_t = at::opmath_type<scalar_t>;
+  ChunkSummary summary;
+  summary.chunks_per_member = (n + kOwnershipChunk - 1) / kOwnershipChunk;
+  summary.chunks.resize(batch * summary.chunks_per_member);
+  const int64_t nx = g.shape[0];
+  const int64_t half = nx / 2;
+  std::atomic<int64_t> bad{0};
+  std::atomic<int64_t> bad_values{0};
+  at::parallel_for(0, batch * summary.chunks_per_member, 64, [&](int64_t begin, int64_t end) {
+    int64_t local_bad = 0;
+    int64_t local_bad_values = 0;
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t member = c / summary.chunks_per_member;
+      const int64_t first = member * n + (c % summary.chunks_per_member) * kOwnershipChunk;
+      const int64_t last = std::min(first + kOwnershipChunk, (member + 1) * n);
+      int64_t low = nx, high = -1, shifted_low = nx, shifted_high = -1;
+      constexpr int kBlock = 16;
+      for (int64_t p0 = first; p0 < last; p0 += kBlock) {
+        const int count = static_cast<int>(std::min<int64_t>(kBlock, last - p0));
+        BlockNodes<acc_t, kBlock> nodes;
+        block_first_nodes<scalar_t, acc_t, W, kBlock>(positions + 3 * p0, count, g, nodes);
+        for (int k = 0; k < count; ++k) {
+          if (!nodes.valid[k]) {
+            ++local_bad;
+            continue;
+          }
+          const int64_t node = nodes.node[0][k];
+          low = std::min(low, node);
+          high = std::max(high, node);
+          // The same planes seen from half a box away: a chunk across the
+          // periodic seam is narrow there.
+          const int64_t shifted = node >= half ? node - half : node + (nx - half);
+          shifted_low = std::min(shifted_low, shifted);
+          shifted_high = std::max(shifted_high, shifted);
+        }
+      }
+      if (values) {
+        for (int64_t p = first; p < last; ++p) {
+          local_bad_values += finite_values(values + p * channels, channels) ? 0 : 1;
+        }
+      }
+      ChunkPlanes& planes = summary.chunks[c];
+      planes.count = last - first;
+      if (high < 0) {
+        continue;  // no accepted particle
+      }
+      if (g.periodic[0] && shifted_high - shifted_low < high - low) {
+        planes.start = shifted_low + half;
+        planes.start -= planes.start >= nx ? nx : 0;
+        planes.length = shifted_high - shifted_low + W;
+      } else {
+        planes.start = low;
+        planes.length = high - low + W;
+      }
+      planes.length = std::min(planes.length, nx);
+    }
+    bad += local_bad;
+    bad_values += local_bad_values;
+  });
+  summary.check = {bad.load(), bad_values.load()};
+  return summary;
+}
+
+// Whether planes [begin, end) meet the chunk's circular range.
+inline bool chunk_meets(const ChunkPlanes& planes, int64_t begin, int64_t end, int64_t nx) {
+  if (planes.length == 0) {
+    return false;
+  }
+  const int64_t stop = planes.start + planes.length;
+  return (planes.start < end && begin < stop) || (stop > nx && begin < stop - nx);
+}
+
+// Slab boundaries (slabs + 1 plane indices) that split the member's particles
+// into similar counts, each chunk counted at its first plane.
+inline std::vector<int64_t> balanced_slabs(
+    const ChunkPlanes* chunks, int64_t count, int64_t nx, int64_t slabs) {
+  std::vector<int64_t> per_plane(nx, 0);
+  int64_t total = 0;
+  for (int64_t c = 0; c < count; ++c) {
+    if (chunks[c].length > 0) {
+      per_plane[chunks[c].start] += chunks[c].count;
+      total += chunks[c].count;
+    }
+  }
+  std::vector<int64_t> bounds{0};
+  int64_t running = 0;
+  for (int64_t i = 0; i < nx && static_cast<int64_t>(bounds.size()) < slabs; ++i) {
+    running += per_plane[i];
+    if (running * slabs >= total * static_cast<int64_t>(bounds.size()) && i + 1 < nx) {
+      bounds.push_back(i + 1);
+    }
+  }
+  bounds.push_back(nx);
+  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+  return bounds;
+}
+
 template <typename scalar_t, int W>
 void paint_kernel(
     const char* op,
@@ -324,10 +642,97 @@ void paint_kernel(
   scalar_t* out = mesh.data_ptr<scalar_t>();
   const int64_t total = batch * n;
 
-  // Decided by the particle count alone, never by the thread count: the binned
-  // path gives every cell its contributions in the same order with 1 thread or
-  // many, and a different order from the serial path.
+  // Decided by the particle count alone, never by the thread count: the
+  // ownership and counting-sort paths give every cell its contributions in an
+  // order fixed by the input; the serial loop and the ownership path the same
+  // (particle) order.
   const bool serial = total < kSerialPaintLimit;
+  const bool distinct = nodes_distinct<W>(g);
+  if (!serial && distinct) {
+    const ChunkSummary summary = summarise_chunks<scalar_t, W>(
+        pos, check_finite ? values : nullptr, channels, batch, n, g);
+    // Raises here in immediate mode; in deferred mode the valid particles are
+    // painted and the mesh poisoned (NaN weights poison it by themselves).
+    report_bad_particles(
+        kPaintOp, {summary.check.bad_positions, summary.check.bad_values},
+        CallDiagnosis(positions, weights, g));
+    if (summary.check.bad_positions > 0) {
+      poison_rejected<scalar_t, W>(pos, batch, n, channels, g, out);
+    }
+    // Which path, from the particles alone (never the thread count, which would
+    // change the summation order): plane ownership while the chunks are narrow,
+    // on average at most max(W + 2, nx / 8) planes, else the counting sort.
+    int64_t weighted_planes = 0;
+    for (const ChunkPlanes& planes : summary.chunks) {
+      weighted_planes += planes.count * (planes.length > 0 ? planes.length : 1);
+    }
+    const bool narrow = weighted_planes <= total * std::max<int64_t>(W + 2, nx / 8);
+    // Slabs: a few per thread for balance, at least 2 W planes wide (a chunk
+    // meeting two slabs costs its stencils twice).
+    const int64_t slabs = std::max<int64_t>(1, std::min<int64_t>(4 * at::get_num_threads(), nx / (2 * W)));
+    std::vector<std::vector<int64_t>> bounds(batch);
+    for (int64_t b = 0; b < batch; ++b) {
+      bounds[b] = balanced_slabs(summary.chunks.data() + b * summary.chunks_per_member,
+                                 summary.chunks_per_member, nx, slabs);
+    }
+    if (narrow) {
+      std::vector<std::pair<int64_t, int64_t>> tasks;  // (member, slab)
+      for (int64_t b = 0; b < batch; ++b) {
+        for (size_t k = 0; k + 1 < bounds[b].size(); ++k) {
+          tasks.emplace_back(b, static_cast<int64_t>(k));
+        }
+      }
+      const int64_t plane = g.shape[1] * g.shape[2];
+      using acc_t = at::opmath_type<scalar_t>;
+      constexpr int kBlock = 16;
+      dispatch_channels(channels, [&](auto channel_count) {
+        constexpr int C = decltype(channel_count)::value;
+        std::atomic<int64_t> next{0};
+        const int64_t task_count = static_cast<int64_t>(tasks.size());
+        const int64_t workers = std::min<int64_t>(at::get_num_threads(), task_count);
+        at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+          for (int64_t t = next++; t < task_count; t = next++) {
+            const int64_t b = tasks[t].first;
+            const int64_t begin = bounds[b][tasks[t].second];
+            const int64_t end = bounds[b][tasks[t].second + 1];
+            const ChunkPlanes* chunks = summary.chunks.data() + b * summary.chunks_per_member;
+            scalar_t* member_mesh = out + b * channels * channel_stride;
+            for (int64_t c = 0; c < summary.chunks_per_member; ++c) {
+              if (!chunk_meets(chunks[c], begin, end, nx)) {
+                continue;
+              }
+              const int64_t first = b * n + c * kOwnershipChunk;
+              const int64_t last = std::min(first + kOwnershipChunk, (b + 1) * n);
+              for (int64_t p0 = first; p0 < last; p0 += kBlock) {
+                const int count = static_cast<int>(std::min<int64_t>(kBlock, last - p0));
+                BlockNodes<acc_t, kBlock> nodes;
+                block_first_nodes<scalar_t, acc_t, W, kBlock>(pos + 3 * p0, count, g, nodes);
+                for (int k = 0; k < count; ++k) {
+                  if (!nodes.valid[k]) {
+                    continue;  // rejected: reported, and poisoned by poison_rejected
+                  }
+                  const int64_t p = p0 + k;
+                  if constexpr (W == 2 && C > 0) {
+                    if (deposit_cic<scalar_t, C>(
+                            nodes, k, g, values ? values + channels * p : nullptr, channel_stride,
+                            member_mesh, begin * plane, end * plane)) {
+                      continue;
+                    }
+                  }
+                  Stencil<acc_t, W> s;
+                  block_stencil<acc_t, W, false, kBlock>(nodes, k, g, 1, s);
+                  deposit_stencil<scalar_t, W, C>(
+                      s, values ? values + channels * p : nullptr, channels, channel_stride, true,
+                      member_mesh, begin * plane, end * plane);
+                }
+              }
+            }
+          }
+        });
+      });
+      return;
+    }
+  }
   const Ranges split = split_for_threads(total);
   // Per-particle scratch, written in full before it is read: not zeroed (a
   // std::vector would write it once more).
@@ -336,12 +741,13 @@ void paint_kernel(
   const CheckResult check = check_and_bin<scalar_t, W>(
       pos, check_finite ? values : nullptr, channels, split, n, g,
       particle_bin.get(), counts.data());
-  // Raises here in immediate mode; in deferred mode the valid particles are
-  // painted and the mesh poisoned (NaN weights poison it by themselves).
-  report_bad_particles(
-      kPaintOp, {check.bad_positions, check.bad_values}, CallDiagnosis(positions, weights, g));
-  if (check.bad_positions > 0) {
-    poison_rejected<scalar_t, W>(pos, batch, n, channels, g, out);
+  // Reported by the summary pass already when the ownership path declined.
+  if (serial || !distinct) {
+    report_bad_particles(
+        kPaintOp, {check.bad_positions, check.bad_values}, CallDiagnosis(positions, weights, g));
+    if (check.bad_positions > 0) {
+      poison_rejected<scalar_t, W>(pos, batch, n, channels, g, out);
+    }
   }
   // Particles by bin (batch, plane).
   std::vector<int64_t> start;
@@ -357,7 +763,7 @@ void paint_kernel(
       const int64_t b = batch == 1 ? 0 : p / n;
       deposit<scalar_t, W, C>(
           pos + 3 * p, values ? values + channels * p : nullptr, channels,
-          channel_stride, g, out + b * channels * channel_stride);
+          channel_stride, g, distinct, out + b * channels * channel_stride);
     };
     if (serial) {
       for (int64_t p = 0; p < total; ++p) {
@@ -657,6 +1063,24 @@ at::Tensor readout_cpu(
                 [&](int64_t p, const Stencil<acc_t, W>& s) {
                   const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
                   local_non_finite += read_mesh<scalar_t, acc_t, W>(m, layout, nc, s, result + p * nc) ? 0 : 1;
+                },
+                [&](int64_t p, const auto& nodes, int k) {
+                  if constexpr (W == 2) {
+                    const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
+                    bool finite;
+                    // read_mesh's choice: 3 or 4 channels of an interleaved mesh node by node
+                    if (layout.node_stride > 1 && nc == 3) {
+                      finite = read_cic<scalar_t, acc_t, 16, 3>(nodes, k, g, layout, nc, m, result + p * nc);
+                    } else if (layout.node_stride > 1 && nc == 4) {
+                      finite = read_cic<scalar_t, acc_t, 16, 4>(nodes, k, g, layout, nc, m, result + p * nc);
+                    } else {
+                      finite = read_cic<scalar_t, acc_t, 16, 0>(nodes, k, g, layout, nc, m, result + p * nc);
+                    }
+                    local_non_finite += finite ? 0 : 1;
+                    return true;
+                  } else {
+                    return false;
+                  }
                 });
             non_finite += local_non_finite;
           });
