@@ -141,26 +141,16 @@ C10_ALWAYS_INLINE bool deposit_cic(
     const BlockNodes<acc_t, K>& nodes, int k, const StencilGeometry& g, const scalar_t* values,
     int64_t channel_stride, scalar_t* mesh, int64_t rows_begin, int64_t rows_end) {
   static_assert(C > 0, "deposit_cic: channel count known at compile time");
-  const int64_t plane = g.shape[1] * g.shape[2];
-  const int64_t i0 = nodes.node[0][k];
-  const int64_t i1 = i0 + 1 == g.shape[0] ? 0 : i0 + 1;
-  const int64_t x0 = i0 * plane;
-  const int64_t x1 = i1 * plane;
-  if (!(x0 >= rows_begin && x0 < rows_end && x1 >= rows_begin && x1 < rows_end)) {
+  const CicNodes<acc_t> cic(nodes, k, g, 1);
+  if (!(cic.x[0] >= rows_begin && cic.x[0] < rows_end && cic.x[1] >= rows_begin && cic.x[1] < rows_end)) {
     return false;
   }
-  const int64_t j0 = nodes.node[1][k];
-  const int64_t y0 = j0 * g.shape[2];
-  const int64_t y1 = (j0 + 1 == g.shape[1] ? 0 : j0 + 1) * g.shape[2];
-  const int64_t z0 = nodes.node[2][k];
-  const int64_t z1 = z0 + 1 == g.shape[2] ? 0 : z0 + 1;
-  const acc_t tx = nodes.t[0][k];
-  const acc_t ty = nodes.t[1][k];
-  const acc_t tz = nodes.t[2][k];
-  const acc_t wx[2] = {acc_t(1) - tx, tx};
-  const acc_t wy[2] = {acc_t(1) - ty, ty};
-  const acc_t wz[2] = {acc_t(1) - tz, tz};
-  const int64_t row[4] = {x0 + y0, x0 + y1, x1 + y0, x1 + y1};
+  const acc_t* wx = cic.wx;
+  const acc_t* wy = cic.wy;
+  const acc_t* wz = cic.wz;
+  const int64_t z0 = cic.z[0];
+  const int64_t z1 = cic.z[1];
+  const int64_t row[4] = {cic.x[0] + cic.y[0], cic.x[0] + cic.y[1], cic.x[1] + cic.y[0], cic.x[1] + cic.y[1]};
   for (int ch = 0; ch < C; ++ch) {
     const acc_t v = values ? static_cast<acc_t>(values[ch]) : acc_t(1);
     scalar_t* m = mesh + ch * channel_stride;
@@ -213,21 +203,13 @@ template <typename scalar_t, typename acc_t, int K, int C>
 C10_ALWAYS_INLINE bool read_cic(
     const BlockNodes<acc_t, K>& nodes, int k, const StencilGeometry& g, const MeshLayout& layout,
     int64_t count, const scalar_t* m, scalar_t* out) {
-  const int64_t nz = g.shape[2];
-  const int64_t y_stride = nz * layout.node_stride;
-  const int64_t x_stride = g.shape[1] * y_stride;
-  const int64_t i0 = nodes.node[0][k];
-  const int64_t j0 = nodes.node[1][k];
-  const int64_t k0 = nodes.node[2][k];
-  const int64_t x[2] = {i0 * x_stride, (i0 + 1 == g.shape[0] ? 0 : i0 + 1) * x_stride};
-  const int64_t y[2] = {j0 * y_stride, (j0 + 1 == g.shape[1] ? 0 : j0 + 1) * y_stride};
-  const int64_t z[2] = {k0 * layout.node_stride, (k0 + 1 == nz ? 0 : k0 + 1) * layout.node_stride};
-  const acc_t tx = nodes.t[0][k];
-  const acc_t ty = nodes.t[1][k];
-  const acc_t tz = nodes.t[2][k];
-  const acc_t wx[2] = {acc_t(1) - tx, tx};
-  const acc_t wy[2] = {acc_t(1) - ty, ty};
-  const acc_t wz[2] = {acc_t(1) - tz, tz};
+  const CicNodes<acc_t> cic(nodes, k, g, layout.node_stride);
+  const int64_t* x = cic.x;
+  const int64_t* y = cic.y;
+  const int64_t* z = cic.z;
+  const acc_t* wx = cic.wx;
+  const acc_t* wy = cic.wy;
+  const acc_t* wz = cic.wz;
   constexpr int kRead = C > 0 ? C : 1;
   const int64_t channels = C > 0 ? C : count;
   bool finite = true;

@@ -21,6 +21,19 @@ struct BlockNodes {
   bool valid[K];       // accepted (first_node true on every axis)
 };
 
+// floor(v) of a shifted coordinate as trunc(v) - (trunc(v) > v), exact in int32
+// below 2^30, and its fraction; branch-free so that a loop of it vectorises.
+// `in` is false for NaN and large values, which are then left to first_node.
+template <typename acc_t>
+C10_ALWAYS_INLINE int32_t fast_floor(acc_t shifted, acc_t& t, int32_t& in) {
+  in = std::abs(shifted) < acc_t(int32_t(1) << 30);
+  const acc_t v = in ? shifted : acc_t(0);
+  const int32_t truncated = static_cast<int32_t>(v);
+  const int32_t f = truncated - (static_cast<acc_t>(truncated) > v ? 1 : 0);
+  t = v - static_cast<acc_t>(f);
+  return f;
+}
+
 // Nodes and fractions of the `count` (<= K) particles at `positions` (3 values
 // each, consecutive).
 template <typename scalar_t, typename acc_t, int W, int K>
@@ -37,7 +50,6 @@ C10_ALWAYS_INLINE void block_first_nodes(
   // 1 - W/2 is exact in binary floating point (first_node).
   const acc_t shift = acc_t(1) - acc_t(W) / acc_t(2);
   constexpr int32_t kFast = int32_t(1) << 30;
-  const acc_t fast_bound = acc_t(kFast);
   int32_t valid[K];
   for (int k = 0; k < K; ++k) {
     valid[k] = 1;
@@ -53,17 +65,12 @@ C10_ALWAYS_INLINE void block_first_nodes(
     const int32_t n = narrow ? static_cast<int32_t>(g.shape[d]) : 1;
     int32_t scalar[K];  // lanes left to first_node
     int32_t accepted[K];  // this axis's verdict
-    // Branch-free, so that it vectorises: floor(v) = trunc(v) - (trunc(v) > v),
-    // with trunc exact in int32 below 2^30; NaN and large values leave the lane
-    // to first_node, as does a periodic node more than one period away.
+    // fast_floor per lane; a lane it leaves, or a periodic node more than one
+    // period away, goes to first_node.
     if (g.periodic[d]) {
       for (int k = 0; k < K; ++k) {
-        const acc_t shifted = static_cast<acc_t>(x[3 * k]) + shift;
-        const int32_t in = std::abs(shifted) < fast_bound;
-        const acc_t v = in ? shifted : acc_t(0);
-        const int32_t truncated = static_cast<int32_t>(v);
-        const int32_t f = truncated - (static_cast<acc_t>(truncated) > v ? 1 : 0);
-        out.t[d][k] = v - static_cast<acc_t>(f);
+        int32_t in;
+        const int32_t f = fast_floor(static_cast<acc_t>(x[3 * k]) + shift, out.t[d][k], in);
         int32_t node = f - offset;
         node += node < 0 ? n : 0;
         node -= node >= n ? n : 0;
@@ -73,12 +80,8 @@ C10_ALWAYS_INLINE void block_first_nodes(
       }
     } else {
       for (int k = 0; k < K; ++k) {
-        const acc_t shifted = static_cast<acc_t>(x[3 * k]) + shift;
-        const int32_t in = std::abs(shifted) < fast_bound;
-        const acc_t v = in ? shifted : acc_t(0);
-        const int32_t truncated = static_cast<int32_t>(v);
-        const int32_t f = truncated - (static_cast<acc_t>(truncated) > v ? 1 : 0);
-        out.t[d][k] = v - static_cast<acc_t>(f);
+        int32_t in;
+        const int32_t f = fast_floor(static_cast<acc_t>(x[3 * k]) + shift, out.t[d][k], in);
         const int32_t node = f - offset;
         out.node[d][k] = node;
         // first_node's block test, first >= 0 and first + W <= n (a lane
@@ -122,5 +125,37 @@ C10_ALWAYS_INLINE void block_stencil(
     fill_axis<acc_t, W, with_derivative>(d, nodes.node[d][k], nodes.t[d][k], g.shape[d], stride[d], stencil);
   }
 }
+
+// The CIC (W = 2) nodes of particle k of a block as element offsets along each
+// axis (`node_stride` elements from one z node to the next) and their weights:
+// fill_axis's values for W = 2, without the general stencil's arrays.
+template <typename acc_t>
+struct CicNodes {
+  int64_t x[2], y[2], z[2];
+  acc_t wx[2], wy[2], wz[2];
+
+  template <int K>
+  C10_ALWAYS_INLINE CicNodes(
+      const BlockNodes<acc_t, K>& nodes, int k, const StencilGeometry& g, int64_t node_stride) {
+    const int64_t y_stride = g.shape[2] * node_stride;
+    const int64_t x_stride = g.shape[1] * y_stride;
+    const int64_t i0 = nodes.node[0][k];
+    const int64_t j0 = nodes.node[1][k];
+    const int64_t k0 = nodes.node[2][k];
+    x[0] = i0 * x_stride;
+    x[1] = (i0 + 1 == g.shape[0] ? 0 : i0 + 1) * x_stride;
+    y[0] = j0 * y_stride;
+    y[1] = (j0 + 1 == g.shape[1] ? 0 : j0 + 1) * y_stride;
+    z[0] = k0 * node_stride;
+    z[1] = (k0 + 1 == g.shape[2] ? 0 : k0 + 1) * node_stride;
+    const acc_t t[3] = {nodes.t[0][k], nodes.t[1][k], nodes.t[2][k]};
+    wx[0] = acc_t(1) - t[0];
+    wx[1] = t[0];
+    wy[0] = acc_t(1) - t[1];
+    wy[1] = t[1];
+    wz[0] = acc_t(1) - t[2];
+    wz[1] = t[2];
+  }
+};
 
 }  // namespace torchpm
