@@ -479,6 +479,20 @@ void poison_rejected(
   }
 }
 
+// Calls f(t) for t in [0, tasks) on torch's thread pool, threads taking tasks
+// from a shared counter (dynamic scheduling: slabs and planes hold very
+// different particle counts once structure forms).
+template <typename F>
+void run_tasks(int64_t tasks, const F& f) {
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next++; t < tasks; t = next++) {
+      f(t);
+    }
+  });
+}
+
 // Plane-ownership paint, the path for particles in spatial or Lagrangian
 // order (the simulation keeps them so). Particles are summarised in chunks of
 // kChunk: the circular range of x planes the chunk's stencils write. The
@@ -525,11 +539,7 @@ ChunkSummary summarise_chunks(
       const int64_t first = member * n + (c % summary.chunks_per_member) * kOwnershipChunk;
       const int64_t last = std::min(first + kOwnershipChunk, (member + 1) * n);
       int64_t low = nx, high = -1, shifted_low = nx, shifted_high = -1;
-      constexpr int kBlock = 16;
-      for (int64_t p0 = first; p0 < last; p0 += kBlock) {
-        const int count = static_cast<int>(std::min<int64_t>(kBlock, last - p0));
-        BlockNodes<acc_t, kBlock> nodes;
-        block_first_nodes<scalar_t, acc_t, W, kBlock>(positions + 3 * p0, count, g, nodes);
+      for_each_block<scalar_t, acc_t, W, 16>(positions, first, last, g, [&](int64_t, const auto& nodes, int count) {
         for (int k = 0; k < count; ++k) {
           if (!nodes.valid[k]) {
             ++local_bad;
@@ -544,7 +554,7 @@ ChunkSummary summarise_chunks(
           shifted_low = std::min(shifted_low, shifted);
           shifted_high = std::max(shifted_high, shifted);
         }
-      }
+      });
       if (values) {
         for (int64_t p = first; p < last; ++p) {
           local_bad_values += finite_values(values + p * channels, channels) ? 0 : 1;
@@ -669,11 +679,7 @@ void paint_kernel(
       constexpr int kBlock = 16;
       dispatch_channels(channels, [&](auto channel_count) {
         constexpr int C = decltype(channel_count)::value;
-        std::atomic<int64_t> next{0};
-        const int64_t task_count = static_cast<int64_t>(tasks.size());
-        const int64_t workers = std::min<int64_t>(at::get_num_threads(), task_count);
-        at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-          for (int64_t t = next++; t < task_count; t = next++) {
+        run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t t) {
             const int64_t b = tasks[t].first;
             const int64_t begin = bounds[b][tasks[t].second];
             const int64_t end = bounds[b][tasks[t].second + 1];
@@ -685,10 +691,7 @@ void paint_kernel(
               }
               const int64_t first = b * n + c * kOwnershipChunk;
               const int64_t last = std::min(first + kOwnershipChunk, (b + 1) * n);
-              for (int64_t p0 = first; p0 < last; p0 += kBlock) {
-                const int count = static_cast<int>(std::min<int64_t>(kBlock, last - p0));
-                BlockNodes<acc_t, kBlock> nodes;
-                block_first_nodes<scalar_t, acc_t, W, kBlock>(pos + 3 * p0, count, g, nodes);
+              for_each_block<scalar_t, acc_t, W, kBlock>(pos, first, last, g, [&](int64_t p0, const auto& nodes, int count) {
                 for (int k = 0; k < count; ++k) {
                   if (!nodes.valid[k]) {
                     continue;  // rejected: reported, and poisoned by poison_rejected
@@ -707,9 +710,8 @@ void paint_kernel(
                       s, values ? values + channels * p : nullptr, channels, channel_stride, true,
                       member_mesh, begin * plane, end * plane);
                 }
-              }
+              });
             }
-          }
         });
       });
       return;
@@ -720,11 +722,13 @@ void paint_kernel(
   // std::vector would write it once more).
   std::unique_ptr<int64_t[]> particle_bin(serial ? nullptr : new int64_t[total]);
   std::vector<int64_t> counts(serial ? 0 : split.ranges * batch * nx, 0);
+  // After the summary pass (ownership declined) the particles are reported
+  // already: bin them without checking the values again.
+  const bool reported = !serial && distinct;
   const CheckResult check = check_and_bin<scalar_t, W>(
-      pos, check_finite ? values : nullptr, channels, split, n, g,
+      pos, check_finite && !reported ? values : nullptr, channels, split, n, g,
       particle_bin.get(), counts.data());
-  // Reported by the summary pass already when the ownership path declined.
-  if (serial || !distinct) {
+  if (!reported) {
     report_bad_particles(
         kPaintOp, {check.bad_positions, check.bad_values}, CallDiagnosis(positions, weights, g));
     if (check.bad_positions > 0) {
@@ -780,17 +784,10 @@ void paint_kernel(
       if (tasks == 0) {
         continue;
       }
-      // Planes hold very different particle counts once structure forms, so
-      // threads take planes from a shared counter (dynamic scheduling) on torch's
-      // own thread pool.
-      std::atomic<int64_t> next{0};
-      const int64_t workers = std::min<int64_t>(at::get_num_threads(), tasks);
-      at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-        for (int64_t t = next++; t < tasks; t = next++) {
-          const int64_t b = t / planes_in_phase;
-          const int64_t i = W * (t % planes_in_phase) + residue;
-          paint_bin(b * nx + i);
-        }
+      run_tasks(tasks, [&](int64_t t) {
+        const int64_t b = t / planes_in_phase;
+        const int64_t i = W * (t % planes_in_phase) + residue;
+        paint_bin(b * nx + i);
       });
     }
     for (int64_t b = 0; b < batch; ++b) {

@@ -7,6 +7,7 @@
 // coordinate outside the fast range goes through first_node itself.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -112,6 +113,19 @@ C10_ALWAYS_INLINE void block_first_nodes(
   }
   for (int k = 0; k < K; ++k) {
     out.valid[k] = k < count && valid[k];
+  }
+}
+
+// Calls f(p0, nodes, count) for the blocks of K consecutive particles
+// [first, last) (count < K for the last), nodes from block_first_nodes.
+template <typename scalar_t, typename acc_t, int W, int K, typename F>
+C10_ALWAYS_INLINE void for_each_block(
+    const scalar_t* positions, int64_t first, int64_t last, const StencilGeometry& g, const F& f) {
+  for (int64_t p0 = first; p0 < last; p0 += K) {
+    const int count = static_cast<int>(std::min<int64_t>(K, last - p0));
+    BlockNodes<acc_t, K> nodes;
+    block_first_nodes<scalar_t, acc_t, W, K>(positions + 3 * p0, count, g, nodes);
+    f(p0, nodes, count);
   }
 }
 
