@@ -16,7 +16,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <memory>
 #include <vector>
 
@@ -194,15 +196,33 @@ inline void prefetch(const void* address) {
 #endif
 }
 
+// Four lanes of T (the GCC and Clang vector extension): the 3 or 4 channels
+// of an interleaved node in one load and one multiply-add per node.
+template <typename T>
+struct Lanes4 {
+  typedef T type __attribute__((vector_size(4 * sizeof(T))));
+};
+
+// (By reference: a 32-byte vector passed by value would change the ABI
+// without AVX.)
+template <typename T>
+C10_ALWAYS_INLINE void load_lanes(const T* p, typename Lanes4<T>::type& v) {
+  std::memcpy(&v, p, sizeof(v));
+}
+
 // CIC readout of particle k of a block straight from its nodes and fractions
 // (no general stencil, whose arrays cost more than the reads): the 3 or 4
 // channels of an interleaved mesh (read_interleaved) or `count` planar ones
 // (interpolate), with exactly their products and sums, so the same bits.
+// `readable_end`: one past the last element that may be loaded (the mesh's
+// storage); interleaved channels are read four lanes at a time, a 3-channel
+// node's fourth lane being the next node's first value (computed, never
+// stored), except where that would load past readable_end.
 // Returns whether every value is finite.
 template <typename scalar_t, typename acc_t, int K, int C>
 C10_ALWAYS_INLINE bool read_cic(
     const BlockNodes<acc_t, K>& nodes, int k, const StencilGeometry& g, const MeshLayout& layout,
-    int64_t count, const scalar_t* m, scalar_t* out) {
+    int64_t count, const scalar_t* m, const scalar_t* readable_end, scalar_t* out) {
   const CicNodes<acc_t> cic(nodes, k, g, layout.node_stride);
   const int64_t* x = cic.x;
   const int64_t* y = cic.y;
@@ -210,6 +230,33 @@ C10_ALWAYS_INLINE bool read_cic(
   const acc_t* wx = cic.wx;
   const acc_t* wy = cic.wy;
   const acc_t* wz = cic.wz;
+  if constexpr ((C == 3 || C == 4) && std::is_same<scalar_t, acc_t>::value) {
+    const int64_t top = std::max(x[0], x[1]) + std::max(y[0], y[1]) + std::max(z[0], z[1]);
+    if (C == 4 || readable_end - m >= top + 4) {
+      using V = typename Lanes4<acc_t>::type;
+      V acc = {};
+      for (int a = 0; a < 2; ++a) {
+        for (int b = 0; b < 2; ++b) {
+          const scalar_t* row = m + x[a] + y[b];
+          V node0;
+          V node1;
+          load_lanes(row + z[0], node0);
+          load_lanes(row + z[1], node1);
+          V along_z = {};
+          along_z += wz[0] * node0;
+          along_z += wz[1] * node1;
+          const acc_t wab = wx[a] * wy[b];
+          acc += wab * along_z;
+        }
+      }
+      bool finite = true;
+      for (int ch = 0; ch < C; ++ch) {
+        out[ch] = acc[ch];
+        finite = finite && finite_value(acc[ch]);
+      }
+      return finite;
+    }
+  }
   constexpr int kRead = C > 0 ? C : 1;
   const int64_t channels = C > 0 ? C : count;
   bool finite = true;
@@ -289,6 +336,7 @@ int64_t gather_particles(
   Stencil<acc_t, W> stencil[kChunk];
   bool valid[kChunk];
   int64_t bad = 0;
+  const BlockBounds<acc_t, W, kChunk> bounds(g);
   for (int64_t first = begin; first < end; first += kChunk) {
     const int count = static_cast<int>(std::min<int64_t>(kChunk, end - first));
     const scalar_t* head = positions + 3 * first;
@@ -299,7 +347,7 @@ int64_t gather_particles(
         std::abs(static_cast<acc_t>(head[1]) - static_cast<acc_t>(tail[1])) <= near;
     if (coherent) {
       BlockNodes<acc_t, kChunk> nodes;
-      block_first_nodes<scalar_t, acc_t, W, kChunk>(head, count, g, nodes);
+      block_first_nodes<scalar_t, acc_t, W, kChunk>(head, count, g, bounds, nodes);
       for (int i = 0; i < count; ++i) {
         if (nodes.valid[i]) {
           // visit_block: a lean path straight from the block's nodes, when it has one
@@ -517,6 +565,62 @@ struct ChunkSummary {
   CheckResult check;
 };
 
+// The planes of chunk [first, last) from its x coordinates alone: when the
+// chunk is whole blocks whose coordinates first_node accepts without doubt
+// (`bounds.accept_*`: on a block axis inside the block, on a periodic axis
+// below 2^22 in magnitude), its first x nodes are floor(s) - offset (wrapped
+// on a periodic axis), monotone in s: its planes run from the node of the
+// smallest shifted x to that of the largest. A chunk half a box wide or more
+// (it may cross a periodic seam, and be narrow seen from the other side)
+// returns false, as does any other: summarise_chunks then visits its
+// particles one by one.
+template <typename scalar_t, typename acc_t, int W, int K>
+C10_ALWAYS_INLINE bool fast_chunk_planes(
+    const scalar_t* positions, int64_t first, int64_t last, const StencilGeometry& g,
+    const BlockBounds<acc_t, W, K>& bounds, ChunkPlanes& planes) {
+  if (!bounds.usable || (last - first) % K != 0) {
+    return false;
+  }
+  const acc_t shift = acc_t(1) - acc_t(W) / acc_t(2);
+  acc_t low[3 * K];
+  acc_t high[3 * K];
+  for (int i = 0; i < 3 * K; ++i) {
+    low[i] = std::numeric_limits<acc_t>::infinity();
+    high[i] = -std::numeric_limits<acc_t>::infinity();
+  }
+  int32_t rejected = 0;
+  for (int64_t p0 = first; p0 < last; p0 += K) {
+    const scalar_t* x = positions + 3 * p0;
+    for (int i = 0; i < 3 * K; ++i) {
+      const acc_t s = static_cast<acc_t>(x[i]) + shift;
+      rejected |= ((s >= bounds.accept_low[i]) & (s < bounds.accept_high[i])) ^ 1;
+      low[i] = s < low[i] ? s : low[i];
+      high[i] = s > high[i] ? s : high[i];
+    }
+  }
+  if (rejected != 0) {
+    return false;
+  }
+  acc_t smallest = low[0];
+  acc_t largest = high[0];
+  for (int k = 1; k < K; ++k) {
+    smallest = std::min(smallest, low[3 * k]);
+    largest = std::max(largest, high[3 * k]);
+  }
+  const int64_t start = static_cast<int64_t>(floor_of_bounded(smallest)) - g.offset[0];
+  const int64_t stop = static_cast<int64_t>(floor_of_bounded(largest)) - g.offset[0];
+  if (g.periodic[0]) {
+    if (stop - start >= g.shape[0] / 2) {
+      return false;
+    }
+    planes.start = wrap_index(start, g.shape[0]);
+  } else {
+    planes.start = start;
+  }
+  planes.length = std::min(stop - start + W, g.shape[0]);
+  return true;
+}
+
 // One pass over the particles: the chunk ranges and the rejected particles
 // (and non-finite values when `values` is not null).
 template <typename scalar_t, int W>
@@ -524,11 +628,13 @@ ChunkSummary summarise_chunks(
     const scalar_t* positions, const scalar_t* values, int64_t channels, int64_t batch, int64_t n,
     const StencilGeometry& g) {
   using acc_t = at::opmath_type<scalar_t>;
+  constexpr int K = 16;
   ChunkSummary summary;
   summary.chunks_per_member = (n + kOwnershipChunk - 1) / kOwnershipChunk;
   summary.chunks.resize(batch * summary.chunks_per_member);
   const int64_t nx = g.shape[0];
   const int64_t half = nx / 2;
+  const BlockBounds<acc_t, W, K> bounds(g);
   std::atomic<int64_t> bad{0};
   std::atomic<int64_t> bad_values{0};
   at::parallel_for(0, batch * summary.chunks_per_member, 64, [&](int64_t begin, int64_t end) {
@@ -538,14 +644,24 @@ ChunkSummary summarise_chunks(
       const int64_t member = c / summary.chunks_per_member;
       const int64_t first = member * n + (c % summary.chunks_per_member) * kOwnershipChunk;
       const int64_t last = std::min(first + kOwnershipChunk, (member + 1) * n);
+      ChunkPlanes& planes = summary.chunks[c];
+      planes.count = last - first;
+      if (values) {
+        for (int64_t p = first; p < last; ++p) {
+          local_bad_values += finite_values(values + p * channels, channels) ? 0 : 1;
+        }
+      }
+      if (fast_chunk_planes<scalar_t, acc_t, W, K>(positions, first, last, g, bounds, planes)) {
+        continue;
+      }
       int64_t low = nx, high = -1, shifted_low = nx, shifted_high = -1;
-      for_each_block<scalar_t, acc_t, W, 16>(positions, first, last, g, [&](int64_t, const auto& nodes, int count) {
+      for_each_block<scalar_t, acc_t, W, K>(positions, first, last, g, bounds, [&](int64_t, const auto& nodes, int count) {
         for (int k = 0; k < count; ++k) {
           if (!nodes.valid[k]) {
             ++local_bad;
             continue;
           }
-          const int64_t node = nodes.node[0][k];
+          const int64_t node = nodes.node[3 * k];
           low = std::min(low, node);
           high = std::max(high, node);
           // The same planes seen from half a box away: a chunk across the
@@ -555,13 +671,6 @@ ChunkSummary summarise_chunks(
           shifted_high = std::max(shifted_high, shifted);
         }
       });
-      if (values) {
-        for (int64_t p = first; p < last; ++p) {
-          local_bad_values += finite_values(values + p * channels, channels) ? 0 : 1;
-        }
-      }
-      ChunkPlanes& planes = summary.chunks[c];
-      planes.count = last - first;
       if (high < 0) {
         continue;  // no accepted particle
       }
@@ -685,13 +794,14 @@ void paint_kernel(
             const int64_t end = bounds[b][tasks[t].second + 1];
             const ChunkPlanes* chunks = summary.chunks.data() + b * summary.chunks_per_member;
             scalar_t* member_mesh = out + b * channels * channel_stride;
+            const BlockBounds<acc_t, W, kBlock> block_bounds(g);
             for (int64_t c = 0; c < summary.chunks_per_member; ++c) {
               if (!chunk_meets(chunks[c], begin, end, nx)) {
                 continue;
               }
               const int64_t first = b * n + c * kOwnershipChunk;
               const int64_t last = std::min(first + kOwnershipChunk, (b + 1) * n);
-              for_each_block<scalar_t, acc_t, W, kBlock>(pos, first, last, g, [&](int64_t p0, const auto& nodes, int count) {
+              for_each_block<scalar_t, acc_t, W, kBlock>(pos, first, last, g, block_bounds, [&](int64_t p0, const auto& nodes, int count) {
                 for (int k = 0; k < count; ++k) {
                   if (!nodes.valid[k]) {
                     continue;  // rejected: reported, and poisoned by poison_rejected
@@ -1029,6 +1139,10 @@ at::Tensor readout_cpu(
         using acc_t = at::opmath_type<scalar_t>;
         const scalar_t* pos = positions.data_ptr<scalar_t>();
         const scalar_t* field = mesh.data_ptr<scalar_t>();
+        // The loads may reach to the end of the mesh's storage (read_cic).
+        const scalar_t* readable_end =
+            field + (static_cast<int64_t>(mesh.storage().nbytes()) / static_cast<int64_t>(sizeof(scalar_t)) -
+                     mesh.storage_offset());
         scalar_t* result = out.data_ptr<scalar_t>();
         std::atomic<int64_t> bad{0};
         std::atomic<int64_t> non_finite{0};
@@ -1049,11 +1163,11 @@ at::Tensor readout_cpu(
                     bool finite;
                     // read_mesh's choice: 3 or 4 channels of an interleaved mesh node by node
                     if (layout.node_stride > 1 && nc == 3) {
-                      finite = read_cic<scalar_t, acc_t, 16, 3>(nodes, k, g, layout, nc, m, result + p * nc);
+                      finite = read_cic<scalar_t, acc_t, 16, 3>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
                     } else if (layout.node_stride > 1 && nc == 4) {
-                      finite = read_cic<scalar_t, acc_t, 16, 4>(nodes, k, g, layout, nc, m, result + p * nc);
+                      finite = read_cic<scalar_t, acc_t, 16, 4>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
                     } else {
-                      finite = read_cic<scalar_t, acc_t, 16, 0>(nodes, k, g, layout, nc, m, result + p * nc);
+                      finite = read_cic<scalar_t, acc_t, 16, 0>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
                     }
                     local_non_finite += finite ? 0 : 1;
                     return true;

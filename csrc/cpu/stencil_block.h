@@ -17,9 +17,51 @@ namespace torchpm {
 
 template <typename acc_t, int K>
 struct BlockNodes {
-  int32_t node[3][K];  // first node along each axis (first_node), valid particles only
-  acc_t t[3][K];       // stencil fraction along each axis
-  bool valid[K];       // accepted (first_node true on every axis)
+  // Particle k's first node along axis d (first_node) at [3 k + d], and its
+  // stencil fraction: the positions' own interleaving, so that a block's 3 K
+  // coordinates are one contiguous run for the vectorised floors.
+  int32_t node[3 * K];
+  acc_t t[3 * K];
+  bool valid[K];  // accepted (first_node true on every axis)
+};
+
+// The lane constants of the blocks' fast path (block_first_nodes), built once
+// per call: for lane i (axis i % 3) the shifted coordinates whose floor is a
+// node without wrapping, [low, high), and the block's offset. A shifted
+// coordinate s >= 0 has floor(s) = trunc(s), so inside [low, high) a lane's
+// node is one conversion and one subtraction, and its verdict two compares.
+// `usable`: every bound and node exact in acc_t and int32 (below 2^24).
+// `accept_low`, `accept_high`: the shifted coordinates first_node accepts
+// (cut to +-2^22 on a periodic axis, where it accepts any bounded value), for
+// the chunk summary of the plane-ownership paint.
+template <typename acc_t, int W, int K>
+struct BlockBounds {
+  acc_t low[3 * K];
+  acc_t high[3 * K];
+  acc_t accept_low[3 * K];
+  acc_t accept_high[3 * K];
+  int32_t offset[3 * K];
+  bool usable = true;
+
+  explicit BlockBounds(const StencilGeometry& g) {
+    constexpr int64_t kExact = int64_t(1) << 24;
+    for (int d = 0; d < 3; ++d) {
+      usable = usable && g.offset[d] > -kExact && g.offset[d] < kExact && g.shape[d] < kExact;
+    }
+    for (int i = 0; i < 3 * K; ++i) {
+      const int d = i % 3;
+      const int64_t offset = usable ? g.offset[d] : 0;
+      // first_node accepts a periodic axis's nodes 0 .. n - 1 (here without
+      // wrapping) and a block axis's first nodes 0 .. n - W.
+      const int64_t last = g.periodic[d] ? g.shape[d] - 1 : g.shape[d] - W;
+      this->offset[i] = static_cast<int32_t>(offset);
+      low[i] = static_cast<acc_t>(std::max<int64_t>(offset, 0));
+      high[i] = static_cast<acc_t>(std::max<int64_t>(offset + last + 1, 0));
+      constexpr int64_t kPeriodicRange = int64_t(1) << 22;
+      accept_low[i] = g.periodic[d] ? -static_cast<acc_t>(kPeriodicRange) : low[i];
+      accept_high[i] = g.periodic[d] ? static_cast<acc_t>(kPeriodicRange) : high[i];
+    }
+  }
 };
 
 // floor(v) of a shifted coordinate as trunc(v) - (trunc(v) > v), exact in int32
@@ -36,10 +78,33 @@ C10_ALWAYS_INLINE int32_t fast_floor(acc_t shifted, acc_t& t, int32_t& in) {
 }
 
 // Nodes and fractions of the `count` (<= K) particles at `positions` (3 values
-// each, consecutive).
+// each, consecutive). A full block whose coordinates all lie inside `bounds`
+// (particles in the member's box: the common case) takes one branch-free loop
+// over its 3 K coordinates; any other block the general path below.
 template <typename scalar_t, typename acc_t, int W, int K>
 C10_ALWAYS_INLINE void block_first_nodes(
-    const scalar_t* positions, int count, const StencilGeometry& g, BlockNodes<acc_t, K>& out) {
+    const scalar_t* positions, int count, const StencilGeometry& g, const BlockBounds<acc_t, W, K>& bounds,
+    BlockNodes<acc_t, K>& out) {
+  // 1 - W/2 is exact in binary floating point (first_node).
+  const acc_t shift = acc_t(1) - acc_t(W) / acc_t(2);
+  if (count == K && bounds.usable) {
+    int32_t rejected = 0;
+    for (int i = 0; i < 3 * K; ++i) {
+      const acc_t s = static_cast<acc_t>(positions[i]) + shift;
+      const int32_t in = (s >= bounds.low[i]) & (s < bounds.high[i]);
+      const acc_t v = in ? s : acc_t(0);  // NaN and far lanes: no conversion out of range
+      const int32_t f = static_cast<int32_t>(v);  // floor: v >= 0
+      out.t[i] = v - static_cast<acc_t>(f);
+      out.node[i] = f - bounds.offset[i];
+      rejected |= in ^ 1;
+    }
+    if (rejected == 0) {
+      for (int k = 0; k < K; ++k) {
+        out.valid[k] = true;
+      }
+      return;
+    }
+  }
   // A short block is padded with zeros (its extra lanes are never read).
   scalar_t padded[3 * K];
   if (count < K) {
@@ -48,8 +113,6 @@ C10_ALWAYS_INLINE void block_first_nodes(
     }
     positions = padded;
   }
-  // 1 - W/2 is exact in binary floating point (first_node).
-  const acc_t shift = acc_t(1) - acc_t(W) / acc_t(2);
   constexpr int32_t kFast = int32_t(1) << 30;
   int32_t valid[K];
   for (int k = 0; k < K; ++k) {
@@ -71,20 +134,20 @@ C10_ALWAYS_INLINE void block_first_nodes(
     if (g.periodic[d]) {
       for (int k = 0; k < K; ++k) {
         int32_t in;
-        const int32_t f = fast_floor(static_cast<acc_t>(x[3 * k]) + shift, out.t[d][k], in);
+        const int32_t f = fast_floor(static_cast<acc_t>(x[3 * k]) + shift, out.t[3 * k + d], in);
         int32_t node = f - offset;
         node += node < 0 ? n : 0;
         node -= node >= n ? n : 0;
-        out.node[d][k] = node;
+        out.node[3 * k + d] = node;
         scalar[k] = (in & (node >= 0) & (node < n)) ^ 1;
         accepted[k] = 1;
       }
     } else {
       for (int k = 0; k < K; ++k) {
         int32_t in;
-        const int32_t f = fast_floor(static_cast<acc_t>(x[3 * k]) + shift, out.t[d][k], in);
+        const int32_t f = fast_floor(static_cast<acc_t>(x[3 * k]) + shift, out.t[3 * k + d], in);
         const int32_t node = f - offset;
-        out.node[d][k] = node;
+        out.node[3 * k + d] = node;
         // first_node's block test, first >= 0 and first + W <= n (a lane
         // left to first_node is decided there)
         accepted[k] = (node >= 0) & (node <= n - W);
@@ -101,8 +164,8 @@ C10_ALWAYS_INLINE void block_first_nodes(
           int64_t node = 0;
           acc_t fraction = acc_t(0);
           const bool ok = first_node<acc_t, W>(static_cast<acc_t>(x[3 * k]), d, g, node, fraction);
-          out.node[d][k] = static_cast<int32_t>(node);
-          out.t[d][k] = fraction;
+          out.node[3 * k + d] = static_cast<int32_t>(node);
+          out.t[3 * k + d] = fraction;
           accepted[k] = ok ? 1 : 0;
         }
       }
@@ -120,11 +183,12 @@ C10_ALWAYS_INLINE void block_first_nodes(
 // [first, last) (count < K for the last), nodes from block_first_nodes.
 template <typename scalar_t, typename acc_t, int W, int K, typename F>
 C10_ALWAYS_INLINE void for_each_block(
-    const scalar_t* positions, int64_t first, int64_t last, const StencilGeometry& g, const F& f) {
+    const scalar_t* positions, int64_t first, int64_t last, const StencilGeometry& g,
+    const BlockBounds<acc_t, W, K>& bounds, const F& f) {
   for (int64_t p0 = first; p0 < last; p0 += K) {
     const int count = static_cast<int>(std::min<int64_t>(K, last - p0));
     BlockNodes<acc_t, K> nodes;
-    block_first_nodes<scalar_t, acc_t, W, K>(positions + 3 * p0, count, g, nodes);
+    block_first_nodes<scalar_t, acc_t, W, K>(positions + 3 * p0, count, g, bounds, nodes);
     f(p0, nodes, count);
   }
 }
@@ -136,7 +200,7 @@ C10_ALWAYS_INLINE void block_stencil(
     Stencil<acc_t, W>& stencil) {
   const int64_t stride[3] = {g.shape[1] * g.shape[2] * node_stride, g.shape[2] * node_stride, node_stride};
   for (int d = 0; d < 3; ++d) {
-    fill_axis<acc_t, W, with_derivative>(d, nodes.node[d][k], nodes.t[d][k], g.shape[d], stride[d], stencil);
+    fill_axis<acc_t, W, with_derivative>(d, nodes.node[3 * k + d], nodes.t[3 * k + d], g.shape[d], stride[d], stencil);
   }
 }
 
@@ -153,16 +217,16 @@ struct CicNodes {
       const BlockNodes<acc_t, K>& nodes, int k, const StencilGeometry& g, int64_t node_stride) {
     const int64_t y_stride = g.shape[2] * node_stride;
     const int64_t x_stride = g.shape[1] * y_stride;
-    const int64_t i0 = nodes.node[0][k];
-    const int64_t j0 = nodes.node[1][k];
-    const int64_t k0 = nodes.node[2][k];
+    const int64_t i0 = nodes.node[3 * k];
+    const int64_t j0 = nodes.node[3 * k + 1];
+    const int64_t k0 = nodes.node[3 * k + 2];
     x[0] = i0 * x_stride;
     x[1] = (i0 + 1 == g.shape[0] ? 0 : i0 + 1) * x_stride;
     y[0] = j0 * y_stride;
     y[1] = (j0 + 1 == g.shape[1] ? 0 : j0 + 1) * y_stride;
     z[0] = k0 * node_stride;
     z[1] = (k0 + 1 == g.shape[2] ? 0 : k0 + 1) * node_stride;
-    const acc_t t[3] = {nodes.t[0][k], nodes.t[1][k], nodes.t[2][k]};
+    const acc_t t[3] = {nodes.t[3 * k], nodes.t[3 * k + 1], nodes.t[3 * k + 2]};
     wx[0] = acc_t(1) - t[0];
     wx[1] = t[0];
     wy[0] = acc_t(1) - t[1];
