@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torchpm  # noqa: E402
 from torchpm.fourier import multiply_real, stack_products
-from torchpm.pm import add_scaled, kick_drift_kick, step_factors  # noqa: E402
+from torchpm.pm import add_scaled_, kick_drift_kick, step_factors  # noqa: E402
 
 
 class PeakMemory:
@@ -89,15 +89,20 @@ class PeakMemory:
         return False
 
 
-def timed(function, device, repeats, warmup=1):
-    """Median wall time (s) of ``function()`` over ``repeats`` runs after ``warmup``."""
+def timed(function, device, repeats, warmup=1, setup=None):
+    """Median wall time (s) of ``function()`` over ``repeats`` runs after ``warmup``;
+    ``setup()``, if given, runs untimed before each."""
     sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
+    setup = setup or (lambda: None)
     result = None
     for _ in range(warmup):
+        setup()
         result = function()
     sync()
     times = []
     for _ in range(repeats):
+        setup()
+        sync()
         start = time.perf_counter()
         result = function()
         sync()
@@ -107,20 +112,38 @@ def timed(function, device, repeats, warmup=1):
 
 def timed_together(functions, device, repeats, warmup=1):
     """Medians (s) of several functions timed in alternation, so that each sees the same
-    machine load (other processes share the CPU); ``{name: median}``."""
+    machine load (other processes share the CPU); ``{name: median}``. An entry may be a
+    ``(setup, function)`` pair: ``setup()`` runs untimed before each call."""
     sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
-    for function in functions.values():
+    pairs = {name: entry if isinstance(entry, tuple) else (lambda: None, entry) for name, entry in functions.items()}
+    for setup, function in pairs.values():
         for _ in range(warmup):
+            setup()
             function()
     sync()
     times = {name: [] for name in functions}
     for _ in range(repeats):
-        for name, function in functions.items():
+        for name, (setup, function) in pairs.items():
+            setup()
+            sync()
             start = time.perf_counter()
             function()
             sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def private_copies(*tensors):
+    """Copies of ``tensors`` and a setup that restores them: for the steps that update
+    the simulation's own particle arrays in place (each timed call starts from the same
+    particles, as a run's step starts from the arrays the step before left)."""
+    copies = tuple(tensor.clone() for tensor in tensors)
+
+    def restore():
+        for copy, tensor in zip(copies, tensors):
+            copy.copy_(tensor)
+
+    return copies, restore
 
 
 def stream_bandwidth(device, repeats, megabytes=256):
@@ -170,10 +193,14 @@ def bench_torchpm(n, device, repeats, memory_only=False, late_steps=10):
         factor = step_factors(table, torch.tensor([0.1, 0.19], dtype=torch.float64))[0]
         force = sim.forces(x, factor.a_start)
 
-        def step():
-            return kick_drift_kick(x, p, force, factor, sim.forces)
+        # The simulation's steady state: the step updates the particle arrays of the step
+        # before in place (Simulation.evolve from its second step on).
+        (step_x, step_p), restore = private_copies(x, p)
 
-        out["step"], _ = timed(step, device, repeats)
+        def step():
+            return kick_drift_kick(step_x, step_p, force, factor, sim.forces, in_place=True)
+
+        out["step"], _ = timed(step, device, repeats, setup=restore)
         if memory_only:
             with PeakMemory(device) as memory:
                 step()
@@ -204,11 +231,19 @@ def bench_torchpm(n, device, repeats, memory_only=False, late_steps=10):
             else:
                 spectra = stack_products(potential, kernels.gradient)
                 field = mesh.irfftn(spectra)
+            # Steps as Simulation.evolve takes them after its first: in place, on arrays it owns.
+            (ux, up), restore_unsorted = private_copies(cx, cp)
+            (ox, op), restore_sorted = private_copies(sx, sp)
+            (kx, kp), restore_kicked = private_copies(cx, cp)
             functions = {
-                "step unsorted": lambda: sim._step(cx, cp, cforce, cids, cfactor),
-                "step sorted": lambda: sim._step(sx, sp, sforce, sids, cfactor),
+                "step unsorted": (restore_unsorted,
+                                  lambda: sim._step(ux, up, cforce, cids, cfactor, in_place=True)),
+                "step sorted": (restore_sorted, lambda: sim._step(ox, op, sforce, sids, cfactor, in_place=True)),
+                # the same step writing new arrays (the first step of a run, or one with a graph)
+                "step sorted, new arrays": lambda: sim._step(sx, sp, sforce, sids, cfactor),
                 # sort_every=1 in its steady state: the particles were sorted one step ago.
-                "step+sort": lambda: sim._step(sx, sp, sforce, sids, cfactor, sort=True),
+                "step+sort": (restore_sorted,
+                              lambda: sim._step(ox, op, sforce, sids, cfactor, sort=True, in_place=True)),
                 "sort": lambda: sort_particles(mesh, sx, sids, sp),
                 "first sort": lambda: sort_particles(mesh, cx, cids, cp),
                 "paint unsorted": lambda: mesh.paint(cx),
@@ -223,10 +258,10 @@ def bench_torchpm(n, device, repeats, memory_only=False, late_steps=10):
                 "irfftn": lambda: mesh.irfftn(spectra),
                 "gradient": (lambda: mesh.fd4_gradient(phi, [1.0 / c for c in kernels.cell_size]))
                 if kernels.real_space_gradient else (lambda: None),
-                # the simulation's own updates (torchpm.pm.add_scaled)
-                "kicks+drift": lambda: (add_scaled(cp, cforce, cfactor.first_kick),
-                                        add_scaled(cx, cp, cfactor.drift),
-                                        add_scaled(cp, cforce, cfactor.second_kick)),
+                # the simulation's own updates, in place (torchpm.pm.add_scaled_)
+                "kicks+drift": (restore_kicked, lambda: (add_scaled_(kp, cforce, cfactor.first_kick),
+                                                         add_scaled_(kx, kp, cfactor.drift),
+                                                         add_scaled_(kp, cforce, cfactor.second_kick))),
             }
             cases[case] = timed_together(functions, device, repeats)
         out["cases"] = cases
@@ -439,7 +474,7 @@ def main():
     print()
     print("torchpm step by particle order (each part timed alone, medians of interleaved repeats, ms):")
     print()
-    parts = ["step unsorted", "step sorted", "step+sort", "sort", "first sort", "paint unsorted", "paint sorted",
+    parts = ["step unsorted", "step sorted", "step sorted, new arrays", "step+sort", "sort", "first sort", "paint unsorted", "paint sorted",
              "readout x3 unsorted", "readout x3 sorted", "rfftn", "kernels", "irfftn", "gradient", "kicks+drift"]
     print("| N^3 | particles | " + " | ".join(parts) + " |")
     print("|---|---" + "|---" * len(parts) + "|")

@@ -411,4 +411,11 @@ std::tuple<at::Tensor, at::Tensor> check_add_scaled_arguments(
   return {x.contiguous(), y.contiguous()};
 }
 
+at::Tensor check_add_scaled_in_place_arguments(const char* op, const at::Tensor& x, const at::Tensor& y) {
+  check_add_scaled_arguments(op, x, y);
+  TORCH_CHECK_VALUE(x.is_contiguous(), op, ": expected `x` contiguous (it is updated in place); got strides ",
+                    format_list(x.strides()), ".");
+  return y.contiguous();
+}
+
 }  // namespace torchpm

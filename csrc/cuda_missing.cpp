@@ -63,6 +63,10 @@ at::Tensor add_scaled_missing(const at::Tensor&, const at::Tensor&, double) {
   no_cuda_kernels("torchpm._add_scaled");
 }
 
+void add_scaled_in_place_missing(at::Tensor&, const at::Tensor&, double) {
+  no_cuda_kernels("torchpm._add_scaled_");
+}
+
 at::Tensor pack_blocks_missing(const at::Tensor&, int64_t, at::IntArrayRef) {
   no_cuda_kernels("torchpm.pack_blocks");
 }
@@ -84,6 +88,7 @@ TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("_fd4_gradient", &fd4_gradient_missing);
   m.impl("_fd4_gradient_transpose", &fd4_gradient_transpose_missing);
   m.impl("_add_scaled", &add_scaled_missing);
+  m.impl("_add_scaled_", &add_scaled_in_place_missing);
   m.impl("pack_blocks", &pack_blocks_missing);
   m.impl("unpack_blocks", &unpack_blocks_missing);
 }

@@ -92,6 +92,10 @@ TORCH_LIBRARY(torchpm, m) {
   // drift updates of the integrator (torchpm/pm.py add_scaled). x and y of one
   // shape, dtype and device.
   m.def("_add_scaled(Tensor x, Tensor y, float factor) -> Tensor");
+  // The same update written into x (contiguous): the integrator's steps on
+  // particle arrays it owns, without a new buffer (and its first-touch page
+  // faults) per update.
+  m.def("_add_scaled_(Tensor(a!) x, Tensor y, float factor) -> ()");
   // Spatial order of particles (torchpm/ordering.py): the permutation (B, N)
   // int64 that sorts each batch member's particles by the (x, y) row of the
   // block (shape, offset; coordinates wrapped with period) they lie in, and by

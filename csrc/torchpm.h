@@ -261,6 +261,9 @@ std::tuple<at::Tensor, at::Tensor> readout_and_position_gradient_op(
 // dtype and device, returned contiguous.
 std::tuple<at::Tensor, at::Tensor> check_add_scaled_arguments(
     const char* op, const at::Tensor& x, const at::Tensor& y);
+// _add_scaled_'s checks (those of _add_scaled, and `x` contiguous, written in
+// place): returns y contiguous.
+at::Tensor check_add_scaled_in_place_arguments(const char* op, const at::Tensor& x, const at::Tensor& y);
 
 // Called by a backend when its fused check found `bad` rejected particles: finds
 // the worst offender with ATen ops (slow, only on the error path) and throws.

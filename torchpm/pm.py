@@ -172,15 +172,44 @@ def add_scaled(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.
     return torch.mul(y, factor.to(x.dtype)).add_(x)
 
 
-def kick_drift_kick(positions, momenta, forces, factors: StepFactors, force_function):
+def add_scaled_(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """:func:`add_scaled` written into ``x`` (returned): the same bits, without a new
+    buffer. For arrays the caller owns, outside any graph (``x`` must not need one).
+
+    One pass, ``torch.ops.torchpm._add_scaled_``, under :func:`add_scaled`'s conditions
+    for its one-pass op; otherwise ``x.copy_(add_scaled(x, y, factor))``.
+    """
+    if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
+        raise ValueError("torchpm.pm.add_scaled_: expected `x` and `y` outside a graph (they require grad); "
+                         "use add_scaled.")
+    if (
+        isinstance(factor, torch.Tensor)
+        and _plain_cpu_number(factor)
+        and factor.dim() == 0
+        and x.shape == y.shape
+        and x.dtype == y.dtype
+        and x.dtype in (torch.float32, torch.float64)
+        and x.device == y.device
+        and x.is_contiguous()
+        and y.is_contiguous()
+    ):
+        torch.ops.torchpm._add_scaled_(x, y, factor.item())
+        return x
+    return x.copy_(add_scaled(x, y, factor))
+
+
+def kick_drift_kick(positions, momenta, forces, factors: StepFactors, force_function, in_place: bool = False):
     """One step: returns ``(positions, momenta, forces)`` at ``factors.a_end``.
 
     ``forces`` are those at ``factors.a_start`` (the last force of the previous
     step is reused); ``force_function(positions, a)`` computes the new ones.
-    Nothing is modified in place, so autograd sees every step.
+    By default nothing is modified in place, so autograd sees every step; with
+    ``in_place`` (outside any graph, for arrays the caller owns) ``positions`` and
+    ``momenta`` are updated in place (:func:`add_scaled_`): the same bits.
     """
-    momenta = add_scaled(momenta, forces, factors.first_kick)
-    positions = add_scaled(positions, momenta, factors.drift)
+    update = add_scaled_ if in_place else add_scaled
+    momenta = update(momenta, forces, factors.first_kick)
+    positions = update(positions, momenta, factors.drift)
     forces = force_function(positions, factors.a_end)
-    momenta = add_scaled(momenta, forces, factors.second_kick)
+    momenta = update(momenta, forces, factors.second_kick)
     return positions, momenta, forces

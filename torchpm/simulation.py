@@ -24,7 +24,7 @@ from .distributed.decomposition import PencilDecomposition
 from .distributed.layout import balanced_grid
 from .mesh import LocalMesh
 from .fourier import FourierKernels
-from .pm import StepFactors, add_scaled, compute_forces, step_factors
+from .pm import StepFactors, add_scaled, add_scaled_, compute_forces, step_factors
 from .resources import check_memory, estimate_memory
 from .adjoint import ParticleMeshForce, adjoint_integrate
 from .ordering import restore_id_order, sort_particles
@@ -640,11 +640,15 @@ class Simulation(nn.Module):
             order=self.paint_order,
         )
 
-    def _step(self, positions, momenta, forces, ids, factor: StepFactors, cosmology=None, sort=False):
+    def _step(self, positions, momenta, forces, ids, factor: StepFactors, cosmology=None, sort=False,
+              in_place=False):
         """One kick-drift-kick step with the migration after the drift (and the sort
-        into spatial order after it when ``sort``)."""
-        momenta = add_scaled(momenta, forces, factor.first_kick)
-        positions = add_scaled(positions, momenta, factor.drift)
+        into spatial order after it when ``sort``). ``in_place``: ``positions`` and
+        ``momenta`` are this integration's own arrays, outside any graph, and are
+        updated in place (the same bits, no new buffer per update)."""
+        update = add_scaled_ if in_place else add_scaled
+        momenta = update(momenta, forces, factor.first_kick)
+        positions = update(positions, momenta, factor.drift)
         # Both are new tensors of this step: the migration may write into them.
         _, positions, ids, momenta = self.force_mesh.migrate(
             positions, ids, momenta, capacity=self.particle_capacity, overwrite=True
@@ -652,7 +656,9 @@ class Simulation(nn.Module):
         if sort:
             positions, ids, momenta = sort_particles(self.force_mesh, positions, ids, momenta)
         forces = self.forces(positions, factor.a_end, ids, cosmology)
-        momenta = add_scaled(momenta, forces, factor.second_kick)
+        if torch.is_grad_enabled() and forces.requires_grad:
+            update = add_scaled  # a force with a graph (learned correction, cosmology) makes one
+        momenta = update(momenta, forces, factor.second_kick)
         return positions, momenta, forces, ids
 
     def evolve(self, positions, momenta, table, callback=None, *, ids=None, start: int = 0, stop: int | None = None,
@@ -674,6 +680,10 @@ class Simulation(nn.Module):
             positions, momenta, ids = self._evolve_adjoint(positions, momenta, ids, factors, cosmology, callback, start)
             return self._id_order(positions, momenta, ids, sort_every)
         forces = self.forces(positions, factors[0].a_start, ids, cosmology)
+        # Outside a graph the steps update the particle arrays in place once they are
+        # this integration's own (after the first step, or a sort here): the caller's
+        # tensors are never written.
+        owned = bool(sort_every)
         for number, factor in enumerate(factors, start=start + 1):
             sort = bool(sort_every) and number % sort_every == 0
             if self.checkpoint and torch.is_grad_enabled():
@@ -681,9 +691,13 @@ class Simulation(nn.Module):
                     self._step, positions, momenta, forces, ids, factor, cosmology, sort, use_reentrant=False
                 )
             else:
-                positions, momenta, forces, ids = self._step(
-                    positions, momenta, forces, ids, factor, cosmology, sort
+                graph = torch.is_grad_enabled() and any(
+                    tensor.requires_grad for tensor in (positions, momenta, forces)
                 )
+                positions, momenta, forces, ids = self._step(
+                    positions, momenta, forces, ids, factor, cosmology, sort, in_place=owned and not graph
+                )
+                owned = True
             if callback is not None:
                 callback(number, float(factor.a_end))
         return self._id_order(positions, momenta, ids, sort_every)

@@ -1,4 +1,4 @@
-// CPU kernel of torchpm::_add_scaled: the kick and drift updates x + y * f of
+// CPU kernels of torchpm::_add_scaled and _add_scaled_ (in place): the kick and drift updates x + y * f of
 // the integrator in one pass over memory (torch's mul then add read and write
 // the product once more). The rounding is exactly theirs: the factor is
 // rounded to the dtype, the product rounded, then the sum; never a fused
@@ -48,10 +48,23 @@ at::Tensor add_scaled_cpu(const at::Tensor& x_in, const at::Tensor& y_in, double
   return out;
 }
 
+// In place (x contiguous): add_scaled_kernel reads x[i] before it writes out[i].
+void add_scaled_in_place_cpu(at::Tensor& x, const at::Tensor& y_in, double factor) {
+  at::Tensor y = check_add_scaled_in_place_arguments("torchpm._add_scaled_", x, y_in);
+  if (x.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "add_scaled_in_place_cpu", [&] {
+      add_scaled_kernel<scalar_t>(
+          x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), static_cast<scalar_t>(factor),
+          x.data_ptr<scalar_t>(), x.numel());
+    });
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
   m.impl("_add_scaled", &add_scaled_cpu);
+  m.impl("_add_scaled_", &add_scaled_in_place_cpu);
 }
 
 }  // namespace torchpm

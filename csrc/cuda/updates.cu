@@ -1,4 +1,4 @@
-// CUDA kernel of torchpm::_add_scaled (cpu/updates.cpp): x + y * f in one pass,
+// CUDA kernels of torchpm::_add_scaled and _add_scaled_ (cpu/updates.cpp): x + y * f in one pass,
 // with the rounding of torch's mul then add. __fmul_rn / __fadd_rn (and the
 // double versions) are never contracted into a fused multiply-add, which nvcc
 // would otherwise do by default.
@@ -31,6 +31,15 @@ __global__ void add_scaled_kernel(
   }
 }
 
+// In place: no __restrict__, x is read and written.
+template <typename scalar_t>
+__global__ void add_scaled_in_place_kernel(scalar_t* x, const scalar_t* y, scalar_t factor, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    x[i] = add(x[i], multiply(y[i], factor));
+  }
+}
+
 at::Tensor add_scaled_cuda(const at::Tensor& x_in, const at::Tensor& y_in, double factor) {
   at::Tensor x, y;
   std::tie(x, y) = check_add_scaled_arguments("torchpm._add_scaled", x_in, y_in);
@@ -48,10 +57,24 @@ at::Tensor add_scaled_cuda(const at::Tensor& x_in, const at::Tensor& y_in, doubl
   return out;
 }
 
+void add_scaled_in_place_cuda(at::Tensor& x, const at::Tensor& y_in, double factor) {
+  at::Tensor y = check_add_scaled_in_place_arguments("torchpm._add_scaled_", x, y_in);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t count = x.numel();
+  if (count > 0) {
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "add_scaled_in_place_cuda", [&] {
+      add_scaled_in_place_kernel<scalar_t><<<grid_stride_blocks(count), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          x.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), static_cast<scalar_t>(factor), count);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("_add_scaled", &add_scaled_cuda);
+  m.impl("_add_scaled_", &add_scaled_in_place_cuda);
 }
 
 }  // namespace torchpm
