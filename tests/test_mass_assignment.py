@@ -691,6 +691,59 @@ def test_non_finite_weights_and_meshes_raise(device, order, bad):
     assert torch.isfinite(torchpm.readout(far, near, order=order)).all()
 
 
+def _rows_at_the_top_corner(n, rows, dtype, device, generator):
+    """Particles in spatial order along z rows of 16 (the readout's coherent chunks, read
+    straight from the block's nodes) around the last node of an n^3 mesh, some of them
+    one period outside the box."""
+    base = torch.tensor([n - 0.7, n - 0.4, 0.0], dtype=torch.float64)
+    rows_xyz = []
+    for r in range(rows):
+        z = torch.sort(torch.rand(16, generator=generator, dtype=torch.float64) * 3.0 + (n - 2.0))[0]
+        row = base.repeat(16, 1) + torch.rand(16, 3, generator=generator, dtype=torch.float64) * 0.6
+        row[:, 2] = z  # up to n + 1: past the periodic seam, unwrapped
+        rows_xyz.append(row)
+    return torch.cat(rows_xyz).unsqueeze(0).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_cic_readout_at_the_end_of_the_mesh_storage(device, dtype, channels):
+    """Interleaved channels are read four lanes at a time; the mesh's last node (its
+    fourth lane past the end of the storage for 3 channels) must be read element by
+    element, and every value equal the pure-torch reference's."""
+    generator = torch.Generator().manual_seed(7)
+    n = 8
+    x = _rows_at_the_top_corner(n, 64, dtype, device, generator)
+    mesh = torch.randn(1, channels, n, n, n, generator=generator, dtype=torch.float64).to(dtype).to(device)
+    if channels > 1:
+        mesh = mesh.contiguous(memory_format=torch.channels_last_3d)
+        assert mesh.untyped_storage().nbytes() == mesh.numel() * mesh.element_size()
+    got = torchpm.readout(mesh, x, order="cic")
+    torch.testing.assert_close(got, readout_reference(mesh, x, order=2), **TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_readout_reports_a_non_finite_node_read_by_many_particles(device, channels, bad):
+    """The readout checks the values it wrote, a run of particles at a time: a non-finite
+    node read by particles of the second run raises, one no particle reads does not."""
+    generator = torch.Generator().manual_seed(8)
+    n = 8
+    x = _rows_at_the_top_corner(n, 160, torch.float32, device, generator)  # 2560 particles
+    mesh = torch.randn(1, channels, n, n, n, generator=generator).to(device)
+    if channels > 1:
+        mesh = mesh.contiguous(memory_format=torch.channels_last_3d)
+    far = mesh.clone()
+    far[0, channels - 1, 3, 3, 3] = bad  # no particle's stencil reaches (3, 3, 3)
+    assert torch.isfinite(torchpm.readout(far, x, order="cic")).all()
+    near = mesh.clone()
+    near[0, channels - 1, n - 1, n - 1, 0] = bad  # across the seam: read by the particles past z = n - 1
+    with pytest.raises(ValueError, match="`mesh` contains NaN or Inf"):
+        torchpm.readout(near, x, order="cic")
+        torchpm.check()
+    assert not torch.isfinite(torchpm.readout(near, x, order="cic", check_finite=False)).all()
+
+
 def test_fake_kernels_check_what_needs_no_values():
     m = torch.device("meta")
     x = torch.empty(2, 5, 3, device=m)

@@ -135,16 +135,18 @@ C10_ALWAYS_INLINE void deposit_stencil(
 // deposit_stencil for particle k of a block, CIC (W = 2) with distinct nodes:
 // the 8 nodes and weights straight from the block's first nodes and fractions,
 // without the general stencil's arrays (which cost more than the deposit
-// itself). The same products and sums as deposit_stencil, so the same bits.
-// False when the particle has planes outside [rows_begin, rows_end): the
-// caller then takes deposit_stencil.
-template <typename scalar_t, int C, typename acc_t, int K>
+// itself). The same products and sums as deposit_stencil, so the same bits
+// (`kUnit`: no values, unit weight, whose product 1 * w = w is left out).
+// `kClip`: the particle may have planes outside [rows_begin, rows_end), and
+// then returns false (the caller takes deposit_stencil); without it every
+// plane is inside.
+template <typename scalar_t, int C, bool kUnit, bool kClip, typename acc_t, int K>
 C10_ALWAYS_INLINE bool deposit_cic(
     const BlockNodes<acc_t, K>& nodes, int k, const StencilGeometry& g, const scalar_t* values,
     int64_t channel_stride, scalar_t* mesh, int64_t rows_begin, int64_t rows_end) {
   static_assert(C > 0, "deposit_cic: channel count known at compile time");
   const CicNodes<acc_t> cic(nodes, k, g, 1);
-  if (!(cic.x[0] >= rows_begin && cic.x[0] < rows_end && cic.x[1] >= rows_begin && cic.x[1] < rows_end)) {
+  if (kClip && !(cic.x[0] >= rows_begin && cic.x[0] < rows_end && cic.x[1] >= rows_begin && cic.x[1] < rows_end)) {
     return false;
   }
   const acc_t* wx = cic.wx;
@@ -154,7 +156,6 @@ C10_ALWAYS_INLINE bool deposit_cic(
   const int64_t z1 = cic.z[1];
   const int64_t row[4] = {cic.x[0] + cic.y[0], cic.x[0] + cic.y[1], cic.x[1] + cic.y[0], cic.x[1] + cic.y[1]};
   for (int ch = 0; ch < C; ++ch) {
-    const acc_t v = values ? static_cast<acc_t>(values[ch]) : acc_t(1);
     scalar_t* m = mesh + ch * channel_stride;
     scalar_t sum[8];
     for (int r = 0; r < 4; ++r) {
@@ -163,8 +164,14 @@ C10_ALWAYS_INLINE bool deposit_cic(
     }
     for (int r = 0; r < 4; ++r) {
       const acc_t wab = wx[r >> 1] * wy[r & 1];
-      sum[2 * r] += static_cast<scalar_t>(v * (wab * wz[0]));
-      sum[2 * r + 1] += static_cast<scalar_t>(v * (wab * wz[1]));
+      if constexpr (kUnit) {
+        sum[2 * r] += static_cast<scalar_t>(wab * wz[0]);
+        sum[2 * r + 1] += static_cast<scalar_t>(wab * wz[1]);
+      } else {
+        const acc_t v = static_cast<acc_t>(values[ch]);
+        sum[2 * r] += static_cast<scalar_t>(v * (wab * wz[0]));
+        sum[2 * r + 1] += static_cast<scalar_t>(v * (wab * wz[1]));
+      }
     }
     for (int r = 0; r < 4; ++r) {
       m[row[r] + z0] = sum[2 * r];
@@ -293,6 +300,21 @@ C10_ALWAYS_INLINE bool read_cic(
     }
   }
   return finite;
+}
+
+// Whether the `count` values at v are all finite, from their exponent bits: a
+// loop with no branch and no floating-point dependency, which vectorises.
+template <typename scalar_t>
+C10_ALWAYS_INLINE bool all_finite(const scalar_t* v, int64_t count) {
+  using bits_t = typename std::conditional<sizeof(scalar_t) == 4, uint32_t, uint64_t>::type;
+  constexpr bits_t exponent = sizeof(scalar_t) == 4 ? bits_t(0x7f800000u) : bits_t(0x7ff0000000000000ull);
+  bits_t any = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    bits_t bits;
+    std::memcpy(&bits, v + i, sizeof(bits));
+    any |= (bits & exponent) == exponent ? 1 : 0;
+  }
+  return any == 0;
 }
 
 // Visits particles [begin, end) in chunks, calling visit(p, stencil) for each
@@ -799,6 +821,8 @@ void paint_kernel(
               if (!chunk_meets(chunks[c], begin, end, nx)) {
                 continue;
               }
+              // A chunk whose planes all lie in the slab needs no test per particle.
+              const bool whole = chunks[c].start >= begin && chunks[c].start + chunks[c].length <= end;
               const int64_t first = b * n + c * kOwnershipChunk;
               const int64_t last = std::min(first + kOwnershipChunk, (b + 1) * n);
               for_each_block<scalar_t, acc_t, W, kBlock>(pos, first, last, g, block_bounds, [&](int64_t p0, const auto& nodes, int count) {
@@ -808,9 +832,15 @@ void paint_kernel(
                   }
                   const int64_t p = p0 + k;
                   if constexpr (W == 2 && C > 0) {
-                    if (deposit_cic<scalar_t, C>(
-                            nodes, k, g, values ? values + channels * p : nullptr, channel_stride,
-                            member_mesh, begin * plane, end * plane)) {
+                    const scalar_t* v = values ? values + channels * p : nullptr;
+                    const int64_t rows_begin = begin * plane;
+                    const int64_t rows_end = end * plane;
+                    const bool done =
+                        whole ? (v ? deposit_cic<scalar_t, C, false, false>(nodes, k, g, v, channel_stride, member_mesh, rows_begin, rows_end)
+                                   : deposit_cic<scalar_t, C, true, false>(nodes, k, g, v, channel_stride, member_mesh, rows_begin, rows_end))
+                              : (v ? deposit_cic<scalar_t, C, false, true>(nodes, k, g, v, channel_stride, member_mesh, rows_begin, rows_end)
+                                   : deposit_cic<scalar_t, C, true, true>(nodes, k, g, v, channel_stride, member_mesh, rows_begin, rows_end));
+                    if (done) {
                       continue;
                     }
                   }
@@ -1150,31 +1180,50 @@ at::Tensor readout_cpu(
           constexpr int C = decltype(channel_count)::value;
           const int64_t nc = C > 0 ? C : channels;
           at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
+            int64_t local_bad = 0;
             int64_t local_non_finite = 0;
-            bad += gather_particles<scalar_t, acc_t, W, false>(
-                pos, begin, end, g, field, layout, batch, n, nc,
-                [&](int64_t p, const Stencil<acc_t, W>& s) {
-                  const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
-                  local_non_finite += read_mesh<scalar_t, acc_t, W>(m, layout, nc, s, result + p * nc) ? 0 : 1;
-                },
-                [&](int64_t p, const auto& nodes, int k) {
-                  if constexpr (W == 2) {
+            // Finiteness is checked on the values written, a run of particles
+            // at a time while they are in cache: one pass over bits that
+            // vectorises, instead of a test per particle and channel.
+            constexpr int64_t kRun = 1024;
+            for (int64_t run = begin; run < end; run += kRun) {
+              const int64_t run_end = std::min(run + kRun, end);
+              const int64_t run_bad = gather_particles<scalar_t, acc_t, W, false>(
+                  pos, run, run_end, g, field, layout, batch, n, nc,
+                  [&](int64_t p, const Stencil<acc_t, W>& s) {
                     const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
-                    bool finite;
-                    // read_mesh's choice: 3 or 4 channels of an interleaved mesh node by node
-                    if (layout.node_stride > 1 && nc == 3) {
-                      finite = read_cic<scalar_t, acc_t, 16, 3>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
-                    } else if (layout.node_stride > 1 && nc == 4) {
-                      finite = read_cic<scalar_t, acc_t, 16, 4>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
+                    read_mesh<scalar_t, acc_t, W>(m, layout, nc, s, result + p * nc);
+                  },
+                  [&](int64_t p, const auto& nodes, int k) {
+                    if constexpr (W == 2) {
+                      const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
+                      // read_mesh's choice: 3 or 4 channels of an interleaved mesh node by node
+                      if (layout.node_stride > 1 && nc == 3) {
+                        read_cic<scalar_t, acc_t, 16, 3>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
+                      } else if (layout.node_stride > 1 && nc == 4) {
+                        read_cic<scalar_t, acc_t, 16, 4>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
+                      } else {
+                        read_cic<scalar_t, acc_t, 16, 0>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
+                      }
+                      return true;
                     } else {
-                      finite = read_cic<scalar_t, acc_t, 16, 0>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
+                      return false;
                     }
-                    local_non_finite += finite ? 0 : 1;
-                    return true;
-                  } else {
-                    return false;
+                  });
+              local_bad += run_bad;
+              if (check_finite && !all_finite(result + run * nc, (run_end - run) * nc)) {
+                // Rare: count the accepted particles that read a non-finite value
+                // (a rejected particle's entries are not written yet).
+                for (int64_t p = run; p < run_end; ++p) {
+                  int64_t node[3];
+                  if (!all_finite(result + p * nc, nc) &&
+                      (run_bad == 0 || locate<scalar_t, acc_t, W>(pos + 3 * p, g, node))) {
+                    ++local_non_finite;
                   }
-                });
+                }
+              }
+            }
+            bad += local_bad;
             non_finite += local_non_finite;
           });
         });

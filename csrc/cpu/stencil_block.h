@@ -40,13 +40,20 @@ struct BlockBounds {
   acc_t high[3 * K];
   acc_t accept_low[3 * K];
   acc_t accept_high[3 * K];
+  // The second chance of block_first_nodes: on a periodic axis one period
+  // either side of the box, [offset - n, offset + 2 n) (particles that crossed
+  // the seam and were not wrapped); on a block axis [low, high) again.
+  acc_t wide_low[3 * K];
+  acc_t wide_high[3 * K];
   int32_t offset[3 * K];
+  int32_t n[3 * K];
   bool usable = true;
 
   explicit BlockBounds(const StencilGeometry& g) {
     constexpr int64_t kExact = int64_t(1) << 24;
     for (int d = 0; d < 3; ++d) {
-      usable = usable && g.offset[d] > -kExact && g.offset[d] < kExact && g.shape[d] < kExact;
+      usable = usable && g.offset[d] > -kExact && g.offset[d] < kExact && g.shape[d] < kExact &&
+               std::abs(g.offset[d]) + 2 * g.shape[d] < kExact;
     }
     for (int i = 0; i < 3 * K; ++i) {
       const int d = i % 3;
@@ -60,6 +67,10 @@ struct BlockBounds {
       constexpr int64_t kPeriodicRange = int64_t(1) << 22;
       accept_low[i] = g.periodic[d] ? -static_cast<acc_t>(kPeriodicRange) : low[i];
       accept_high[i] = g.periodic[d] ? static_cast<acc_t>(kPeriodicRange) : high[i];
+      const int64_t n_d = usable ? g.shape[d] : 1;
+      this->n[i] = static_cast<int32_t>(n_d);
+      wide_low[i] = g.periodic[d] ? static_cast<acc_t>(offset - n_d) : low[i];
+      wide_high[i] = g.periodic[d] ? static_cast<acc_t>(offset + 2 * n_d) : high[i];
     }
   }
 };
@@ -96,6 +107,29 @@ C10_ALWAYS_INLINE void block_first_nodes(
       const int32_t f = static_cast<int32_t>(v);  // floor: v >= 0
       out.t[i] = v - static_cast<acc_t>(f);
       out.node[i] = f - bounds.offset[i];
+      rejected |= in ^ 1;
+    }
+    if (rejected == 0) {
+      for (int k = 0; k < K; ++k) {
+        out.valid[k] = true;
+      }
+      return;
+    }
+    // Second chance, as branch-free: the floor of a negative coordinate with
+    // its correction (trunc - (trunc > s)), then one wrap on a periodic axis
+    // (a no-op on a block axis, whose nodes are inside already).
+    rejected = 0;
+    for (int i = 0; i < 3 * K; ++i) {
+      const acc_t s = static_cast<acc_t>(positions[i]) + shift;
+      const int32_t in = (s >= bounds.wide_low[i]) & (s < bounds.wide_high[i]);
+      const acc_t v = in ? s : acc_t(0);
+      const int32_t truncated = static_cast<int32_t>(v);
+      const int32_t f = truncated - (static_cast<acc_t>(truncated) > v ? 1 : 0);
+      out.t[i] = v - static_cast<acc_t>(f);
+      int32_t node = f - bounds.offset[i];
+      node += node < 0 ? bounds.n[i] : 0;
+      node -= node >= bounds.n[i] ? bounds.n[i] : 0;
+      out.node[i] = node;
       rejected |= in ^ 1;
     }
     if (rejected == 0) {
