@@ -156,9 +156,17 @@ def add_scaled(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.
     addition commutes bit for bit). Both round alike.
     """
     needs_graph = torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
-    if (
-        not needs_graph
-        and isinstance(factor, torch.Tensor)
+    if not needs_graph and _one_pass_update(x, y, factor):
+        return torch.ops.torchpm._add_scaled(x, y, factor.item())
+    return torch.mul(y, factor.to(x.dtype)).add_(x)
+
+
+def _one_pass_update(x: torch.Tensor, y: torch.Tensor, factor) -> bool:
+    """Whether ``_add_scaled`` / ``_add_scaled_`` take ``(x, y, factor)``: contiguous
+    float tensors of one shape, dtype and device, and a 0-d factor on the CPU (read
+    without a device sync)."""
+    return (
+        isinstance(factor, torch.Tensor)
         and _plain_cpu_number(factor)
         and factor.dim() == 0
         and x.shape == y.shape
@@ -167,9 +175,7 @@ def add_scaled(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.
         and x.device == y.device
         and x.is_contiguous()
         and y.is_contiguous()
-    ):
-        return torch.ops.torchpm._add_scaled(x, y, factor.item())
-    return torch.mul(y, factor.to(x.dtype)).add_(x)
+    )
 
 
 def add_scaled_(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -182,17 +188,7 @@ def add_scaled_(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch
     if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
         raise ValueError("torchpm.pm.add_scaled_: expected `x` and `y` outside a graph (they require grad); "
                          "use add_scaled.")
-    if (
-        isinstance(factor, torch.Tensor)
-        and _plain_cpu_number(factor)
-        and factor.dim() == 0
-        and x.shape == y.shape
-        and x.dtype == y.dtype
-        and x.dtype in (torch.float32, torch.float64)
-        and x.device == y.device
-        and x.is_contiguous()
-        and y.is_contiguous()
-    ):
+    if _one_pass_update(x, y, factor):
         torch.ops.torchpm._add_scaled_(x, y, factor.item())
         return x
     return x.copy_(add_scaled(x, y, factor))
