@@ -225,9 +225,9 @@ C10_ALWAYS_INLINE void load_lanes(const T* p, typename Lanes4<T>::type& v) {
 // storage); interleaved channels are read four lanes at a time, a 3-channel
 // node's fourth lane being the next node's first value (computed, never
 // stored), except where that would load past readable_end.
-// Returns whether every value is finite.
+// (The readout checks finiteness on the values written, all_finite.)
 template <typename scalar_t, typename acc_t, int K, int C>
-C10_ALWAYS_INLINE bool read_cic(
+C10_ALWAYS_INLINE void read_cic(
     const BlockNodes<acc_t, K>& nodes, int k, const StencilGeometry& g, const MeshLayout& layout,
     int64_t count, const scalar_t* m, const scalar_t* readable_end, scalar_t* out) {
   const CicNodes<acc_t> cic(nodes, k, g, layout.node_stride);
@@ -256,17 +256,14 @@ C10_ALWAYS_INLINE bool read_cic(
           acc += wab * along_z;
         }
       }
-      bool finite = true;
       for (int ch = 0; ch < C; ++ch) {
         out[ch] = acc[ch];
-        finite = finite && finite_value(acc[ch]);
       }
-      return finite;
+      return;
     }
   }
   constexpr int kRead = C > 0 ? C : 1;
   const int64_t channels = C > 0 ? C : count;
-  bool finite = true;
   for (int64_t ch0 = 0; ch0 < channels; ch0 += kRead) {
     // C > 0: all C channels of a node together (interleaved); else one planar
     // channel at a time.
@@ -296,10 +293,8 @@ C10_ALWAYS_INLINE bool read_cic(
     }
     for (int ch = 0; ch < kRead; ++ch) {
       out[ch0 + ch] = static_cast<scalar_t>(acc[ch]);
-      finite = finite && finite_value(acc[ch]);
     }
   }
-  return finite;
 }
 
 // Whether the `count` values at v are all finite, from their exponent bits: a
@@ -334,6 +329,14 @@ struct NoBlockVisit {
   }
 };
 
+// Particles per chunk of gather_particles: fewer for wide stencils, whose
+// prefetches fill the line-fill buffers sooner. Its block bounds (built once
+// per call by the caller, shared by the threads):
+template <int W>
+constexpr int kGatherChunk = W <= 2 ? 16 : 4;
+template <typename acc_t, int W>
+using GatherBounds = BlockBounds<acc_t, W, kGatherChunk<W>>;
+
 template <typename scalar_t, typename acc_t, int W, bool with_derivative, typename Visit,
           typename VisitBlock = NoBlockVisit>
 int64_t gather_particles(
@@ -341,6 +344,7 @@ int64_t gather_particles(
     int64_t begin,
     int64_t end,
     const StencilGeometry& g,
+    const GatherBounds<acc_t, W>& bounds,
     const scalar_t* field,
     const MeshLayout& layout,
     int64_t batch,
@@ -348,9 +352,7 @@ int64_t gather_particles(
     int64_t channels,
     const Visit& visit,
     const VisitBlock& visit_block = VisitBlock()) {
-  // Fewer particles per chunk for wide stencils: their prefetches fill the
-  // line-fill buffers sooner.
-  constexpr int kChunk = W <= 2 ? 16 : 4;
+  constexpr int kChunk = kGatherChunk<W>;
   // Cells in x and y within which a chunk counts as coherent.
   const acc_t near = acc_t(6);
   // Interleaved: a node's channels share its cache line.
@@ -358,7 +360,6 @@ int64_t gather_particles(
   Stencil<acc_t, W> stencil[kChunk];
   bool valid[kChunk];
   int64_t bad = 0;
-  const BlockBounds<acc_t, W, kChunk> bounds(g);
   for (int64_t first = begin; first < end; first += kChunk) {
     const int count = static_cast<int>(std::min<int64_t>(kChunk, end - first));
     const scalar_t* head = positions + 3 * first;
@@ -821,36 +822,43 @@ void paint_kernel(
               if (!chunk_meets(chunks[c], begin, end, nx)) {
                 continue;
               }
-              // A chunk whose planes all lie in the slab needs no test per particle.
-              const bool whole = chunks[c].start >= begin && chunks[c].start + chunks[c].length <= end;
               const int64_t first = b * n + c * kOwnershipChunk;
               const int64_t last = std::min(first + kOwnershipChunk, (b + 1) * n);
-              for_each_block<scalar_t, acc_t, W, kBlock>(pos, first, last, g, block_bounds, [&](int64_t p0, const auto& nodes, int count) {
-                for (int k = 0; k < count; ++k) {
-                  if (!nodes.valid[k]) {
-                    continue;  // rejected: reported, and poisoned by poison_rejected
-                  }
-                  const int64_t p = p0 + k;
-                  if constexpr (W == 2 && C > 0) {
-                    const scalar_t* v = values ? values + channels * p : nullptr;
-                    const int64_t rows_begin = begin * plane;
-                    const int64_t rows_end = end * plane;
-                    const bool done =
-                        whole ? (v ? deposit_cic<scalar_t, C, false, false>(nodes, k, g, v, channel_stride, member_mesh, rows_begin, rows_end)
-                                   : deposit_cic<scalar_t, C, true, false>(nodes, k, g, v, channel_stride, member_mesh, rows_begin, rows_end))
-                              : (v ? deposit_cic<scalar_t, C, false, true>(nodes, k, g, v, channel_stride, member_mesh, rows_begin, rows_end)
-                                   : deposit_cic<scalar_t, C, true, true>(nodes, k, g, v, channel_stride, member_mesh, rows_begin, rows_end));
-                    if (done) {
-                      continue;
+              // The chunk's particles, with the CIC deposit's variant fixed for
+              // the chunk: unit weight or values, and whether a particle may
+              // have planes outside the slab (a chunk whose planes all lie in
+              // it needs no test per particle).
+              auto deposit_chunk = [&](auto unit, auto clip) {
+                constexpr bool kUnit = decltype(unit)::value;
+                constexpr bool kClip = decltype(clip)::value;
+                for_each_block<scalar_t, acc_t, W, kBlock>(pos, first, last, g, block_bounds, [&](int64_t p0, const auto& nodes, int count) {
+                  for (int k = 0; k < count; ++k) {
+                    if (!nodes.valid[k]) {
+                      continue;  // rejected: reported, and poisoned by poison_rejected
                     }
+                    const int64_t p = p0 + k;
+                    const scalar_t* v = values ? values + channels * p : nullptr;
+                    if constexpr (W == 2 && C > 0) {
+                      if (deposit_cic<scalar_t, C, kUnit, kClip>(
+                              nodes, k, g, v, channel_stride, member_mesh, begin * plane, end * plane)) {
+                        continue;
+                      }
+                    }
+                    Stencil<acc_t, W> s;
+                    block_stencil<acc_t, W, false, kBlock>(nodes, k, g, 1, s);
+                    deposit_stencil<scalar_t, W, C>(
+                        s, v, channels, channel_stride, true, member_mesh, begin * plane, end * plane);
                   }
-                  Stencil<acc_t, W> s;
-                  block_stencil<acc_t, W, false, kBlock>(nodes, k, g, 1, s);
-                  deposit_stencil<scalar_t, W, C>(
-                      s, values ? values + channels * p : nullptr, channels, channel_stride, true,
-                      member_mesh, begin * plane, end * plane);
-                }
-              });
+                });
+              };
+              const bool whole = chunks[c].start >= begin && chunks[c].start + chunks[c].length <= end;
+              using Yes = std::true_type;
+              using No = std::false_type;
+              if (whole) {
+                values ? deposit_chunk(No(), No()) : deposit_chunk(Yes(), No());
+              } else {
+                values ? deposit_chunk(No(), Yes()) : deposit_chunk(Yes(), Yes());
+              }
             }
         });
       });
@@ -1174,6 +1182,7 @@ at::Tensor readout_cpu(
             field + (static_cast<int64_t>(mesh.storage().nbytes()) / static_cast<int64_t>(sizeof(scalar_t)) -
                      mesh.storage_offset());
         scalar_t* result = out.data_ptr<scalar_t>();
+        const GatherBounds<acc_t, W> bounds(g);
         std::atomic<int64_t> bad{0};
         std::atomic<int64_t> non_finite{0};
         dispatch_channels(channels, [&](auto channel_count) {
@@ -1189,7 +1198,7 @@ at::Tensor readout_cpu(
             for (int64_t run = begin; run < end; run += kRun) {
               const int64_t run_end = std::min(run + kRun, end);
               const int64_t run_bad = gather_particles<scalar_t, acc_t, W, false>(
-                  pos, run, run_end, g, field, layout, batch, n, nc,
+                  pos, run, run_end, g, bounds, field, layout, batch, n, nc,
                   [&](int64_t p, const Stencil<acc_t, W>& s) {
                     const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
                     read_mesh<scalar_t, acc_t, W>(m, layout, nc, s, result + p * nc);
@@ -1199,11 +1208,11 @@ at::Tensor readout_cpu(
                       const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
                       // read_mesh's choice: 3 or 4 channels of an interleaved mesh node by node
                       if (layout.node_stride > 1 && nc == 3) {
-                        read_cic<scalar_t, acc_t, 16, 3>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
+                        read_cic<scalar_t, acc_t, kGatherChunk<2>, 3>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
                       } else if (layout.node_stride > 1 && nc == 4) {
-                        read_cic<scalar_t, acc_t, 16, 4>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
+                        read_cic<scalar_t, acc_t, kGatherChunk<2>, 4>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
                       } else {
-                        read_cic<scalar_t, acc_t, 16, 0>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
+                        read_cic<scalar_t, acc_t, kGatherChunk<2>, 0>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
                       }
                       return true;
                     } else {
@@ -1216,7 +1225,7 @@ at::Tensor readout_cpu(
                 // (a rejected particle's entries are not written yet).
                 for (int64_t p = run; p < run_end; ++p) {
                   int64_t node[3];
-                  if (!all_finite(result + p * nc, nc) &&
+                  if (!finite_values(result + p * nc, nc) &&
                       (run_bad == 0 || locate<scalar_t, acc_t, W>(pos + 3 * p, g, node))) {
                     ++local_non_finite;
                   }
@@ -1275,6 +1284,7 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
         const scalar_t* val = values.defined() ? values.data_ptr<scalar_t>() : nullptr;
         scalar_t* result = out.data_ptr<scalar_t>();
         scalar_t* read_out = read.data_ptr<scalar_t>();
+        const GatherBounds<acc_t, W> bounds(g);
         std::atomic<int64_t> bad{0};
         std::atomic<int64_t> non_finite{0};
         dispatch_channels(channels, [&](auto channel_count) {
@@ -1283,7 +1293,7 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
           at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
             int64_t local_non_finite = 0;
             bad += gather_particles<scalar_t, acc_t, W, true>(
-                pos, begin, end, g, field, layout, batch, n, nc,
+                pos, begin, end, g, bounds, field, layout, batch, n, nc,
                 [&](int64_t p, const Stencil<acc_t, W>& s) {
                   const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
                   local_non_finite += read_mesh<scalar_t, acc_t, W>(

@@ -75,70 +75,77 @@ struct BlockBounds {
   }
 };
 
-// floor(v) of a shifted coordinate as trunc(v) - (trunc(v) > v), exact in int32
-// below 2^30, and its fraction; branch-free so that a loop of it vectorises.
-// `in` is false for NaN and large values, which are then left to first_node.
+// floor(v) as trunc(v) - (trunc(v) > v), exact in int32 below 2^30 in
+// magnitude, and the fraction v - floor(v); branch-free so that a loop of it
+// vectorises.
 template <typename acc_t>
-C10_ALWAYS_INLINE int32_t fast_floor(acc_t shifted, acc_t& t, int32_t& in) {
-  in = std::abs(shifted) < acc_t(int32_t(1) << 30);
-  const acc_t v = in ? shifted : acc_t(0);
+C10_ALWAYS_INLINE int32_t floor_and_fraction(acc_t v, acc_t& t) {
   const int32_t truncated = static_cast<int32_t>(v);
   const int32_t f = truncated - (static_cast<acc_t>(truncated) > v ? 1 : 0);
   t = v - static_cast<acc_t>(f);
   return f;
 }
 
+// floor_and_fraction of a shifted coordinate; `in` is false for NaN and large
+// values, which are then left to first_node.
+template <typename acc_t>
+C10_ALWAYS_INLINE int32_t fast_floor(acc_t shifted, acc_t& t, int32_t& in) {
+  in = std::abs(shifted) < acc_t(int32_t(1) << 30);
+  return floor_and_fraction(in ? shifted : acc_t(0), t);
+}
+
+// The fast paths of block_first_nodes over a full block's 3 K coordinates,
+// branch-free; true when every lane was accepted (else `out` is partly
+// written and the caller goes on). In the box (`kOneWrap` false): a shifted
+// coordinate s >= 0 has floor(s) = trunc(s), so a lane is one truncation and
+// two compares. Up to one period outside a periodic box (`kOneWrap`:
+// particles that crossed the seam and were not wrapped): the floor with its
+// correction, then one wrap (a no-op on a block axis, whose nodes are inside
+// already).
+template <bool kOneWrap, typename scalar_t, typename acc_t, int W, int K>
+C10_ALWAYS_INLINE bool block_lanes(
+    const scalar_t* positions, const BlockBounds<acc_t, W, K>& bounds, BlockNodes<acc_t, K>& out) {
+  const acc_t shift = acc_t(1) - acc_t(W) / acc_t(2);
+  const acc_t* low = kOneWrap ? bounds.wide_low : bounds.low;
+  const acc_t* high = kOneWrap ? bounds.wide_high : bounds.high;
+  int32_t rejected = 0;
+  for (int i = 0; i < 3 * K; ++i) {
+    const acc_t s = static_cast<acc_t>(positions[i]) + shift;
+    const int32_t in = (s >= low[i]) & (s < high[i]);
+    const acc_t v = in ? s : acc_t(0);  // NaN and far lanes: no conversion out of range
+    if constexpr (kOneWrap) {
+      int32_t node = floor_and_fraction(v, out.t[i]) - bounds.offset[i];
+      node += node < 0 ? bounds.n[i] : 0;
+      node -= node >= bounds.n[i] ? bounds.n[i] : 0;
+      out.node[i] = node;
+    } else {
+      const int32_t f = static_cast<int32_t>(v);  // floor: v >= 0
+      out.t[i] = v - static_cast<acc_t>(f);
+      out.node[i] = f - bounds.offset[i];
+    }
+    rejected |= in ^ 1;
+  }
+  return rejected == 0;
+}
+
 // Nodes and fractions of the `count` (<= K) particles at `positions` (3 values
 // each, consecutive). A full block whose coordinates all lie inside `bounds`
-// (particles in the member's box: the common case) takes one branch-free loop
-// over its 3 K coordinates; any other block the general path below.
+// (particles in the member's box, or up to a period outside a periodic one: the
+// common cases) takes the branch-free loops above; any other block the general
+// path below.
 template <typename scalar_t, typename acc_t, int W, int K>
 C10_ALWAYS_INLINE void block_first_nodes(
     const scalar_t* positions, int count, const StencilGeometry& g, const BlockBounds<acc_t, W, K>& bounds,
     BlockNodes<acc_t, K>& out) {
+  if (count == K && bounds.usable &&
+      (block_lanes<false>(positions, bounds, out) || block_lanes<true>(positions, bounds, out))) {
+    for (int k = 0; k < K; ++k) {
+      out.valid[k] = true;
+    }
+    return;
+  }
   // 1 - W/2 is exact in binary floating point (first_node).
   const acc_t shift = acc_t(1) - acc_t(W) / acc_t(2);
-  if (count == K && bounds.usable) {
-    int32_t rejected = 0;
-    for (int i = 0; i < 3 * K; ++i) {
-      const acc_t s = static_cast<acc_t>(positions[i]) + shift;
-      const int32_t in = (s >= bounds.low[i]) & (s < bounds.high[i]);
-      const acc_t v = in ? s : acc_t(0);  // NaN and far lanes: no conversion out of range
-      const int32_t f = static_cast<int32_t>(v);  // floor: v >= 0
-      out.t[i] = v - static_cast<acc_t>(f);
-      out.node[i] = f - bounds.offset[i];
-      rejected |= in ^ 1;
-    }
-    if (rejected == 0) {
-      for (int k = 0; k < K; ++k) {
-        out.valid[k] = true;
-      }
-      return;
-    }
-    // Second chance, as branch-free: the floor of a negative coordinate with
-    // its correction (trunc - (trunc > s)), then one wrap on a periodic axis
-    // (a no-op on a block axis, whose nodes are inside already).
-    rejected = 0;
-    for (int i = 0; i < 3 * K; ++i) {
-      const acc_t s = static_cast<acc_t>(positions[i]) + shift;
-      const int32_t in = (s >= bounds.wide_low[i]) & (s < bounds.wide_high[i]);
-      const acc_t v = in ? s : acc_t(0);
-      const int32_t truncated = static_cast<int32_t>(v);
-      const int32_t f = truncated - (static_cast<acc_t>(truncated) > v ? 1 : 0);
-      out.t[i] = v - static_cast<acc_t>(f);
-      int32_t node = f - bounds.offset[i];
-      node += node < 0 ? bounds.n[i] : 0;
-      node -= node >= bounds.n[i] ? bounds.n[i] : 0;
-      out.node[i] = node;
-      rejected |= in ^ 1;
-    }
-    if (rejected == 0) {
-      for (int k = 0; k < K; ++k) {
-        out.valid[k] = true;
-      }
-      return;
-    }
-  }
   // A short block is padded with zeros (its extra lanes are never read).
   scalar_t padded[3 * K];
   if (count < K) {
