@@ -12,8 +12,10 @@ Usage::
     python benchmarks/bench_pm.py --device cuda --sizes 256 512 --paint-method tiled
 
 Particles = mesh cells (mesh factor 1), float32, Planck15, a from 0.1. A "step" is one
-kick-drift-kick with one force evaluation (paint, rfftn, kernels, 3 irfftn, 3-channel
-readout). Times are medians of ``--repeats`` runs after a warm-up; CUDA times are taken
+kick-drift-kick with one force evaluation (paint, rfftn, kernels, irfftn, the real-space
+gradient, 3-channel readout) as ``Simulation.evolve`` takes it outside a graph: the
+readout carries the step's second kick and the next step's first kick and drift
+(``torchpm.pm.readout_kick_drift_``). Times are medians of ``--repeats`` runs after a warm-up; CUDA times are taken
 after ``torch.cuda.synchronize``. Peak memory of one step, measured in a fresh child
 process: CUDA ``max_memory_allocated`` above the baseline; on the CPU the peak resident
 set size above the baseline, sampled every 0.5 ms by a thread, with glibc's mmap
@@ -47,7 +49,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torchpm  # noqa: E402
 from torchpm.fourier import multiply_real, stack_products
-from torchpm.pm import add_scaled_, kick_drift_kick, step_factors  # noqa: E402
+from torchpm.pm import add_scaled_, readout_kick_drift_, step_factors  # noqa: E402
 
 
 class PeakMemory:
@@ -168,6 +170,9 @@ def stream_bandwidth(device, repeats, megabytes=256):
 # counted beyond one read and one write, no cache misses of the stencils. (With the
 # Fourier gradient, 3 spectra and 3 irfftn, it would be 64 B per cell.)
 FLOOR_BYTES_PER_PARTICLE = 36 + 36 + 12 + 24 + 36
+# With the second kick and the next first kick and drift in the readout's pass
+# (readout_kick_drift_): paint (read x: 12 B), readout (read x, p, write x, p: 48 B).
+FLOOR_BYTES_PER_PARTICLE_FUSED = 12 + 48
 FLOOR_BYTES_PER_CELL = 4 + 8 + 8 + 8 + 16 + 12
 
 
@@ -191,14 +196,14 @@ def bench_torchpm(n, device, repeats, memory_only=False, late_steps=10):
         out["lpt"], (x, p, ids) = timed(lambda: sim.lpt(sim.linear_field(noise)), device, repeats)
         table = sim.growth_table()
         factor = step_factors(table, torch.tensor([0.1, 0.19], dtype=torch.float64))[0]
-        force = sim.forces(x, factor.a_start)
 
-        # The simulation's steady state: the step updates the particle arrays of the step
-        # before in place (Simulation.evolve from its second step on).
+        # The simulation's steady state outside a graph (Simulation.evolve from its second
+        # step on): the force, with the second kick and the next step's first kick and
+        # drift in its readout, on the particle arrays of the step before.
         (step_x, step_p), restore = private_copies(x, p)
 
         def step():
-            return kick_drift_kick(step_x, step_p, force, factor, sim.forces, in_place=True)
+            return sim._fused_step(step_x, step_p, ids, factor, factor)
 
         out["step"], _ = timed(step, device, repeats, setup=restore)
         if memory_only:
@@ -231,24 +236,27 @@ def bench_torchpm(n, device, repeats, memory_only=False, late_steps=10):
             else:
                 spectra = stack_products(potential, kernels.gradient)
                 field = mesh.irfftn(spectra)
-            # Steps as Simulation.evolve takes them after its first: in place, on arrays it owns.
+            # Steps as Simulation.evolve takes them after its first outside a graph: in place,
+            # on arrays it owns, the updates in the force's readout.
             (ux, up), restore_unsorted = private_copies(cx, cp)
             (ox, op), restore_sorted = private_copies(sx, sp)
+            kicks = [cfactor.second_kick, cfactor.first_kick]
             functions = {
-                "step unsorted": (restore_unsorted,
-                                  lambda: sim._step(ux, up, cforce, cids, cfactor, in_place=True)),
-                "step sorted": (restore_sorted, lambda: sim._step(ox, op, sforce, sids, cfactor, in_place=True)),
-                # the same step writing new arrays (the first step of a run, or one with a graph)
-                "step sorted, new arrays": lambda: sim._step(sx, sp, sforce, sids, cfactor),
+                "step unsorted": (restore_unsorted, lambda: sim._fused_step(ux, up, cids, cfactor, cfactor)),
+                "step sorted": (restore_sorted, lambda: sim._fused_step(ox, op, sids, cfactor, cfactor)),
+                # the step with a graph: separate kicks and drift, each a new array
+                "step sorted, out of place": lambda: sim._step(sx, sp, sforce, sids, cfactor),
                 # sort_every=1 in its steady state: the particles were sorted one step ago.
-                "step+sort": (restore_sorted,
-                              lambda: sim._step(ox, op, sforce, sids, cfactor, sort=True, in_place=True)),
+                "step+sort": (restore_sorted, lambda: sim._fused_step(ox, op, sids, cfactor, cfactor, sort=True)),
                 "sort": lambda: sort_particles(mesh, sx, sids, sp),
                 "first sort": lambda: sort_particles(mesh, cx, cids, cp),
                 "paint unsorted": lambda: mesh.paint(cx),
                 "paint sorted": lambda: mesh.paint(sx),
                 "readout x3 unsorted": lambda: mesh.readout(field, cx),
                 "readout x3 sorted": lambda: mesh.readout(field, sx),
+                # the same readout with two kicks and a drift in its pass (the steady-state step's)
+                "readout+updates sorted": (restore_sorted, lambda: readout_kick_drift_(
+                    mesh, field, ox, op, kicks, cfactor.drift)),
                 "rfftn": lambda: mesh.rfftn(density),
                 "kernels": (lambda: multiply_real(density_k, kernels.inverse_laplacian_pair, paired=True))
                 if kernels.real_space_gradient else (lambda: stack_products(
@@ -257,7 +265,7 @@ def bench_torchpm(n, device, repeats, memory_only=False, late_steps=10):
                 "irfftn": lambda: mesh.irfftn(spectra),
                 "gradient": (lambda: mesh.fd4_gradient(phi, [1.0 / c for c in kernels.cell_size]))
                 if kernels.real_space_gradient else (lambda: None),
-                # the simulation's own updates, in place (torchpm.pm.add_scaled_)
+                # the updates as separate passes, in place (torchpm.pm.add_scaled_)
                 "kicks+drift": (restore_unsorted, lambda: (add_scaled_(up, cforce, cfactor.first_kick),
                                                            add_scaled_(ux, up, cfactor.drift),
                                                            add_scaled_(up, cforce, cfactor.second_kick))),
@@ -473,8 +481,9 @@ def main():
     print()
     print("torchpm step by particle order (each part timed alone, medians of interleaved repeats, ms):")
     print()
-    parts = ["step unsorted", "step sorted", "step sorted, new arrays", "step+sort", "sort", "first sort", "paint unsorted", "paint sorted",
-             "readout x3 unsorted", "readout x3 sorted", "rfftn", "kernels", "irfftn", "gradient", "kicks+drift"]
+    parts = ["step unsorted", "step sorted", "step sorted, out of place", "step+sort", "sort", "first sort",
+             "paint unsorted", "paint sorted", "readout x3 unsorted", "readout x3 sorted", "readout+updates sorted",
+             "rfftn", "kernels", "irfftn", "gradient", "kicks+drift"]
     print("| N^3 | particles | " + " | ".join(parts) + " |")
     print("|---|---" + "|---" * len(parts) + "|")
     for n, ours in breakdowns:
@@ -485,14 +494,16 @@ def main():
         stream = ours["stream"]
         bandwidth = max(stream.values())
         floor = (FLOOR_BYTES_PER_PARTICLE + FLOOR_BYTES_PER_CELL) * n**3 / bandwidth
+        fused = (FLOOR_BYTES_PER_PARTICLE_FUSED + FLOOR_BYTES_PER_CELL) * n**3 / bandwidth
         print(f"{n}^3: STREAM copy {stream['copy'] / 1e9:.1f} GB/s, triad {stream['triad'] / 1e9:.1f} GB/s; "
               f"floor = ({FLOOR_BYTES_PER_PARTICLE} B/particle + {FLOOR_BYTES_PER_CELL} B/cell) x {n}^3 / "
-              f"{bandwidth / 1e9:.1f} GB/s = {floor * 1e3:.1f} ms")
+              f"{bandwidth / 1e9:.1f} GB/s = {floor * 1e3:.1f} ms; with the updates in the readout "
+              f"({FLOOR_BYTES_PER_PARTICLE_FUSED} B/particle) {fused * 1e3:.1f} ms")
         for case, values in ours["cases"].items():
             print(f"  {case}: unsorted/step+sort {values['step unsorted'] / values['step+sort']:.2f}x, "
                   f"unsorted/sorted {values['step unsorted'] / values['step sorted']:.2f}x; "
                   f"step+sort / floor {values['step+sort'] / floor:.2f}, sorted / floor "
-                  f"{values['step sorted'] / floor:.2f}")
+                  f"{values['step sorted'] / floor:.2f}, sorted / fused floor {values['step sorted'] / fused:.2f}")
 
 if __name__ == "__main__":
     main()

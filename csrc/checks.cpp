@@ -418,4 +418,21 @@ at::Tensor check_add_scaled_in_place_arguments(const char* op, const at::Tensor&
   return y.contiguous();
 }
 
+void check_readout_update_arguments(
+    const char* op, const at::Tensor& positions, const at::Tensor& momenta, at::ArrayRef<double> kicks) {
+  TORCH_CHECK_VALUE(positions.defined() && momenta.defined(), op, ": `positions` and `momenta` must be defined.");
+  check_positions(op, positions);
+  TORCH_CHECK_VALUE(
+      momenta.sizes() == positions.sizes() && momenta.scalar_type() == positions.scalar_type() &&
+          momenta.device() == positions.device(),
+      op, ": expected `momenta` of the shape, dtype and device of `positions` ", format_list(positions.sizes()),
+      ", ", positions.scalar_type(), ", ", positions.device(), "; got ", format_list(momenta.sizes()), ", ",
+      momenta.scalar_type(), ", ", momenta.device(), ".");
+  TORCH_CHECK_VALUE(positions.is_contiguous() && momenta.is_contiguous(), op,
+                    ": expected `positions` and `momenta` contiguous (they are updated in place); got strides ",
+                    format_list(positions.strides()), " and ", format_list(momenta.strides()), ".");
+  TORCH_CHECK_VALUE(kicks.size() == 1 || kicks.size() == 2, op, ": expected one or two `kicks`, got ",
+                    kicks.size(), ".");
+}
+
 }  // namespace torchpm

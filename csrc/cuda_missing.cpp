@@ -67,6 +67,12 @@ void add_scaled_in_place_missing(at::Tensor&, const at::Tensor&, double) {
   no_cuda_kernels("torchpm._add_scaled_");
 }
 
+void readout_kick_drift_missing(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, at::IntArrayRef, std::array<bool, 3>, int64_t,
+    at::ArrayRef<double>, std::optional<double>, bool) {
+  no_cuda_kernels("torchpm._readout_kick_drift_");
+}
+
 at::Tensor pack_blocks_missing(const at::Tensor&, int64_t, at::IntArrayRef) {
   no_cuda_kernels("torchpm.pack_blocks");
 }
@@ -89,6 +95,7 @@ TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("_fd4_gradient_transpose", &fd4_gradient_transpose_missing);
   m.impl("_add_scaled", &add_scaled_missing);
   m.impl("_add_scaled_", &add_scaled_in_place_missing);
+  m.impl("_readout_kick_drift_", &readout_kick_drift_missing);
   m.impl("pack_blocks", &pack_blocks_missing);
   m.impl("unpack_blocks", &unpack_blocks_missing);
 }

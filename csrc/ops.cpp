@@ -96,6 +96,17 @@ TORCH_LIBRARY(torchpm, m) {
   // particle arrays it owns, without a new buffer (and its first-touch page
   // faults) per update.
   m.def("_add_scaled_(Tensor(a!) x, Tensor y, float factor) -> ()");
+  // The integrator's updates fused into the readout of the force (B, 3, nx, ny,
+  // nz) at positions (B, N, 3): F = readout(mesh, positions), then momenta +=
+  // F * k for each of the one or two `kicks`, then, with `drift`, positions +=
+  // momenta * drift, every update rounded as _add_scaled_ does, so the result is
+  // that composition bit for bit, without writing F. torchpm/pm.py
+  // (readout_kick_drift_) takes it for the second kick of a step and the first
+  // kick and drift of the next. Not differentiable (arrays the integrator owns,
+  // outside any graph).
+  m.def(
+      "_readout_kick_drift_(Tensor mesh, Tensor(a!) positions, Tensor(b!) momenta, int[] offset, "
+      "bool[3] periodic, int order, float[] kicks, float? drift, bool check_finite=True) -> ()");
   // Spatial order of particles (torchpm/ordering.py): the permutation (B, N)
   // int64 that sorts each batch member's particles by the (x, y) row of the
   // block (shape, offset; coordinates wrapped with period) they lie in, and by

@@ -264,6 +264,11 @@ std::tuple<at::Tensor, at::Tensor> check_add_scaled_arguments(
 // _add_scaled_'s checks (those of _add_scaled, and `x` contiguous, written in
 // place): returns y contiguous.
 at::Tensor check_add_scaled_in_place_arguments(const char* op, const at::Tensor& x, const at::Tensor& y);
+// _readout_kick_drift_'s particle arguments: `positions` (B, N, 3) float32 or
+// float64 and `momenta` of its shape, dtype and device, both contiguous
+// (updated in place); one or two `kicks`.
+void check_readout_update_arguments(
+    const char* op, const at::Tensor& positions, const at::Tensor& momenta, at::ArrayRef<double> kicks);
 
 // Called by a backend when its fused check found `bad` rejected particles: finds
 // the worst offender with ATen ops (slow, only on the error path) and throws.

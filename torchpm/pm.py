@@ -31,9 +31,11 @@ from .fourier import FourierKernels, gradient_inverse_laplacian
 
 __all__ = [
     "compute_forces",
+    "force_field",
     "StepFactors",
     "step_factors",
     "kick_drift_kick",
+    "readout_kick_drift_",
 ]
 
 
@@ -68,6 +70,28 @@ def compute_forces(
     Returns:
         ``(B, N, 3)``: ``F_i = 1.5 Omega_m (-d_i grad^-2 delta)(x) / c_i``.
     """
+    field = force_field(positions, kernels, a=a, particle_mass=particle_mass, force_scale=force_scale,
+                        force_correction=force_correction, weights=weights, order=order)
+    # (B, N, 3), the 3 components in one pass
+    return kernels.mesh.readout(field, positions, order=order, haloed=True)
+
+
+def force_field(
+    positions: torch.Tensor,
+    kernels: FourierKernels,
+    *,
+    a,
+    particle_mass: float,
+    force_scale,
+    force_correction: Callable | None = None,
+    weights: torch.Tensor | None = None,
+    order: str = "cic",
+) -> torch.Tensor:
+    """The PM force field on the mesh, ready for the readout: ``(B, 3, ...)`` with the
+    halo a readout of ``order`` needs on a process grid, filled
+    (``mesh.readout(field, positions, order=order, haloed=True)`` gives
+    :func:`compute_forces`). Arguments as for :func:`compute_forces`.
+    """
     mesh = kernels.mesh
     density_k = mesh.rfftn(mesh.paint(positions, weights, order=order))
     filter_ = None
@@ -88,8 +112,7 @@ def compute_forces(
     gradient_scale = [force_scale * (particle_mass / c) for c in kernels.cell_size]
     # On a grid the readout's halo comes with the field (with the real-space gradient,
     # from the potential's one halo exchange).
-    field = gradient_inverse_laplacian(density_k, kernels, filter_, gradient_scale, halo_for=order)
-    return mesh.readout(field, positions, order=order, haloed=True)  # (B, N, 3), the 3 components in one pass
+    return gradient_inverse_laplacian(density_k, kernels, filter_, gradient_scale, halo_for=order)
 
 
 def _plain_cpu_number(value: torch.Tensor) -> bool:
@@ -209,3 +232,34 @@ def kick_drift_kick(positions, momenta, forces, factors: StepFactors, force_func
     forces = force_function(positions, factors.a_end)
     momenta = update(momenta, forces, factors.second_kick)
     return positions, momenta, forces
+
+
+def readout_kick_drift_(mesh, field, positions, momenta, kicks, drift=None, *, order: str = "cic"):
+    """The integrator's updates in the readout of its force, in place: with ``F =
+    mesh.readout(field, positions, order=order, haloed=True)`` (``field`` from
+    :func:`force_field`), ``momenta = add_scaled_(momenta, F, k)`` for each of the one or
+    two ``kicks`` (0-d tensors), then, with ``drift``, ``positions =
+    add_scaled_(positions, momenta, drift)``. Returns ``(positions, momenta)``.
+
+    The same bits as that composition. Under :func:`add_scaled_`'s one-pass conditions
+    (and a 3-channel field) it is one pass over the particles,
+    :meth:`mesh.readout_kick_drift_ <torchpm.distributed.PencilDecomposition.readout_kick_drift_>`,
+    which never writes ``F``: the second kick of a step and the first kick and drift of
+    the next cost about what the readout alone costs. For arrays the caller owns,
+    outside any graph.
+    """
+    factors = [*kicks] + ([] if drift is None else [drift])
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (positions, momenta, field)):
+        raise ValueError("torchpm.pm.readout_kick_drift_: expected `positions`, `momenta` and `field` outside a graph "
+                         "(they require grad); use compute_forces and add_scaled.")
+    if (field.dim() == 5 and field.shape[1] == 3 and field.dtype == positions.dtype
+            and all(_one_pass_update(momenta, positions, f) for f in factors)):
+        mesh.readout_kick_drift_(field, positions, momenta, [k.item() for k in kicks],
+                                 None if drift is None else drift.item(), order=order)
+        return positions, momenta
+    forces = mesh.readout(field, positions, order=order, haloed=True)
+    for k in kicks:
+        momenta = add_scaled_(momenta, forces, k)
+    if drift is not None:
+        positions = add_scaled_(positions, momenta, drift)
+    return positions, momenta

@@ -24,7 +24,7 @@ from .distributed.decomposition import PencilDecomposition
 from .distributed.layout import balanced_grid
 from .mesh import LocalMesh
 from .fourier import FourierKernels
-from .pm import StepFactors, add_scaled, add_scaled_, compute_forces, step_factors
+from .pm import StepFactors, add_scaled, add_scaled_, compute_forces, force_field, readout_kick_drift_, step_factors
 from .resources import check_memory, estimate_memory
 from .adjoint import ParticleMeshForce, adjoint_integrate
 from .ordering import restore_id_order, sort_particles
@@ -607,8 +607,13 @@ class Simulation(nn.Module):
                cosmology: Cosmology | None = None) -> torch.Tensor:
         """PM forces ``(B, n, 3)`` in mesh units at owned positions in force-mesh cells
         (``ids`` marks empty slots, which get no mass)."""
+        return self._force(compute_forces, positions, a, ids, cosmology)
+
+    def _force(self, function, positions, a, ids, cosmology):
+        """``function`` (:func:`compute_forces` or :func:`force_field`) with this simulation's
+        kernels, mass, cosmology, force correction and weights."""
         cosmology = cosmology or self.cosmology
-        return compute_forces(
+        return function(
             positions,
             self.kernels("force"),
             a=a,
@@ -640,15 +645,12 @@ class Simulation(nn.Module):
             order=self.paint_order,
         )
 
-    def _step(self, positions, momenta, forces, ids, factor: StepFactors, cosmology=None, sort=False,
-              in_place=False):
+    def _step(self, positions, momenta, forces, ids, factor: StepFactors, cosmology=None, sort=False):
         """One kick-drift-kick step with the migration after the drift (and the sort
-        into spatial order after it when ``sort``). ``in_place``: ``positions`` and
-        ``momenta`` are this integration's own arrays, outside any graph, and are
-        updated in place (the same bits, no new buffer per update)."""
-        update = add_scaled_ if in_place else add_scaled
-        momenta = update(momenta, forces, factor.first_kick)
-        positions = update(positions, momenta, factor.drift)
+        into spatial order after it when ``sort``), every update a new tensor (autograd
+        sees every step)."""
+        momenta = add_scaled(momenta, forces, factor.first_kick)
+        positions = add_scaled(positions, momenta, factor.drift)
         # Both are new tensors of this step: the migration may write into them.
         _, positions, ids, momenta = self.force_mesh.migrate(
             positions, ids, momenta, capacity=self.particle_capacity, overwrite=True
@@ -656,9 +658,7 @@ class Simulation(nn.Module):
         if sort:
             positions, ids, momenta = sort_particles(self.force_mesh, positions, ids, momenta)
         forces = self.forces(positions, factor.a_end, ids, cosmology)
-        if torch.is_grad_enabled() and forces.requires_grad:
-            update = add_scaled  # a force with a graph (learned correction, cosmology) makes one
-        momenta = update(momenta, forces, factor.second_kick)
+        momenta = add_scaled(momenta, forces, factor.second_kick)
         return positions, momenta, forces, ids
 
     def evolve(self, positions, momenta, table, callback=None, *, ids=None, start: int = 0, stop: int | None = None,
@@ -680,27 +680,65 @@ class Simulation(nn.Module):
             positions, momenta, ids = self._evolve_adjoint(positions, momenta, ids, factors, cosmology, callback, start)
             return self._id_order(positions, momenta, ids, sort_every)
         forces = self.forces(positions, factors[0].a_start, ids, cosmology)
-        # Outside a graph the steps update the particle arrays in place once they are
-        # this integration's own (after the first step, or a sort here): the caller's
-        # tensors are never written.
-        owned = bool(sort_every)
+        checkpoint = self.checkpoint and torch.is_grad_enabled()
+        if not checkpoint and not (torch.is_grad_enabled() and any(
+                tensor.requires_grad for tensor in (positions, momenta, forces))):
+            positions, momenta, ids = self._evolve_fused(positions, momenta, forces, ids, factors, cosmology, callback,
+                                                         start, sort_every)
+            return self._id_order(positions, momenta, ids, sort_every)
+        # With a graph: each step's updates are new tensors.
         for number, factor in enumerate(factors, start=start + 1):
             sort = bool(sort_every) and number % sort_every == 0
-            if self.checkpoint and torch.is_grad_enabled():
+            if checkpoint:
                 positions, momenta, forces, ids = torch.utils.checkpoint.checkpoint(
                     self._step, positions, momenta, forces, ids, factor, cosmology, sort, use_reentrant=False
                 )
             else:
-                graph = torch.is_grad_enabled() and any(
-                    tensor.requires_grad for tensor in (positions, momenta, forces)
-                )
-                positions, momenta, forces, ids = self._step(
-                    positions, momenta, forces, ids, factor, cosmology, sort, in_place=owned and not graph
-                )
-                owned = True
+                positions, momenta, forces, ids = self._step(positions, momenta, forces, ids, factor, cosmology, sort)
             if callback is not None:
                 callback(number, float(factor.a_end))
         return self._id_order(positions, momenta, ids, sort_every)
+
+    def _evolve_fused(self, positions, momenta, forces, ids, factors, cosmology, callback, start, sort_every):
+        """:meth:`evolve` outside a graph: the steps of :meth:`_step`, in the same order
+        and with the same bits, but each step's second kick and the next step's first
+        kick and drift ride on the readout of its force
+        (:func:`torchpm.pm.readout_kick_drift_`), so no force array is written or read
+        back. The particle arrays are updated in place once they are this integration's
+        own (after the first update, or a sort here): the caller's tensors are never
+        written. ``forces``: those at the first step's start."""
+        mesh = self.force_mesh
+        update = add_scaled_ if sort_every else add_scaled
+        momenta = update(momenta, forces, factors[0].first_kick)
+        positions = update(positions, momenta, factors[0].drift)
+        del forces
+        for index, factor in enumerate(factors):
+            number = start + 1 + index
+            following = factors[index + 1] if index + 1 < len(factors) else None
+            positions, momenta, ids = self._fused_step(positions, momenta, ids, factor, following, cosmology,
+                                                       sort=bool(sort_every) and number % sort_every == 0)
+            if callback is not None:
+                callback(number, float(factor.a_end))
+        return positions, momenta, ids
+
+    def _fused_step(self, positions, momenta, ids, factor: StepFactors, following: StepFactors | None,
+                    cosmology=None, sort=False):
+        """A step of :meth:`_evolve_fused` on arrays it owns, whose first kick and drift are
+        done: the migration (and the sort when ``sort``), the force at ``factor.a_end``,
+        and in its readout the second kick and, unless this is the last step
+        (``following`` None), the first kick and drift of ``following``."""
+        mesh = self.force_mesh
+        _, positions, ids, momenta = mesh.migrate(
+            positions, ids, momenta, capacity=self.particle_capacity, overwrite=True
+        )
+        if sort:
+            positions, ids, momenta = sort_particles(mesh, positions, ids, momenta)
+        field = self._force(force_field, positions, factor.a_end, ids, cosmology)
+        kicks = [factor.second_kick] if following is None else [factor.second_kick, following.first_kick]
+        positions, momenta = readout_kick_drift_(mesh, field, positions, momenta, kicks,
+                                                 None if following is None else following.drift,
+                                                 order=self.paint_order)
+        return positions, momenta, ids
 
     def _sort_cadence(self, ids) -> int:
         """``sort_every`` for this integration. On one device the particles come back in

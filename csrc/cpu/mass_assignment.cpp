@@ -9,6 +9,7 @@
 // order fixed by the input alone, so the result does not depend on the number
 // of threads.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
@@ -20,6 +21,7 @@
 #include <limits>
 #include <type_traits>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "../error_checking.h"
@@ -1152,6 +1154,81 @@ at::Tensor paint_tiled_cpu(
   });
 }
 
+// What a readout of one call reads: the particles, the mesh (C channels,
+// interleaved or planar) and the block, with the gather's block bounds.
+template <typename scalar_t, int W>
+struct ReadoutPlan {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t* pos;
+  const scalar_t* field;
+  const scalar_t* readable_end;  // the end of the mesh's storage (read_cic)
+  MeshLayout layout;
+  StencilGeometry g;
+  GatherBounds<acc_t, W> bounds;
+  int64_t batch;
+  int64_t n;
+  int64_t channels;
+
+  ReadoutPlan(const at::Tensor& positions, const at::Tensor& mesh, const MeshLayout& layout_,
+              const StencilGeometry& g_, int64_t channels_)
+      : pos(positions.data_ptr<scalar_t>()),
+        field(mesh.data_ptr<scalar_t>()),
+        readable_end(field + (static_cast<int64_t>(mesh.storage().nbytes()) / static_cast<int64_t>(sizeof(scalar_t)) -
+                              mesh.storage_offset())),
+        layout(layout_),
+        g(g_),
+        bounds(g_),
+        batch(positions.size(0)),
+        n(positions.size(1)),
+        channels(channels_) {}
+};
+
+// Particles a readout takes at a time: their values are checked for
+// finiteness (and, fused, used) while in cache.
+constexpr int64_t kReadoutRun = 1024;
+
+// The readout of particles [run, run_end) into out (row p - run, `channels`
+// values; C: dispatch_channels). Returns the number of rejected particles,
+// whose rows are left unwritten.
+template <typename scalar_t, int W, int C>
+int64_t readout_run(const ReadoutPlan<scalar_t, W>& plan, int64_t run, int64_t run_end, scalar_t* out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t nc = C > 0 ? C : plan.channels;
+  const MeshLayout& layout = plan.layout;
+  const StencilGeometry& g = plan.g;
+  return gather_particles<scalar_t, acc_t, W, false>(
+      plan.pos, run, run_end, g, plan.bounds, plan.field, layout, plan.batch, plan.n, nc,
+      [&](int64_t p, const Stencil<acc_t, W>& s) {
+        const scalar_t* m = plan.field + (plan.batch == 1 ? 0 : p / plan.n) * layout.member;
+        read_mesh<scalar_t, acc_t, W>(m, layout, nc, s, out + (p - run) * nc);
+      },
+      [&](int64_t p, const auto& nodes, int k) {
+        if constexpr (W == 2) {
+          const scalar_t* m = plan.field + (plan.batch == 1 ? 0 : p / plan.n) * layout.member;
+          scalar_t* row = out + (p - run) * nc;
+          // read_mesh's choice: 3 or 4 channels of an interleaved mesh node by node
+          if (layout.node_stride > 1 && nc == 3) {
+            read_cic<scalar_t, acc_t, kGatherChunk<2>, 3>(nodes, k, g, layout, nc, m, plan.readable_end, row);
+          } else if (layout.node_stride > 1 && nc == 4) {
+            read_cic<scalar_t, acc_t, kGatherChunk<2>, 4>(nodes, k, g, layout, nc, m, plan.readable_end, row);
+          } else {
+            read_cic<scalar_t, acc_t, kGatherChunk<2>, 0>(nodes, k, g, layout, nc, m, plan.readable_end, row);
+          }
+          return true;
+        } else {
+          return false;
+        }
+      });
+}
+
+// Whether particle p of a run was accepted (its row written); `run_bad`: the
+// run's rejected count (0: all were).
+template <typename scalar_t, int W>
+C10_ALWAYS_INLINE bool accepted_in_run(const ReadoutPlan<scalar_t, W>& plan, int64_t p, int64_t run_bad) {
+  int64_t node[3];
+  return run_bad == 0 || locate<scalar_t, at::opmath_type<scalar_t>, W>(plan.pos + 3 * p, plan.g, node);
+}
+
 at::Tensor readout_cpu(
     const at::Tensor& mesh_in,
     const at::Tensor& positions_in,
@@ -1174,15 +1251,8 @@ at::Tensor readout_cpu(
     AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "readout_cpu", [&] {
       dispatch_order(op, order, [&](auto width) {
         constexpr int W = decltype(width)::value;
-        using acc_t = at::opmath_type<scalar_t>;
-        const scalar_t* pos = positions.data_ptr<scalar_t>();
-        const scalar_t* field = mesh.data_ptr<scalar_t>();
-        // The loads may reach to the end of the mesh's storage (read_cic).
-        const scalar_t* readable_end =
-            field + (static_cast<int64_t>(mesh.storage().nbytes()) / static_cast<int64_t>(sizeof(scalar_t)) -
-                     mesh.storage_offset());
+        const ReadoutPlan<scalar_t, W> plan(positions, mesh, layout, g, channels);
         scalar_t* result = out.data_ptr<scalar_t>();
-        const GatherBounds<acc_t, W> bounds(g);
         std::atomic<int64_t> bad{0};
         std::atomic<int64_t> non_finite{0};
         dispatch_channels(channels, [&](auto channel_count) {
@@ -1194,39 +1264,16 @@ at::Tensor readout_cpu(
             // Finiteness is checked on the values written, a run of particles
             // at a time while they are in cache: one pass over bits that
             // vectorises, instead of a test per particle and channel.
-            constexpr int64_t kRun = 1024;
-            for (int64_t run = begin; run < end; run += kRun) {
-              const int64_t run_end = std::min(run + kRun, end);
-              const int64_t run_bad = gather_particles<scalar_t, acc_t, W, false>(
-                  pos, run, run_end, g, bounds, field, layout, batch, n, nc,
-                  [&](int64_t p, const Stencil<acc_t, W>& s) {
-                    const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
-                    read_mesh<scalar_t, acc_t, W>(m, layout, nc, s, result + p * nc);
-                  },
-                  [&](int64_t p, const auto& nodes, int k) {
-                    if constexpr (W == 2) {
-                      const scalar_t* m = field + (batch == 1 ? 0 : p / n) * layout.member;
-                      // read_mesh's choice: 3 or 4 channels of an interleaved mesh node by node
-                      if (layout.node_stride > 1 && nc == 3) {
-                        read_cic<scalar_t, acc_t, kGatherChunk<2>, 3>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
-                      } else if (layout.node_stride > 1 && nc == 4) {
-                        read_cic<scalar_t, acc_t, kGatherChunk<2>, 4>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
-                      } else {
-                        read_cic<scalar_t, acc_t, kGatherChunk<2>, 0>(nodes, k, g, layout, nc, m, readable_end, result + p * nc);
-                      }
-                      return true;
-                    } else {
-                      return false;
-                    }
-                  });
+            for (int64_t run = begin; run < end; run += kReadoutRun) {
+              const int64_t run_end = std::min(run + kReadoutRun, end);
+              scalar_t* rows = result + run * nc;
+              const int64_t run_bad = readout_run<scalar_t, W, C>(plan, run, run_end, rows);
               local_bad += run_bad;
-              if (check_finite && !all_finite(result + run * nc, (run_end - run) * nc)) {
+              if (check_finite && !all_finite(rows, (run_end - run) * nc)) {
                 // Rare: count the accepted particles that read a non-finite value
                 // (a rejected particle's entries are not written yet).
                 for (int64_t p = run; p < run_end; ++p) {
-                  int64_t node[3];
-                  if (!finite_values(result + p * nc, nc) &&
-                      (run_bad == 0 || locate<scalar_t, acc_t, W>(pos + 3 * p, g, node))) {
+                  if (!finite_values(rows + (p - run) * nc, nc) && accepted_in_run(plan, p, run_bad)) {
                     ++local_non_finite;
                   }
                 }
@@ -1237,7 +1284,7 @@ at::Tensor readout_cpu(
           });
         });
         if (bad.load() > 0) {
-          fill_rejected<scalar_t, W>(pos, batch * n, g, channels, result);
+          fill_rejected<scalar_t, W>(plan.pos, batch * n, g, channels, result);
         }
         report_bad_particles(
             kReadoutOp, {bad.load(), check_finite ? non_finite.load() : 0},
@@ -1246,6 +1293,169 @@ at::Tensor readout_cpu(
     });
   }
   return has_channel_dim ? out : out.squeeze(2);
+}
+
+// x + y * f with the rounding of add_scaled_kernel (updates.cpp): the product
+// rounded first, kept in a buffer so that no compiler contracts the two.
+template <typename scalar_t>
+C10_ALWAYS_INLINE void add_scaled_rows(scalar_t* x, const scalar_t* y, scalar_t factor, int64_t count,
+                                       scalar_t* product) {
+  for (int64_t i = 0; i < count; ++i) {
+    product[i] = y[i] * factor;
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    x[i] = x[i] + product[i];
+  }
+}
+
+// torchpm::_readout_kick_drift_: the 3-channel readout F of `mesh` at the
+// particles, then momenta += F * k for each k of `kicks`, then (with `drift`)
+// positions += momenta * drift, a run of particles at a time while its forces
+// are in cache: the integrator's second kick and the next step's first kick
+// and drift in the readout's pass, with no force array written or read back.
+// Each update has exactly the rounding of _add_scaled_, so the result is the
+// composition readout, _add_scaled_, ..., bit for bit.
+//
+// A particle the readout rejects (non-finite or outside the block), or one
+// that reads a NaN/Inf (check_finite), is not updated: its momentum becomes
+// NaN and its position stays where it was read, so the error names it there.
+// The others are updated. The error is raised when the op returns (immediate
+// mode), or reported later as the readout's (deferred mode).
+void readout_kick_drift_cpu(
+    const at::Tensor& mesh_in,
+    const at::Tensor& positions,
+    const at::Tensor& momenta,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order,
+    at::ArrayRef<double> kicks,
+    std::optional<double> drift,
+    bool check_finite) {
+  const char* op = "torchpm._readout_kick_drift_";
+  report_earlier_errors(op);
+  check_readout_update_arguments(op, positions, momenta, kicks);
+  int64_t channels = 1;
+  bool has_channel_dim = false;
+  MeshLayout layout;
+  auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim, layout);
+  TORCH_CHECK_VALUE(has_channel_dim && channels == 3, op,
+                    ": expected `mesh` of shape (B, 3, nx, ny, nz) (the three force components), got ",
+                    format_list(mesh_in.sizes()), ".");
+  // The updates write positions and momenta while the readout reads the mesh and positions.
+  const auto check_apart = [&](const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
+    TORCH_CHECK_VALUE(!a.storage().is_alias_of(b.storage()) || at::get_overlap_status(a, b) == at::MemOverlapStatus::No,
+                      op, ": `", a_name, "` and `", b_name, "` share memory; expected separate tensors (`", b_name,
+                      "` is updated in place).");
+  };
+  check_apart(positions, "positions", momenta, "momenta");
+  check_apart(mesh, "mesh", positions, "positions");
+  check_apart(mesh, "mesh", momenta, "momenta");
+  const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
+  const int64_t batch = positions.size(0);
+  const int64_t n = positions.size(1);
+  if (batch * n == 0) {
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "readout_kick_drift_cpu", [&] {
+    dispatch_order(op, order, [&](auto width) {
+      constexpr int W = decltype(width)::value;
+      constexpr int C = 3;
+      const ReadoutPlan<scalar_t, W> plan(positions, mesh, layout, g, C);
+      scalar_t* x = positions.data_ptr<scalar_t>();
+      scalar_t* v = momenta.data_ptr<scalar_t>();
+      scalar_t kick[2] = {scalar_t(0), scalar_t(0)};
+      for (size_t i = 0; i < kicks.size(); ++i) {
+        kick[i] = static_cast<scalar_t>(kicks[i]);
+      }
+      const scalar_t drift_factor = static_cast<scalar_t>(drift.value_or(0.0));
+      std::atomic<int64_t> bad{0};
+      std::atomic<int64_t> non_finite{0};
+      // The particles left out (rare): index, position as read, values read.
+      std::mutex left_out_mutex;
+      std::vector<int64_t> left_out;
+      std::vector<scalar_t> left_out_rows;
+      at::parallel_for(0, batch * n, 2048, [&](int64_t begin, int64_t end) {
+        std::vector<scalar_t> buffer(2 * C * kReadoutRun);
+        scalar_t* force = buffer.data();
+        scalar_t* product = force + C * kReadoutRun;
+        int64_t local_bad = 0;
+        int64_t local_non_finite = 0;
+        for (int64_t run = begin; run < end; run += kReadoutRun) {
+          const int64_t run_end = std::min(run + kReadoutRun, end);
+          const int64_t count = (run_end - run) * C;
+          const int64_t run_bad = readout_run<scalar_t, W, C>(plan, run, run_end, force);
+          local_bad += run_bad;
+          const bool clean = run_bad == 0 && (!check_finite || all_finite(force, count));
+          // Rare: the particles to leave out, with their positions as read.
+          std::vector<int64_t> skipped;
+          std::vector<scalar_t> kept;
+          if (!clean) {
+            for (int64_t p = run; p < run_end; ++p) {
+              scalar_t* row = force + (p - run) * C;
+              const bool accepted = accepted_in_run(plan, p, run_bad);
+              if (!accepted) {
+                std::fill(row, row + C, std::numeric_limits<scalar_t>::quiet_NaN());
+              } else if (!check_finite || finite_values(row, C)) {
+                continue;
+              } else {
+                ++local_non_finite;
+              }
+              skipped.push_back(p);
+              kept.insert(kept.end(), x + 3 * p, x + 3 * p + 3);
+              kept.insert(kept.end(), row, row + C);
+            }
+          }
+          scalar_t* vr = v + run * C;
+          for (size_t i = 0; i < kicks.size(); ++i) {
+            add_scaled_rows(vr, force, kick[i], count, product);
+          }
+          if (drift.has_value()) {
+            add_scaled_rows(x + run * 3, vr, drift_factor, count, product);
+          }
+          for (size_t i = 0; i < skipped.size(); ++i) {
+            const int64_t p = skipped[i];
+            std::copy(kept.begin() + 6 * i, kept.begin() + 6 * i + 3, x + 3 * p);
+            std::fill(v + 3 * p, v + 3 * p + 3, std::numeric_limits<scalar_t>::quiet_NaN());
+          }
+          if (!skipped.empty()) {
+            std::lock_guard<std::mutex> lock(left_out_mutex);
+            left_out.insert(left_out.end(), skipped.begin(), skipped.end());
+            left_out_rows.insert(left_out_rows.end(), kept.begin(), kept.end());
+          }
+        }
+        bad += local_bad;
+        non_finite += local_non_finite;
+      });
+      const BadCounts counts{bad.load(), non_finite.load()};
+      if (!counts.any()) {
+        return;
+      }
+      // What the error can name: the left-out particles where they were read
+      // and the values they read; every other particle at the block's centre
+      // (accepted) reading zeros.
+      auto where = at::empty({batch, n, 3}, positions.options());
+      auto read = at::zeros({batch, n, C}, positions.options());
+      for (int d = 0; d < 3; ++d) {
+        where.select(2, d).fill_(static_cast<double>(g.offset[d]) + 0.5 * static_cast<double>(g.shape[d]));
+      }
+      scalar_t* w = where.data_ptr<scalar_t>();
+      scalar_t* r = read.data_ptr<scalar_t>();
+      for (size_t i = 0; i < left_out.size(); ++i) {
+        std::copy(left_out_rows.begin() + 6 * i, left_out_rows.begin() + 6 * i + 3, w + 3 * left_out[i]);
+        std::copy(left_out_rows.begin() + 6 * i + 3, left_out_rows.begin() + 6 * i + 6, r + C * left_out[i]);
+      }
+      if (errors_deferred(positions.device().type())) {
+        report_bad_particles(kReadoutOp, counts, CallDiagnosis(where, read, g));
+        return;
+      }
+      const std::string what =
+          "Their momenta are NaN and their positions as read; every other particle was updated.";
+      if (counts.positions > 0) {
+        throw_bad_particles(op, where, g, counts.positions, what);
+      }
+      throw_non_finite(op, "mesh", read, counts.values, what);
+    });
+  });
 }
 
 // d/dx_p sum_c values[p, c] readout(mesh)[p, c] (B, N, 3) and, when
@@ -1345,6 +1555,7 @@ TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
   m.impl("_paint_deterministic", &paint_deterministic_cpu);
   m.impl("_paint_tiled", &paint_tiled_cpu);
   m.impl("readout", &readout_cpu);
+  m.impl("_readout_kick_drift_", &readout_kick_drift_cpu);
   m.impl("_position_gradient", &position_gradient_op<position_gradient_impl>);
   m.impl("_readout_and_position_gradient", &readout_and_position_gradient_op<position_gradient_impl>);
 }

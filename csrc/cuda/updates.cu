@@ -3,6 +3,7 @@
 // double versions) are never contracted into a fused multiply-add, which nvcc
 // would otherwise do by default.
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -70,11 +71,40 @@ void add_scaled_in_place_cuda(at::Tensor& x, const at::Tensor& y_in, double fact
   }
 }
 
+// torchpm::_readout_kick_drift_ on CUDA is its composition: the readout
+// kernel (its error reporting included), then the in-place updates. The same
+// bits as on the CPU; the force is written once and read back.
+void readout_kick_drift_cuda(
+    const at::Tensor& mesh, const at::Tensor& positions, const at::Tensor& momenta, at::IntArrayRef offset,
+    std::array<bool, 3> periodic, int64_t order, at::ArrayRef<double> kicks, std::optional<double> drift,
+    bool check_finite) {
+  const char* op = "torchpm._readout_kick_drift_";
+  check_readout_update_arguments(op, positions, momenta, kicks);
+  TORCH_CHECK_VALUE(mesh.defined() && mesh.dim() == 5 && mesh.size(1) == 3, op,
+                    ": expected `mesh` of shape (B, 3, nx, ny, nz) (the three force components), got ",
+                    mesh.defined() ? format_list(mesh.sizes()) : std::string("undefined"), ".");
+  static const auto readout =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("torchpm::readout", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, at::IntArrayRef, std::array<bool, 3>, int64_t,
+                            bool)>();
+  const at::Tensor force = readout.call(mesh, positions, offset, periodic, order, check_finite);
+  at::Tensor v = momenta;
+  for (const double kick : kicks) {
+    add_scaled_in_place_cuda(v, force, kick);
+  }
+  if (drift.has_value()) {
+    at::Tensor x = positions;
+    add_scaled_in_place_cuda(x, momenta, *drift);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("_add_scaled", &add_scaled_cuda);
   m.impl("_add_scaled_", &add_scaled_in_place_cuda);
+  m.impl("_readout_kick_drift_", &readout_kick_drift_cuda);
 }
 
 }  // namespace torchpm

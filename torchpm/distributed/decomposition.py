@@ -33,6 +33,7 @@ from ..ops import halo_widths
 from ..ops.finite_difference import FD4_REACH, _scale_vector, fd4_gradient, fd4_gradient_transpose
 from ..ops import paint as _paint
 from ..ops import readout as _readout
+from ..ops._arguments import order_number as _order_number
 from . import fft as _fft
 from . import halo as _halo
 from . import particles as _particles
@@ -596,6 +597,25 @@ class PencilDecomposition:
         widths, offset, periodic, padded = prepared[0]
         field = _halo.fill_halo(padded, widths, self._axes, inplace=True)
         return _readout(field, positions, order=order, offset=offset, periodic=periodic)
+
+    def readout_kick_drift_(self, field: torch.Tensor, positions: torch.Tensor, momenta: torch.Tensor,
+                            kicks: Sequence[float], drift: float | None = None, *, order: str = "cic") -> None:
+        """The integrator's updates fused into :meth:`readout` (``haloed=True``) of the force
+        ``field`` ``(B, 3, ...)`` at owned ``positions``: ``momenta += F * k`` for each of
+        the one or two ``kicks``, then (with ``drift``) ``positions += momenta * drift``,
+        in place, each rounded as :func:`torchpm.pm.add_scaled_` rounds it (the same
+        bits as that composition), without writing ``F``
+        (``torch.ops.torchpm._readout_kick_drift_``). Contiguous float tensors of one
+        shape, dtype and device, outside any graph. Local (no collective).
+
+        A particle the readout rejects (or one reading a NaN/Inf) is not updated: its
+        momentum becomes NaN, its position stays as read, and the error names it."""
+        widths, _, offset, periodic = self._block_geometry(order)
+        if not self.is_local:
+            self._check_trailing(field, self.halo_shape(widths), "field", "readout_kick_drift_")
+        torch.ops.torchpm._readout_kick_drift_(field, positions, momenta, offset, periodic,
+                                               _order_number(order, "readout_kick_drift_"),
+                                               [float(k) for k in kicks], None if drift is None else float(drift))
 
     def with_stencil_halo(self, field: torch.Tensor, order: str = "cic") -> torch.Tensor:
         """``field`` ``(..., *local_real_shape)`` padded with the halo a stencil of ``order``

@@ -350,6 +350,26 @@ def _readout_fake(mesh, positions, offset, periodic, order=2, check_finite=True)
     return positions.new_empty(batch, count)
 
 
+@torch.library.register_fake("torchpm::_readout_kick_drift_")
+def _readout_kick_drift_fake(mesh, positions, momenta, offset, periodic, order, kicks, drift, check_finite=True):
+    op = "torchpm._readout_kick_drift_"
+    _check_positions(positions, op)
+    if mesh.dim() != 5 or mesh.shape[1] != 3:
+        raise ValueError(f"{op}: expected `mesh` of shape (B, 3, nx, ny, nz) (the three force components), got "
+                         f"{tuple(mesh.shape)}.")
+    _check_mesh(mesh, positions, op)
+    if momenta.shape != positions.shape or momenta.dtype != positions.dtype or momenta.device != positions.device:
+        raise ValueError(f"{op}: expected `momenta` of the shape, dtype and device of `positions` "
+                         f"{tuple(positions.shape)}, {positions.dtype}, {positions.device}; got "
+                         f"{tuple(momenta.shape)}, {momenta.dtype}, {momenta.device}.")
+    if not (positions.is_contiguous() and momenta.is_contiguous()):
+        raise ValueError(f"{op}: expected `positions` and `momenta` contiguous (they are updated in place); got "
+                         f"strides {tuple(positions.stride())} and {tuple(momenta.stride())}.")
+    if len(kicks) not in (1, 2):
+        raise ValueError(f"{op}: expected one or two `kicks`, got {len(kicks)}.")
+    _check_geometry(list(mesh.shape[-3:]), offset, order, op)
+
+
 @torch.library.register_fake("torchpm::_position_gradient")
 def _position_gradient_fake(mesh, positions, values, offset, periodic, order=2):
     op = "torchpm._position_gradient"
