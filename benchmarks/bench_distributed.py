@@ -82,8 +82,9 @@ class PhaseTimer:
         return totals
 
 
-def _timed_steps(sim, factors, positions, momenta, forces, ids, sort_every):
-    """Steps 2.. of the run, each after a barrier, timed whole and by phase (PhaseTimer)."""
+def _timed_steps(sim, factors, positions, momenta, ids, sort_every):
+    """Steps 2.. of the run as Simulation.evolve takes them outside a graph (the updates
+    in the force's readout), each after a barrier, timed whole and by phase (PhaseTimer)."""
     import torch.distributed as dist
     from torchpm import simulation
     from torchpm.distributed import decomposition, fft, halo
@@ -91,6 +92,7 @@ def _timed_steps(sim, factors, positions, momenta, forces, ids, sort_every):
     timer = PhaseTimer()
     timer.wrap(decomposition, "_paint", "paint")
     timer.wrap(decomposition, "_readout", "readout")
+    timer.wrap(decomposition.PencilDecomposition, "readout_kick_drift_", "readout")  # with the kicks and drift
     timer.wrap(halo, "add_halo", "halo")
     timer.wrap(halo, "fill_halo", "halo")
     timer.wrap(fft, "transpose", "transposes")
@@ -100,12 +102,15 @@ def _timed_steps(sim, factors, positions, momenta, forces, ids, sort_every):
     timer.wrap(decomposition.PencilDecomposition, "migrate", "migration")
     timer.wrap(simulation, "sort_particles", "sort")
     steps, breakdowns = [], []
-    for number, factor in enumerate(factors[1:], start=2):
+    for index in range(1, len(factors)):
+        number = index + 1
         dist.barrier()
         timer.take()
         start = time.perf_counter()
         sort = bool(sort_every) and number % sort_every == 0
-        positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factor, sort=sort)
+        # every timed step carries a following step's first kick and drift, the last one too
+        following = factors[min(index + 1, len(factors) - 1)]
+        positions, momenta, ids = sim._fused_step(positions, momenta, ids, factors[index], following, sort=sort)
         steps.append(time.perf_counter() - start)
         breakdowns.append(timer.take())
     return {"steps": steps, "breakdowns": breakdowns, "particles": int((ids >= 0).sum())}
@@ -123,7 +128,7 @@ def _worker(rank, world, size, repeats, threads, store, result_path, sort_every=
     from bench_pm import PeakMemory
     from torchpm import simulation
     from torchpm.distributed import balanced_grid
-    from torchpm.pm import step_factors
+    from torchpm.pm import add_scaled, step_factors
 
     grid = balanced_grid(world)
     sim = torchpm.Simulation(n_particles=size, box_size=size * 4.0, mesh_factor=1, a_start=0.1,
@@ -137,12 +142,15 @@ def _worker(rank, world, size, repeats, threads, store, result_path, sort_every=
             if sort_every:  # as Simulation.evolve: sorted at the start, then after every k-th migration
                 positions, ids, momenta = simulation.sort_particles(sim.force_mesh, positions, ids, momenta)
             forces = sim.forces(positions, factors[0].a_start, ids)
-            positions, momenta, forces, ids = sim._step(positions, momenta, forces, ids, factors[0],
-                                                        sort=sort_every == 1)
+            momenta = add_scaled(momenta, forces, factors[0].first_kick)
+            positions = add_scaled(positions, momenta, factors[0].drift)
+            del forces
+            positions, momenta, ids = sim._fused_step(positions, momenta, ids, factors[0], factors[1],
+                                                      sort=sort_every == 1)
         if memory_only:
             report = {"rank": rank, "peak": memory.peak}
         else:
-            report = _timed_steps(sim, factors, positions, momenta, forces, ids, sort_every)
+            report = _timed_steps(sim, factors, positions, momenta, ids, sort_every)
             report.update(rank=rank, grid=list(grid))
     with open(result_path.format(rank=rank), "w") as handle:
         json.dump(report, handle)
