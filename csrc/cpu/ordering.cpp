@@ -58,7 +58,9 @@ void order_one(
           ok = false;
           break;
         }
-        int64_t i = static_cast<int64_t>(std::floor(x)) - offset[d];
+        // floor by truncation (|x| < 2^52): no call to floor() on a baseline x86-64 build
+        const int64_t truncated = static_cast<int64_t>(x);
+        int64_t i = truncated - (x < static_cast<double>(truncated) ? 1 : 0) - offset[d];
         if (i < 0 || i >= period[d]) {  // only unwrapped coordinates pay a division
           i %= period[d];
           i += i < 0 ? period[d] : 0;
@@ -68,19 +70,41 @@ void order_one(
       bin[p] = ok ? index[0] * shape[1] + index[1] : rows;
     }
   });
-  std::vector<int64_t> start(rows + 2, 0);
-  for (int64_t p = 0; p < n; ++p) {
-    ++start[bin[p] + 1];
-  }
-  for (int64_t i = 0; i <= rows; ++i) {
-    start[i + 1] += start[i];
-  }
-  {
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < n; ++p) {
-      out[fill[bin[p]]++] = p;
+  // Stable counting sort, in parallel: each of `parts` consecutive ranges of
+  // particles counts its rows, and writes its particles of row r after those of
+  // the ranges before it. The permutation does not depend on `parts`.
+  const int64_t bins = rows + 1;
+  const int64_t parts = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), n / std::max<int64_t>(1, 4 * bins)));
+  const int64_t per_part = (n + parts - 1) / parts;
+  std::vector<int64_t> count(parts * bins, 0);  // count[part * bins + row], then that part's first slot
+  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+    for (int64_t part = first; part < last; ++part) {
+      int64_t* c = count.data() + part * bins;
+      for (int64_t p = part * per_part; p < std::min(n, (part + 1) * per_part); ++p) {
+        ++c[bin[p]];
+      }
+    }
+  });
+  std::vector<int64_t> start(bins + 1, 0);  // first slot of each row
+  int64_t slot = 0;
+  for (int64_t r = 0; r < bins; ++r) {
+    start[r] = slot;
+    for (int64_t part = 0; part < parts; ++part) {
+      const int64_t c = count[part * bins + r];
+      count[part * bins + r] = slot;
+      slot += c;
     }
   }
+  start[bins] = slot;
+  at::parallel_for(0, parts, 1, [&](int64_t first, int64_t last) {
+    for (int64_t part = first; part < last; ++part) {
+      int64_t* fill = count.data() + part * bins;
+      for (int64_t p = part * per_part; p < std::min(n, (part + 1) * per_part); ++p) {
+        out[fill[bin[p]]++] = p;
+      }
+    }
+  });
   // Rows by id (index for equal ids, i.e. empty slots). Between two sorts most
   // particles keep their row and its id order, so a row is usually sorted or
   // nearly: an insertion sort then costs one pass; rows far from sorted (the
