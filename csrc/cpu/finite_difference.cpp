@@ -46,6 +46,12 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
   }
   const int64_t rows = a.batch * ox * oy;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    // A row's three components, each formed by a contiguous loop that vectorises,
+    // then interleaved by one loop whose stores are contiguous.
+    std::vector<scalar_t> components(3 * oz);
+    scalar_t* gx = components.data();
+    scalar_t* gy = gx + oz;
+    scalar_t* gz = gy + oz;
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / (ox * oy);
       const int64_t jx = (row / oy) % ox;
@@ -65,16 +71,14 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
       const scalar_t* yp2 = line(ix, iy + 2);
       const scalar_t* ym2 = line(ix, iy - 2);
       const scalar_t* c = line(ix, iy);  // c[k] is the node of output z = k
-      // Interleaved output: channel ch of output z = k at g[3 k + ch].
-      scalar_t* g = o + 3 * row * oz;
       for (int64_t k = 0; k < oz; ++k) {
-        g[3 * k] = s[0] * fd4_difference(xp1[k], xm1[k], xp2[k], xm2[k]);
+        gx[k] = s[0] * fd4_difference(xp1[k], xm1[k], xp2[k], xm2[k]);
       }
       for (int64_t k = 0; k < oz; ++k) {
-        g[3 * k + 1] = s[1] * fd4_difference(yp1[k], ym1[k], yp2[k], ym2[k]);
+        gy[k] = s[1] * fd4_difference(yp1[k], ym1[k], yp2[k], ym2[k]);
       }
       for (int64_t k = inner_lo; k < inner_hi; ++k) {
-        g[3 * k + 2] = s[2] * fd4_difference(c[k + 1], c[k - 1], c[k + 2], c[k - 2]);
+        gz[k] = s[2] * fd4_difference(c[k + 1], c[k - 1], c[k + 2], c[k - 2]);
       }
       // Wrapped ends (periodic z only; otherwise the inner loop covers all).
       const scalar_t* row0 = c - tz;
@@ -86,7 +90,14 @@ void gradient_kernel(const FiniteDifferenceArguments& a, at::Tensor& out) {
             break;
           }
         }
-        g[3 * k + 2] = s[2] * fd4_difference(value(k + 1), value(k - 1), value(k + 2), value(k - 2));
+        gz[k] = s[2] * fd4_difference(value(k + 1), value(k - 1), value(k + 2), value(k - 2));
+      }
+      // Interleaved output: channel ch of output z = k at g[3 k + ch].
+      scalar_t* g = o + 3 * row * oz;
+      for (int64_t k = 0; k < oz; ++k) {
+        g[3 * k] = gx[k];
+        g[3 * k + 1] = gy[k];
+        g[3 * k + 2] = gz[k];
       }
     }
   });
