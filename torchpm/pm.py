@@ -217,20 +217,19 @@ def add_scaled_(x: torch.Tensor, y: torch.Tensor, factor: torch.Tensor) -> torch
     return x.copy_(add_scaled(x, y, factor))
 
 
-def kick_drift_kick(positions, momenta, forces, factors: StepFactors, force_function, in_place: bool = False):
+def kick_drift_kick(positions, momenta, forces, factors: StepFactors, force_function):
     """One step: returns ``(positions, momenta, forces)`` at ``factors.a_end``.
 
     ``forces`` are those at ``factors.a_start`` (the last force of the previous
     step is reused); ``force_function(positions, a)`` computes the new ones.
-    By default nothing is modified in place, so autograd sees every step; with
-    ``in_place`` (outside any graph, for arrays the caller owns) ``positions`` and
-    ``momenta`` are updated in place (:func:`add_scaled_`): the same bits.
+    Nothing is modified in place, so autograd sees every step. (Outside a graph,
+    :meth:`torchpm.Simulation.evolve` takes the same steps in place, its updates
+    in the force's readout: :func:`readout_kick_drift_`.)
     """
-    update = add_scaled_ if in_place else add_scaled
-    momenta = update(momenta, forces, factors.first_kick)
-    positions = update(positions, momenta, factors.drift)
+    momenta = add_scaled(momenta, forces, factors.first_kick)
+    positions = add_scaled(positions, momenta, factors.drift)
     forces = force_function(positions, factors.a_end)
-    momenta = update(momenta, forces, factors.second_kick)
+    momenta = add_scaled(momenta, forces, factors.second_kick)
     return positions, momenta, forces
 
 

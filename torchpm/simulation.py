@@ -707,7 +707,6 @@ class Simulation(nn.Module):
         back. The particle arrays are updated in place once they are this integration's
         own (after the first update, or a sort here): the caller's tensors are never
         written. ``forces``: those at the first step's start."""
-        mesh = self.force_mesh
         update = add_scaled_ if sort_every else add_scaled
         momenta = update(momenta, forces, factors[0].first_kick)
         positions = update(positions, momenta, factors[0].drift)
