@@ -73,7 +73,9 @@ void add_scaled_in_place_cuda(at::Tensor& x, const at::Tensor& y_in, double fact
 
 // torchpm::_readout_kick_drift_ on CUDA is its composition: the readout
 // kernel (its error reporting included), then the in-place updates. The same
-// bits as on the CPU; the force is written once and read back.
+// bits as on the CPU; the force is written once and read back. A particle the
+// readout rejects gets its NaN force in momentum and position (the CPU kernel
+// leaves its position as read).
 void readout_kick_drift_cuda(
     const at::Tensor& mesh, const at::Tensor& positions, const at::Tensor& momenta, at::IntArrayRef offset,
     std::array<bool, 3> periodic, int64_t order, at::ArrayRef<double> kicks, std::optional<double> drift,
