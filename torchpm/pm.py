@@ -76,17 +76,9 @@ def compute_forces(
     return kernels.mesh.readout(field, positions, order=order, haloed=True)
 
 
-def force_field(
-    positions: torch.Tensor,
-    kernels: FourierKernels,
-    *,
-    a,
-    particle_mass: float,
-    force_scale,
-    force_correction: Callable | None = None,
-    weights: torch.Tensor | None = None,
-    order: str = "cic",
-) -> torch.Tensor:
+def force_field(positions: torch.Tensor, kernels: FourierKernels, *, a, particle_mass: float, force_scale,
+                force_correction: Callable | None = None, weights: torch.Tensor | None = None,
+                order: str = "cic") -> torch.Tensor:
     """The PM force field on the mesh, ready for the readout: ``(B, 3, ...)`` with the
     halo a readout of ``order`` needs on a process grid, filled
     (``mesh.readout(field, positions, order=order, haloed=True)`` gives
