@@ -39,6 +39,18 @@ def test_run_writes_table_and_figure(tmp_path):
     assert 0.3 < np.median(data[:3, 1] / data[:3, 3]) < 3
 
 
+def test_small_box_reports_its_largest_scale(tmp_path):
+    """A box under 2 pi / 0.1 h/Mpc has no mode below k = 0.1: the summary compares P(k)
+    with linear theory at its lowest k instead of printing nan."""
+    config = tmp_path / "tiny.toml"
+    config.write_text('n_particles = 4\nbox_size = 40.0\nsteps = 2\n')
+    result = _run(["run", str(config)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (line,) = [line for line in result.stdout.splitlines() if "P/P_linear" in line]
+    assert "its lowest k" in line and "no mode below 0.1" in line, line
+    assert np.isfinite(float(line.rsplit(":", 1)[1])), line
+
+
 def test_run_rejects_bad_config(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text("n_particles = 8\nmesh_factor = 1.5\n")
