@@ -112,6 +112,12 @@ def _compare_runs(grid, ctx, batch):
     state = distributed(local_noise)
     assert state.positions.shape[0] == batch and state.ids.shape == state.positions.shape[:2]
     valid = state.ids >= 0
+    if batch > 1:
+        # Empty slots (padding of the batch members, holes left by the migration) hold zero
+        # momentum in the mesh-unit state too (the one a resume starts from).
+        raw = distributed(local_noise, return_mesh_units=True)
+        assert bool((raw.momenta[raw.ids < 0] == 0).all()), "momentum in an empty slot"
+        assert torch.equal(raw.ids, state.ids)
     if grid != (1, 1):
         # every particle sits on the rank owning its position
         mesh = distributed.force_mesh

@@ -751,8 +751,14 @@ class Simulation(nn.Module):
 
     def _id_order(self, positions, momenta, ids, sort_every):
         """On one device, sorted particles back in grid (id) order; on a grid the
-        order is the run's own and ``ids`` say which particle is where."""
-        if not sort_every or not self.force_mesh.is_local:
+        order is the run's own and ``ids`` say which particle is where, and the empty
+        slots get back their zero momentum (the kicks after the last migration, which
+        resets them, reached every slot)."""
+        if not self.force_mesh.is_local:
+            empty = (ids < 0).unsqueeze(-1)
+            return positions, torch.where(empty, torch.zeros((), dtype=momenta.dtype, device=momenta.device),
+                                          momenta), ids
+        if not sort_every:
             return positions, momenta, ids
         positions, ids, momenta = restore_id_order(positions, ids, momenta)
         return positions, momenta, ids
