@@ -27,6 +27,7 @@
 #include "../error_checking.h"
 #include "../node_paint.h"
 #include "../stencil.h"
+#include "add_scaled.h"
 #include "stencil_block.h"
 #include "../tile_paint.h"
 #include "../torchpm.h"
@@ -1295,19 +1296,6 @@ at::Tensor readout_cpu(
   return has_channel_dim ? out : out.squeeze(2);
 }
 
-// x + y * f with the rounding of add_scaled_kernel (updates.cpp): the product
-// rounded first, kept in a buffer so that no compiler contracts the two.
-template <typename scalar_t>
-C10_ALWAYS_INLINE void add_scaled_rows(scalar_t* x, const scalar_t* y, scalar_t factor, int64_t count,
-                                       scalar_t* product) {
-  for (int64_t i = 0; i < count; ++i) {
-    product[i] = y[i] * factor;
-  }
-  for (int64_t i = 0; i < count; ++i) {
-    x[i] = x[i] + product[i];
-  }
-}
-
 // torchpm::_readout_kick_drift_: the 3-channel readout F of `mesh` at the
 // particles, then momenta += F * k for each k of `kicks`, then (with `drift`)
 // positions += momenta * drift, a run of particles at a time while its forces
@@ -1407,10 +1395,10 @@ void readout_kick_drift_cpu(
           }
           scalar_t* vr = v + run * C;
           for (size_t i = 0; i < kicks.size(); ++i) {
-            add_scaled_rows(vr, force, kick[i], count, product);
+            add_scaled_block(vr, force, kick[i], vr, count, product);
           }
           if (drift.has_value()) {
-            add_scaled_rows(x + run * 3, vr, drift_factor, count, product);
+            add_scaled_block(x + run * 3, vr, drift_factor, x + run * 3, count, product);
           }
           for (size_t i = 0; i < skipped.size(); ++i) {
             const int64_t p = skipped[i];

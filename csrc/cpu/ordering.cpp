@@ -19,6 +19,7 @@
 #include <memory>
 #include <vector>
 
+#include "../stencil.h"
 #include "../torchpm.h"
 
 namespace torchpm {
@@ -58,9 +59,7 @@ void order_one(
           ok = false;
           break;
         }
-        // floor by truncation (|x| < 2^52): no call to floor() on a baseline x86-64 build
-        const int64_t truncated = static_cast<int64_t>(x);
-        int64_t i = truncated - (x < static_cast<double>(truncated) ? 1 : 0) - offset[d];
+        int64_t i = static_cast<int64_t>(floor_of_bounded(x)) - offset[d];
         if (i < 0 || i >= period[d]) {  // only unwrapped coordinates pay a division
           i %= period[d];
           i += i < 0 ? period[d] : 0;

@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "../torchpm.h"
+#include "add_scaled.h"
 
 namespace torchpm {
 namespace {
@@ -23,13 +24,7 @@ void add_scaled_kernel(const scalar_t* x, const scalar_t* y, scalar_t factor, sc
   at::parallel_for(0, count, 1 << 15, [&](int64_t begin, int64_t end) {
     scalar_t product[kBlock];
     for (int64_t start = begin; start < end; start += kBlock) {
-      const int64_t n = std::min(kBlock, end - start);
-      for (int64_t i = 0; i < n; ++i) {
-        product[i] = y[start + i] * factor;
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        out[start + i] = x[start + i] + product[i];
-      }
+      add_scaled_block(x + start, y + start, factor, out + start, std::min(kBlock, end - start), product);
     }
   });
 }
