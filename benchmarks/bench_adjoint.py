@@ -124,7 +124,7 @@ def main():
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"# torchpm gradient benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"# device: {device} ({name}), torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
-          f"{arguments.size}^3 particles and mesh")
+          f"{arguments.size}^3 particles and mesh, CPU kernels {torchpm.cpu_kernels()}")
     print(f"# command: python {' '.join(sys.argv)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print()
     steps_columns = " | ".join(f"peak {s} steps [MiB]" for s in arguments.steps)

@@ -261,6 +261,8 @@ def run(size, world, repeats, threads, sort_every=0):
 
 
 def main():
+    import torchpm
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
@@ -287,7 +289,7 @@ def main():
                       f"{halo_f:.3f} | {halo_b:.3f} |", flush=True)
         return
     print(f"# torchpm distributed PM step, gloo on the CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), "
-          f"torch {torch.__version__}, {datetime.date.today()}")
+          f"torch {torch.__version__}, CPU kernels {torchpm.cpu_kernels()}, {datetime.date.today()}")
     print(f"# {arguments.threads_per_rank} thread(s) per rank, median of {arguments.repeats} steps (slowest rank); "
           f"sort_every {arguments.sort_every}; late steps = the second half of the run")
     header = (["size", "ranks", "grid", "step ms", "late steps ms"] + [f"{p} ms" for p in PHASES]

@@ -241,7 +241,8 @@ def main():
         if device.type == "cuda"
         else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
     )
-    print(f"# torchpm {torchpm.__version__}, torch {torch.__version__}, {name}, float32")
+    print(f"# torchpm {torchpm.__version__}, torch {torch.__version__}, {name}, float32, "
+          f"CPU kernels {torchpm.cpu_kernels()}")
     if args.deterministic or args.tiled:
         variants = ["scatter", "node", "twin"] if args.deterministic else ["scatter", "tiled"]
         channels = args.channels if args.channels is not None else ([0] if args.deterministic else [0, 3])

@@ -434,7 +434,7 @@ def main():
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"# torchpm PM benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     print(f"# device: {device} ({name}), torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
-          f"paint method {torchpm.ops.get_paint_method()}")
+          f"paint method {torchpm.ops.get_paint_method()}, CPU kernels {torchpm.cpu_kernels()}")
     print(f"# command: python {' '.join(sys.argv)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     if not jax_ok:
         print(f"# JaxPM: not run ({jax_modules if jax_modules else 'disabled'})")

@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "cpu/kernel_variant.h"
 #include "error_checking.h"
 
 namespace {
@@ -142,6 +143,9 @@ TORCH_LIBRARY(torchpm, m) {
       "_all_to_all(Tensor input, int[] input_split_sizes, int[] output_split_sizes, "
       "str group_name) -> Tensor");
   m.def("_cuda_kernels_built() -> bool", &cuda_kernels_built);
+  // Which build of the CPU mass-assignment kernels is registered: "avx2" or
+  // "baseline" (cpu/kernel_variant.h; raises on a bad TORCHPM_CPU_KERNELS).
+  m.def("_cpu_kernels() -> str", &torchpm::cpu_kernel_variant);
   // When the mass-assignment ops report bad particles (error_checking.h):
   // "auto" (deferred on CUDA, immediate on the CPU), "immediate" or "deferred".
   // _set_error_checking returns the previous mode; check() raises the first

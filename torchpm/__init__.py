@@ -31,10 +31,21 @@ from .simulation import Simulation, SimulationState  # noqa: E402
 
 __version__ = "0.1.0"
 
+# A bad TORCHPM_CPU_KERNELS is reported here too (csrc/cpu/kernel_variant.h).
+torch.ops.torchpm._cpu_kernels()
+
 
 def has_cuda_kernels() -> bool:
     """True when this build of torchpm contains its CUDA kernels."""
     return bool(torch.ops.torchpm._cuda_kernels_built())
+
+
+def cpu_kernels() -> str:
+    """Which build of the CPU mass-assignment kernels this process runs: ``"avx2"``
+    (x86-64 cores with AVX2) or ``"baseline"``. Both give the same bits. The
+    environment variable ``TORCHPM_CPU_KERNELS`` (``"auto"``, ``"avx2"`` or
+    ``"baseline"``), read when torchpm is imported, can pick one."""
+    return str(torch.ops.torchpm._cpu_kernels())
 
 
 __all__ = [
@@ -43,6 +54,7 @@ __all__ = [
     "cic_paint",
     "cic_readout",
     "has_cuda_kernels",
+    "cpu_kernels",
     "check",
     "set_error_checking",
     "get_error_checking",

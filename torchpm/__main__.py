@@ -453,7 +453,8 @@ def info() -> str:
     lines = [
         f"torchpm {torchpm.__version__} ({os.path.dirname(torchpm.__file__)})",
         f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
-        f"torchpm CUDA kernels built: {'yes' if torchpm.has_cuda_kernels() else 'no'}",
+        f"torchpm CUDA kernels built: {'yes' if torchpm.has_cuda_kernels() else 'no'}; "
+        f"CPU kernels: {torchpm.cpu_kernels()}",
         f"threads: {torch.get_num_threads()} intra-op, {torch.get_num_interop_threads()} inter-op; "
         f"{os.cpu_count()} CPUs",
     ]

@@ -17,11 +17,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "../error_checking.h"
@@ -31,6 +33,16 @@
 #include "stencil_block.h"
 #include "../tile_paint.h"
 #include "../torchpm.h"
+#include "kernel_variant.h"
+
+// Everything above was compiled for the baseline; what follows is compiled a
+// second time for AVX2 by mass_assignment_avx2.cpp. It is all internal to this
+// file but the registration, so the two builds share no symbol of their own
+// and every inline function of the headers above stays baseline code.
+#ifdef TORCHPM_MASS_ASSIGNMENT_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2,bmi,bmi2,lzcnt,popcnt")
+#endif
 
 namespace torchpm {
 namespace {
@@ -1536,9 +1548,7 @@ std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
   return {out, read};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
+void register_kernels(torch::Library& m) {
   m.impl("paint", &paint_cpu);
   m.impl("_paint_deterministic", &paint_deterministic_cpu);
   m.impl("_paint_tiled", &paint_tiled_cpu);
@@ -1548,4 +1558,80 @@ TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
   m.impl("_readout_and_position_gradient", &readout_and_position_gradient_op<position_gradient_impl>);
 }
 
+}  // namespace
+
+#ifdef TORCHPM_MASS_ASSIGNMENT_AVX2
+
+namespace cpu_avx2 {
+void register_mass_assignment_kernels(torch::Library& m) {
+  register_kernels(m);
+}
+}  // namespace cpu_avx2
+
 }  // namespace torchpm
+
+#pragma GCC pop_options
+
+#else  // the baseline build, which registers one of the two
+
+namespace {
+
+struct KernelChoice {
+  bool avx2 = false;
+  std::string error;  // why the environment's request was not met
+};
+
+KernelChoice choose_kernels() {
+  KernelChoice choice;
+#ifdef TORCHPM_CPU_AVX2_KERNELS
+  __builtin_cpu_init();
+  const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
+      __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+#else
+  const bool supported = false;
+#endif
+  const char* value = std::getenv("TORCHPM_CPU_KERNELS");
+  const std::string requested = value == nullptr ? "" : value;
+  if (requested.empty() || requested == "auto") {
+    choice.avx2 = supported;
+  } else if (requested == "avx2") {
+    choice.avx2 = supported;
+    if (!supported) {
+      choice.error = "the environment variable TORCHPM_CPU_KERNELS asks for \"avx2\", but this CPU "
+          "has no AVX2 (or this build has no AVX2 kernels); unset it, or set it to \"auto\" or "
+          "\"baseline\"";
+    }
+  } else if (requested != "baseline") {
+    choice.error = "the environment variable TORCHPM_CPU_KERNELS must be \"auto\", \"avx2\" or "
+        "\"baseline\", got \"" + requested + "\"";
+  }
+  return choice;
+}
+
+// Read once, when the library registers its kernels.
+const KernelChoice& kernel_choice() {
+  static const KernelChoice choice = choose_kernels();
+  return choice;
+}
+
+}  // namespace
+
+std::string cpu_kernel_variant() {
+  const KernelChoice& choice = kernel_choice();
+  TORCH_CHECK_VALUE(choice.error.empty(), "torchpm: ", choice.error, " (the baseline kernels are registered)");
+  return choice.avx2 ? "avx2" : "baseline";
+}
+
+TORCH_LIBRARY_IMPL(torchpm, CPU, m) {
+#ifdef TORCHPM_CPU_AVX2_KERNELS
+  if (kernel_choice().avx2) {
+    cpu_avx2::register_mass_assignment_kernels(m);
+    return;
+  }
+#endif
+  register_kernels(m);
+}
+
+}  // namespace torchpm
+
+#endif
