@@ -37,14 +37,17 @@ order (a check of their cost, not a fast path):
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
 
-import torchpm
-from torchpm.ops import paint_reference, position_gradient_reference, readout_reference
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torchpm  # noqa: E402
+from torchpm.ops import paint_reference, position_gradient_reference, readout_reference  # noqa: E402
 
 WIDTH = {"ngp": 1, "cic": 2, "tsc": 3, "pcs": 4}
 

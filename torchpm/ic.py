@@ -233,15 +233,16 @@ def lpt_initial_state(
     dtype = psi1.dtype
     inverse_cell = torch.tensor([1.0 / c for c in cell_size], dtype=dtype, device=psi1.device)
 
-    def per_particle(psi):  # (B, 3, *grid) in Mpc/h -> (B, N, 3) in cells, contiguous
-        # (the state the integrator updates then stays in one layout: one-pass updates)
-        return psi.reshape(batch, 3, -1).transpose(1, 2).contiguous() * inverse_cell
+    def coefficient(factor):  # Mpc/h -> cells, per component, broadcast over (B, 3, N)
+        return (factor * inverse_cell).view(1, 3, 1)
 
+    # Summed on the grid layout (B, 3, N) and turned into the particle layout (B, N, 3)
+    # once: the state the integrator updates stays contiguous (one-pass updates).
     D1, f1 = growth.D1.to(dtype), growth.f1.to(dtype)
     momentum_factor = (growth.a**2 * growth.E).to(dtype)
-    first = per_particle(psi1)
-    displacement = D1 * first
-    velocity = f1 * D1 * first
+    first = psi1.reshape(batch, 3, -1)
+    displacement = first * coefficient(D1)
+    velocity = first * coefficient(momentum_factor * f1 * D1)
     if psi2 is not None:
         if lpt_normalisation == "fastpm":
             D2 = (3.0 / 7.0 * growth.D2).to(dtype)
@@ -252,7 +253,8 @@ def lpt_initial_state(
                     "values from a GrowthTable (growth_table(cosmology).at(a))"
                 )
             D2 = (growth.D2_norm * growth.D2).to(dtype)
-        second = per_particle(psi2)
-        displacement = displacement + D2 * second
-        velocity = velocity + growth.f2.to(dtype) * D2 * second
-    return q + displacement, momentum_factor * velocity
+        second = psi2.reshape(batch, 3, -1)
+        displacement = torch.addcmul(displacement, second, coefficient(D2))
+        velocity = torch.addcmul(velocity, second, coefficient(momentum_factor * growth.f2.to(dtype) * D2))
+    # q first: the sum takes q's contiguous (N, 3) layout.
+    return q + displacement.transpose(1, 2), velocity.transpose(1, 2).contiguous()

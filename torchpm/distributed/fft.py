@@ -65,13 +65,30 @@ def rfftn(field: torch.Tensor, layout: BlockLayout, axes, staged: bool = False) 
     return torch.fft.fft(t, dim=-3)
 
 
+def _irfftn_whole(field_k: torch.Tensor, shape) -> torch.Tensor:
+    """``torch.fft.irfftn`` over the last three dims. On the CPU several fields go one
+    at a time: torch runs a batch of 3-d inverse transforms there as a permuted copy,
+    a clone and a batched c2c (six 128^3 fields: 67 ms, against 38 ms one by one)."""
+    count = field_k[..., 0, 0, 0].numel()
+    if field_k.device.type != "cpu" or count <= 1:
+        return torch.fft.irfftn(field_k, s=shape, dim=(-3, -2, -1))
+    fields = field_k.reshape(count, *field_k.shape[-3:]).unbind(0)
+    lead = field_k.shape[:-3]
+    if torch.is_grad_enabled() and field_k.requires_grad:
+        return torch.stack([torch.fft.irfftn(f, s=shape, dim=(-3, -2, -1)) for f in fields]).reshape(*lead, *shape)
+    out = field_k.new_empty((count, *shape), dtype=field_k.real.dtype)
+    for f, o in zip(fields, out.unbind(0)):
+        torch.fft.irfftn(f, s=shape, dim=(-3, -2, -1), out=o)
+    return out.reshape(*lead, *shape)
+
+
 def irfftn(field_k: torch.Tensor, layout: BlockLayout, axes, staged: bool = False) -> torch.Tensor:
     """Inverse of :func:`rfftn` (``1/N`` normalised): local transposed complex block to
     the local real block."""
     nx, ny, nz = layout.global_shape
     p0, p1 = (2, 2) if staged else layout.grid_shape
     if p0 == 1 and p1 == 1:
-        return torch.fft.irfftn(field_k, s=(nx, ny, nz), dim=(-3, -2, -1))
+        return _irfftn_whole(field_k, (nx, ny, nz))
     if p0 > 1 or staged:
         t = torch.fft.ifft(field_k, dim=-3)
         t = transpose(t, axes[0], gather_dim=-2, gather_sizes=layout.fourier_y,
