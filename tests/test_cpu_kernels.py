@@ -35,7 +35,7 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-AVX2_CPU = {"avx2", "bmi1", "bmi2", "popcnt"} <= _cpu_flags()
+AVX2_CPU = {"avx2", "bmi1", "bmi2", "abm", "popcnt"} <= _cpu_flags()  # abm: LZCNT
 needs_avx2 = pytest.mark.skipif(not AVX2_CPU, reason="the AVX2 kernels need a CPU with AVX2 (this one has none)")
 
 # Runs every CPU mass-assignment op on fixed inputs and saves the results.

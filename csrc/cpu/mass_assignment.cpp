@@ -1585,8 +1585,11 @@ KernelChoice choose_kernels() {
   KernelChoice choice;
 #ifdef TORCHPM_CPU_AVX2_KERNELS
   __builtin_cpu_init();
+  // Every extension of the target pragma above (LZCNT, unlike the others, would
+  // not fault where missing: it would run as BSR and give other results).
   const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi") &&
-      __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
+      __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("lzcnt") &&
+      __builtin_cpu_supports("popcnt");
 #else
   const bool supported = false;
 #endif
