@@ -174,4 +174,11 @@ bool has_cuda_kernels() {
   return op.call();
 }
 
+std::string cpu_kernels() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpm::_cpu_kernels", "")
+                       .typed<std::string()>();
+  return op.call();
+}
+
 }  // namespace torchpm

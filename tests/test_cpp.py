@@ -115,6 +115,8 @@ def _run_example(binary, positions, tmp_path, device="cpu"):
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    # the C++ program loads the library itself: the same build of the CPU kernels
+    assert f"CPU kernels {torchpm.cpu_kernels()}\n" in result.stdout, result.stdout
     values = torch.from_numpy(np.fromfile(output, dtype="<f8")).view(2, *positions.shape)
     return values[0], values[1]
 

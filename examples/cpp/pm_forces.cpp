@@ -147,7 +147,8 @@ int main(int argc, char** argv) {
     std::cout << "pm_forces: " << positions.size(1) << " particles, mesh " << n << "^3 on "
               << device << "; |F| max " << forces.abs().max().item<double>() << ", sum F^2 "
               << loss.item<double>() << "; torchpm CUDA kernels "
-              << (torchpm::has_cuda_kernels() ? "yes" : "no") << "\n";
+              << (torchpm::has_cuda_kernels() ? "yes" : "no") << ", CPU kernels "
+              << torchpm::cpu_kernels() << "\n";
   } catch (const std::exception& error) {
     std::cerr << "pm_forces: " << error.what() << "\n";
     return 1;

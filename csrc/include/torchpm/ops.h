@@ -134,4 +134,11 @@ inline void check() {
 // (torchpm.has_cuda_kernels() in Python).
 TORCHPM_API bool has_cuda_kernels();
 
+// Which build of the CPU mass-assignment kernels runs: "avx2" or "baseline"
+// (torchpm.cpu_kernels() in Python). The environment variable
+// TORCHPM_CPU_KERNELS ("auto", "avx2" or "baseline"), read when the library is
+// loaded, picks one; throws c10::ValueError when it asked for what could not be
+// given (the baseline build then runs).
+TORCHPM_API std::string cpu_kernels();
+
 }  // namespace torchpm
