@@ -256,5 +256,5 @@ def lpt_initial_state(
         second = psi2.reshape(batch, 3, -1)
         displacement = torch.addcmul(displacement, second, coefficient(D2))
         velocity = torch.addcmul(velocity, second, coefficient(momentum_factor * growth.f2.to(dtype) * D2))
-    # q first: the sum takes q's contiguous (N, 3) layout.
-    return q + displacement.transpose(1, 2), velocity.transpose(1, 2).contiguous()
+    # q first: the sum takes q's contiguous (N, 3) layout (contiguous() then costs nothing).
+    return (q + displacement.transpose(1, 2)).contiguous(), velocity.transpose(1, 2).contiguous()
