@@ -243,6 +243,28 @@ def test_lpt_normalisation_fastpm_is_three_sevenths_D2():
     torch.testing.assert_close(x2 - x1, 3 / 7 * growth.D2 * x1 / growth.D1, rtol=1e-12, atol=1e-15)
 
 
+def test_lpt_initial_state_written_out():
+    # x = q + (D1 Psi1 + 3/7 D2 Psi2) / cell, p = a^2 E (f1 D1 Psi1 + f2 3/7 D2 Psi2) / cell,
+    # per component (unequal cells), per batch member, in the contiguous (B, N, 3) layout
+    growth = growth_table(torchpm.Planck15()).at(torch.tensor(0.2, dtype=torch.float64))
+    g = torch.Generator().manual_seed(1)
+    psi1, psi2 = (torch.randn(2, 3, 2, 3, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    q = torch.rand(24, 3, dtype=torch.float64, generator=g) * 8
+    cell = (1.5, 2.0, 4.0)
+    x, p = lpt_initial_state(psi1, psi2, growth, q, cell)
+    assert x.shape == p.shape == (2, 24, 3) and x.is_contiguous() and p.is_contiguous()
+    D1, f1, f2, D2 = (float(v) for v in (growth.D1, growth.f1, growth.f2, 3 / 7 * growth.D2))
+    factor = float(growth.a**2 * growth.E)
+    for b in range(2):
+        for n in range(24):
+            for i in range(3):
+                s1, s2 = float(psi1[b, i].flatten()[n]), float(psi2[b, i].flatten()[n])
+                assert math.isclose(float(x[b, n, i]), float(q[n, i]) + (D1 * s1 + D2 * s2) / cell[i],
+                                    rel_tol=1e-13, abs_tol=1e-13)
+                assert math.isclose(float(p[b, n, i]), factor * (f1 * D1 * s1 + f2 * D2 * s2) / cell[i],
+                                    rel_tol=1e-13, abs_tol=1e-13)
+
+
 def test_lpt_normalisation_rejects_bad_values():
     with pytest.raises(ValueError, match="lpt_normalisation"):
         torchpm.Simulation(8, 64.0, lpt_normalisation="pmwd")
