@@ -6,6 +6,7 @@ in matter domination), the closed form of EdS growth, and numpy FFTs of hand-wri
 Fourier multipliers (a full complex transform, not torch's real one).
 """
 
+import copy
 import math
 
 import numpy as np
@@ -241,6 +242,22 @@ def test_lpt_normalisation_fastpm_is_three_sevenths_D2():
     x1, _ = lpt_initial_state(psi, None, growth, q, (1.0, 1.0, 1.0))
     x2, _ = lpt_initial_state(psi, psi, growth, q, (1.0, 1.0, 1.0))
     torch.testing.assert_close(x2 - x1, 3 / 7 * growth.D2 * x1 / growth.D1, rtol=1e-12, atol=1e-15)
+
+
+def test_lpt_second_order_from_real_space_stencils_equals_fourier_multipliers():
+    # With "fd4" the 2LPT Hessian comes from the 4-point stencil applied to psi1 in real
+    # space; the Fourier multipliers G_i G_j (six inverse transforms) are the same operator
+    mesh = LocalMesh((8, 12, 10))
+    kernels = FourierKernels(mesh, (2.0, 1.5, 3.0), dtype=torch.float64)
+    assert kernels.real_space_gradient
+    delta = torch.randn(2, 8, 12, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    psi1, psi2 = lpt_displacements(delta, kernels, 2)
+    fourier = copy.copy(kernels)
+    fourier.real_space_gradient = False
+    expected1, expected2 = lpt_displacements(delta, fourier, 2)
+    assert float(expected2.abs().max()) > 0.1
+    torch.testing.assert_close(psi1, expected1, rtol=0, atol=1e-13)
+    torch.testing.assert_close(psi2, expected2, rtol=0, atol=1e-13)
 
 
 def test_lpt_initial_state_written_out():
