@@ -35,7 +35,7 @@ import torch
 
 from .cosmology import Cosmology, GrowthValues
 from .mesh import as_shape
-from .fourier import FourierKernels, gradient_inverse_laplacian, multiply_real, stack_products
+from .fourier import FourierKernels, _real_space_scale, gradient_inverse_laplacian, multiply_real, stack_products
 
 __all__ = ["white_noise", "plane_seed", "linear_field", "lpt_displacements", "lpt_initial_state", "check_finite"]
 
@@ -193,7 +193,7 @@ def lpt_displacements(delta: torch.Tensor, kernels: FourierKernels, order: int =
         # inverse transforms. The same operator; the sums round differently.
         batch = psi1.shape[0]
         components = psi1.reshape(batch * 3, *psi1.shape[2:])
-        second = mesh.fd4_gradient(components, [-1.0 / c for c in kernels.cell_size])
+        second = mesh.fd4_gradient(components, _real_space_scale(kernels, (-1.0, -1.0, -1.0)))
         second = second.reshape(batch, 3, 3, *psi1.shape[2:])  # [:, i, j] = phi_ij
         xx, yy, zz = second[:, 0, 0], second[:, 1, 1], second[:, 2, 2]
         xy, xz, yz = second[:, 0, 1], second[:, 0, 2], second[:, 1, 2]

@@ -755,9 +755,7 @@ class Simulation(nn.Module):
         slots get back their zero momentum (the kicks after the last migration, which
         resets them, reached every slot)."""
         if not self.force_mesh.is_local:
-            empty = (ids < 0).unsqueeze(-1)
-            return positions, torch.where(empty, torch.zeros((), dtype=momenta.dtype, device=momenta.device),
-                                          momenta), ids
+            return positions, momenta.masked_fill((ids < 0).unsqueeze(-1), 0), ids
         if not sort_every:
             return positions, momenta, ids
         positions, ids, momenta = restore_id_order(positions, ids, momenta)
