@@ -39,6 +39,8 @@ def case_ids(world_size):
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}"]
+        if world_size == 2:
+            ids.append(f"migration_placement-{grid}")
     if world_size > 1:
         ids.append(f"failfast-{GRIDS[world_size][0][0]}x{GRIDS[world_size][0][1]}")  # last: breaks its groups
     return ids
@@ -316,6 +318,8 @@ def case_migration(grid, ctx):
         assert torch.equal(plan.padding, ~valid), f"round {round_}: the plan's padding is not the empty slots"
         assert _owned(mesh, positions, ids, grid), f"round {round_}: a particle is not on its owner"
         assert torch.equal(attribute[valid], _attribute(ids)[valid]), f"round {round_}: attributes lost their particle"
+        assert torch.equal(positions, _expected_empty_positions(positions, ids, mesh.padding_position)), (
+            f"round {round_}: empty slots not next to their neighbours")
         for axis in (0, 1):
             if grid[axis] > 1:  # split axes are wrapped into [0, n)
                 column = positions[..., axis][valid]
@@ -349,6 +353,78 @@ def case_migration(grid, ctx):
             mine = ids[ids >= 0]
             mine = torch.where(mine >= 10_000, mine - 10_000, mine) // per_rank
             assert bool((mine == rank).all()) and int((ids >= 0).sum()) == batch * per_rank, "routing home"
+
+
+def _expected_empty_positions(positions, ids, corner):
+    """Where the migration leaves empty slots, slot by slot: the centre of the cell of the
+    nearest particle before them in their member (after them at its start; ``corner``
+    without particles)."""
+    expected = positions.clone()
+    for b in range(ids.shape[0]):
+        slots = ids[b].tolist()
+        occupied = [i for i, particle in enumerate(slots) if particle >= 0]
+        last = occupied[0] if occupied else None
+        for i, particle in enumerate(slots):
+            if particle >= 0:
+                last = i
+            elif last is None:
+                expected[b, i] = torch.tensor(corner, dtype=positions.dtype)
+            else:
+                expected[b, i] = torch.floor(positions[b, last]) + 0.5
+    return expected
+
+
+def case_migration_placement(grid, ctx):
+    """Arrivals take the free slots nearest their position along the split axis (the
+    slots hold the lattice's order): those coming in across the lower face the lowest
+    free slots, those across the upper face the highest, the rest new slots at the end;
+    the slots left empty sit next to their neighbours. Hand-made moves on 2 ranks, the
+    axis split 8 = 4 + 4."""
+    from torchpm.distributed import PencilDecomposition
+
+    mesh = PencilDecomposition((8, 8, 4), ctx["groups"][grid])
+    rank = ctx["rank"]
+    axis = 0 if grid[0] > 1 else 1
+    low = 4.0 * rank
+    positions = torch.full((1, 8, 3), 0.5, dtype=torch.float64)
+    positions[0, :, axis] = low + torch.tensor([0.5, 0.5, 1.5, 1.5, 2.5, 2.5, 3.5, 3.5], dtype=torch.float64)
+    ids = torch.arange(8).unsqueeze(0) + 10 * rank
+    other = 10 * (1 - rank)
+
+    def migrate(moves):
+        nonlocal positions, ids
+        moved = positions.clone()
+        for slot, coordinate in moves:
+            moved[0, slot, axis] = coordinate
+        _, positions, ids = mesh.migrate(moved, ids)
+
+    # 1. Two leave each rank, one across each face; in arrival (slot) order the
+    # particle from across one face would land among those at the other.
+    migrate([(0, -0.3), (7, 4.2)] if rank == 0 else [(0, 3.8), (7, 8.2)])
+    assert ids[0].tolist() == [other + 7] + list(range(10 * rank + 1, 10 * rank + 7)) + [other], ids
+    wrapped = [0.2, 3.8] if rank == 0 else [4.2, 7.7]
+    assert torch.allclose(positions[0, [0, 7], axis], torch.tensor(wrapped, dtype=torch.float64)), positions
+
+    # 2. Three leave rank 0 (slots 1, 2, 6) and one arrives from above: it takes the
+    # highest free slot, and the two left empty sit in the cell of slot 0's particle.
+    # Rank 1 frees one slot and receives three: the lowest takes it, the others take
+    # new slots at the end.
+    migrate([(1, -0.4), (2, 4.1), (6, 4.4)] if rank == 0 else [(1, 3.9)])
+    if rank == 0:
+        assert ids[0].tolist() == [17, -1, -1, 3, 4, 5, 11, 10], ids
+        assert positions[0, 1].tolist() == [0.5, 0.5, 0.5] and positions[0, 2].tolist() == [0.5, 0.5, 0.5]
+    else:
+        assert ids[0].tolist() == [7, 2, 12, 13, 14, 15, 16, 0, 6, 1], ids
+    assert torch.equal(positions, _expected_empty_positions(positions, ids, mesh.padding_position))
+
+    # 3. Three arrive at rank 0 with two slots free: the lower two take them in order of
+    # position, the highest a new slot at the end.
+    migrate([] if rank == 0 else [(2, 0.3), (3, 1.2), (4, 3.7)])
+    if rank == 0:
+        assert ids[0].tolist() == [17, 12, 13, 3, 4, 5, 11, 10, 14], ids
+    else:  # 3 of 10 slots empty: more than a quarter, compacted in order
+        assert ids[0].tolist() == [7, 2, 15, 16, 0, 6, 1], ids
+    assert torch.equal(positions, _expected_empty_positions(positions, ids, mesh.padding_position))
 
 
 def case_migration_headroom(grid, ctx):
@@ -612,3 +688,30 @@ def test_migration_holes_op_matches_its_pure_torch_twin_and_hand_cases(device, d
         op(positions, ids, 0, 5.0, 2.0)
     with pytest.raises(ValueError, match="ids"):
         op(positions, ids[:, :4], 0, 2.0, 5.0)
+
+
+def test_empty_slots_sit_in_the_cell_of_their_neighbour():
+    """place_empty_slots, hand-made: runs of empty slots inside a member, at its start and
+    at its end take the cell centre of the nearest particle before them (after them at
+    the start); a member without particles takes the corner."""
+    from torchpm.distributed.particles import place_empty_slots
+
+    ids = torch.tensor([[-1, -1, 4, -1, -1, 7, -1], [-1] * 7, [1, 2, 3, 4, 5, 6, -1]])
+    positions = torch.full((3, 7, 3), -9.0, dtype=torch.float32)
+    positions[0, 2] = torch.tensor([1.25, -0.5, 7.9])
+    positions[0, 5] = torch.tensor([3.0, 2.99, -3.01])
+    positions[2, :6] = torch.arange(18, dtype=torch.float32).reshape(6, 3) / 4
+    given = positions.clone()
+    out = place_empty_slots(positions, ids, [8.0, 0.0, 0.0])
+    assert out is positions
+    cell_of_2, cell_of_5 = [1.5, -0.5, 7.5], [3.5, 2.5, -3.5]
+    assert positions[0].tolist() == [cell_of_2, cell_of_2, given[0, 2].tolist(), cell_of_2, cell_of_2,
+                                     given[0, 5].tolist(), cell_of_5]
+    assert positions[1].tolist() == [[8.0, 0.0, 0.0]] * 7
+    assert positions[2, :6].tolist() == given[2, :6].tolist() and positions[2, 6].tolist() == [3.5, 4.5, 4.5]
+    # The same slots given as a list, and nothing to do without empty slots.
+    again = given.clone()
+    place_empty_slots(again, ids, [8.0, 0.0, 0.0], torch.nonzero(ids.reshape(-1) < 0).reshape(-1))
+    assert torch.equal(again, positions)
+    full = torch.arange(7).repeat(3, 1)
+    assert torch.equal(place_empty_slots(given.clone(), full, [8.0, 0.0, 0.0]), given)

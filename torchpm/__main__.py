@@ -162,7 +162,7 @@ def member_snapshots(path: str, batch: int) -> list[str]:
 def stack_members(states, padding_position):
     """One batch ``SimulationState`` from the batch-of-1 states of its members (same
     ``a``): members holding fewer slots are padded with empty slots (id -1, zero
-    momentum, at ``padding_position``, as a migration leaves them)."""
+    momentum, next to their neighbours as a migration leaves them)."""
     from .io import _in_slots
     from .simulation import SimulationState
 

@@ -660,9 +660,9 @@ def restart_state(snapshot: Snapshot, sim):
     positions, momenta = snapshot.mesh_positions, snapshot.mesh_momenta
     if snapshot.mesh_slots is not None and snapshot.slot_count is not None:
         # One rank's file: the particles back in the slots the run held them in, the
-        # empty slots as a migration leaves them (the block's corner, zero momentum,
-        # id -1). The run's later migrations fill empty slots in order, so this layout
-        # is what makes the resumed run bit-identical.
+        # empty slots as a migration leaves them (next to their neighbours, zero
+        # momentum, id -1). The run's later migrations fill empty slots by position
+        # and slot order, so this layout is what makes the resumed run bit-identical.
         slots, count = snapshot.mesh_slots, snapshot.slot_count
         if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= count
                               or torch.unique(slots).numel() != slots.numel()):
@@ -674,9 +674,13 @@ def restart_state(snapshot: Snapshot, sim):
 
 def _in_slots(positions, momenta, ids, slots, count: int, padding_position):
     """Particles ``(N, 3)``, ``(N, 3)``, ``(N,)`` placed at ``slots`` among ``count``
-    slots; the other slots empty as a migration leaves them (at ``padding_position``,
-    zero momentum, id -1)."""
+    slots; the other slots empty as a migration leaves them (next to their neighbours,
+    :func:`torchpm.distributed.particles.place_empty_slots`, or at ``padding_position``
+    when there is no particle; zero momentum, id -1)."""
+    from .distributed.particles import place_empty_slots
+
     corner = torch.tensor(padding_position, dtype=positions.dtype, device=positions.device)
-    return (corner.expand(count, 3).index_copy(0, slots, positions),
-            momenta.new_zeros(count, 3).index_copy(0, slots, momenta),
-            ids.new_full((count,), -1).index_copy(0, slots, ids))
+    ids = ids.new_full((count,), -1).index_copy(0, slots, ids)
+    positions = corner.expand(count, 3).index_copy(0, slots, positions)
+    return (place_empty_slots(positions[None], ids[None], corner)[0],
+            momenta.new_zeros(count, 3).index_copy(0, slots, momenta), ids)

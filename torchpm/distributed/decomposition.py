@@ -634,8 +634,9 @@ class PencilDecomposition:
 
     @property
     def padding_position(self) -> list[float]:
-        """The position (mesh cells) that :meth:`migrate` gives empty slots: the lower
-        corner of the local block along split axes, 0 along the others."""
+        """The position (mesh cells) that :meth:`migrate` gives the empty slots of a batch
+        member left without particles (the others sit next to their neighbours): the
+        lower corner of the local block along split axes, 0 along the others."""
         return [float(o) if self.grid_shape[axis] > 1 else 0.0
                 for axis, o in enumerate(self.local_real_offset[:2])] + [0.0]
 
