@@ -39,7 +39,7 @@ def case_ids(world_size):
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}"]
-        if world_size == 2:
+        if (p0, p1) == (2, 1):
             ids.append(f"migration_placement-{grid}")
     if world_size > 1:
         ids.append(f"failfast-{GRIDS[world_size][0][0]}x{GRIDS[world_size][0][1]}")  # last: breaks its groups
@@ -375,16 +375,15 @@ def _expected_empty_positions(positions, ids, corner):
 
 
 def case_migration_placement(grid, ctx):
-    """Arrivals take the free slots nearest their position along the split axis (the
-    slots hold the lattice's order): those coming in across the lower face the lowest
-    free slots, those across the upper face the highest, the rest new slots at the end;
-    the slots left empty sit next to their neighbours. Hand-made moves on 2 ranks, the
-    axis split 8 = 4 + 4."""
+    """Arrivals take the free slots nearest their x plane (the slots hold the lattice's
+    order): those coming in across the lower face the lowest free slots, those across
+    the upper face the highest, the rest new slots at the end; the slots left empty sit
+    next to their neighbours. Hand-made moves on 2 ranks, x split 8 = 4 + 4."""
     from torchpm.distributed import PencilDecomposition
 
     mesh = PencilDecomposition((8, 8, 4), ctx["groups"][grid])
     rank = ctx["rank"]
-    axis = 0 if grid[0] > 1 else 1
+    axis = 0
     low = 4.0 * rank
     positions = torch.full((1, 8, 3), 0.5, dtype=torch.float64)
     positions[0, :, axis] = low + torch.tensor([0.5, 0.5, 1.5, 1.5, 2.5, 2.5, 3.5, 3.5], dtype=torch.float64)
@@ -715,3 +714,27 @@ def test_empty_slots_sit_in_the_cell_of_their_neighbour():
     assert torch.equal(again, positions)
     full = torch.arange(7).repeat(3, 1)
     assert torch.equal(place_empty_slots(given.clone(), full, [8.0, 0.0, 0.0]), given)
+
+
+def test_arrivals_take_the_free_slots_of_their_x_plane():
+    """_Placement.assign, hand-made (no process group): 2 batch members, a block of x
+    planes [4, 8), rows received from 2 sources. Member 0 frees 3 slots and receives 2:
+    the one in the lower half of the block takes the lowest free slot by plane, the
+    other the highest, the middle one stays empty. Member 1 frees 1 slot and receives
+    3: the lowest takes it, the other two take new slots at the end in order. Only the
+    x plane counts (the rows' y and z do not), a leaver's x is clamped into the block
+    and a NaN one counts as the first plane."""
+    from torchpm.distributed.particles import _Placement
+
+    nan = float("nan")
+    holes = torch.tensor([1, 3, 4, 6])  # flat b * 6 + slot: member 0 slots 1, 3, 4; member 1 slot 0
+    hole_x = torch.tensor([7.9, 3.2, nan, 5.5], dtype=torch.float64)  # planes 3, 0 (clamped), 0 (NaN), 1
+    placement = _Placement(4, 8, 6, 8, holes, hole_x, free=torch.tensor([3, 1]), arrivals=torch.tensor([2, 3]),
+                           received=torch.tensor([[1, 2], [1, 1]]))
+    # Receive order: source 0 member 0, source 0 member 1 (2 rows), source 1 member 0, source 1 member 1.
+    x = torch.tensor([7.2, 4.1, 6.6, 4.9, 5.0], dtype=torch.float64)
+    yz = torch.tensor([[9.0, 0.1], [0.5, 3.0], [0.2, 0.2], [7.0, 1.0], [3.3, 3.3]], dtype=torch.float64)
+    target, clear_out, empty_out = placement.assign(torch.cat([x[:, None], yz], dim=1))
+    assert target.tolist() == [1, 8, 15, 3, 14]
+    assert clear_out.tolist() == [4]
+    assert empty_out.tolist() == [4, 6, 7]  # member 0's two new slots stay empty too

@@ -235,36 +235,38 @@ def _member_ranges(count: int, begin: torch.Tensor, end: int) -> torch.Tensor:
     return member * count + begin[member] + within
 
 
-def _by_member_then(member: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """Order of the rows by ``member``, then by ``key`` (NaN last), ties in row order."""
-    order = torch.argsort(key, stable=True)
-    return order[torch.argsort(member[order], stable=True)]
-
-
 class _Placement:
     """Which free slot each particle arriving in a stage takes, decided when its
-    position has come. Per batch member, the arrivals are sorted by the cell plane of
-    their coordinate along the stage's axis, and the free slots by that of their last
-    occupant (a leaver's clamped into the block); the arrivals in the lower half of the
-    block take the lowest free slots, those in the upper half the highest, and when
-    more arrive than slots are free the last ones take new slots at the end. A particle
-    so lands among slots whose particles are near it along the split axis (the slots
-    keep the lattice's order, split axis first). Taken in arrival order instead, the
-    particles coming in across one face filled the slots freed at the other, and after
-    a few steps the CPU paint's chunks of consecutive slots spanned the whole block and
-    it left its fast path (late-time 128^3 on 2 ranks: 29 ms per paint instead of 11)."""
+    position has come. Per batch member, the arrivals are sorted by the plane of their
+    x coordinate in this rank's block (x: the axis along which the CPU paint measures
+    its chunks of consecutive slots), and the free slots by that of their last occupant
+    (a leaver's clamped into the block); the arrivals in the lower half of the block
+    take the lowest free slots, those in the upper half the highest, and when more
+    arrive than slots are free the last ones take new slots at the end. A particle so
+    lands among slots whose particles share its planes (the slots keep the lattice's
+    order, x first). Taken in arrival order instead, the particles coming in across one
+    face filled the slots freed at the other, and after a few steps the CPU paint's
+    chunks spanned the whole block and it left its fast path (late-time 128^3 on 2
+    ranks: 29 ms per paint instead of 12)."""
 
-    def __init__(self, axis, low, high, count, count_out, holes, hole_coordinate, free, arrivals, received):
-        self.axis = axis
-        self.middle = 0.5 * (low + high)
+    def __init__(self, low, high, count, count_out, holes, hole_x, free, arrivals, received):
+        self.low = int(low)  # the block's x planes: [low, high)
+        self.planes = int(high) - int(low)
         self.count = count
         self.count_out = count_out
         self.hole_member = holes // count
         self.hole_slot = holes - self.hole_member * count
-        self.hole_coordinate = torch.floor(hole_coordinate).add_(0.5).clamp_(min=low + 0.5, max=high - 0.5)
+        self.hole_key = self._keys(self.hole_member, hole_x)
         self.free = free  # (B,) free slots per member
         self.arrivals = arrivals  # (B,) arrivals per member
         self.received = received  # (sources, B) arrivals by source and member: the receive order
+
+    def _keys(self, member, x):
+        """``member * planes + plane`` (int64) of x coordinates: the plane in the block,
+        clamped into it (NaN to its first plane). Within a cell the key does not change,
+        so neither does the placement when a particle moves a little."""
+        plane = torch.nan_to_num(torch.floor(x), nan=float(self.low)).clamp_(self.low, self.low + self.planes - 1)
+        return member * self.planes + (plane.to(torch.int64) - self.low)
 
     def assign(self, positions: torch.Tensor):
         """``(target, clear_out, empty_out)`` for the received position rows ``(S, 3)`` in
@@ -272,20 +274,18 @@ class _Placement:
         slot left empty (those and the new slots no arrival took), increasing."""
         device = positions.device
         sources, batch = self.received.shape
-        # By cell plane (ties in receive order): the placement does not change when a
-        # particle moves within its cell.
-        coordinate = torch.floor(positions[:, self.axis]).add_(0.5)
         member = torch.repeat_interleave(torch.arange(batch, device=device).repeat(sources),
                                          self.received.reshape(-1))
-        order = _by_member_then(member, coordinate)
+        key = self._keys(member, positions[:, 0])
+        order = torch.argsort(key, stable=True)  # by member, then plane; ties in receive order
         by_member = member[order]
         start = torch.cumsum(self.arrivals, 0) - self.arrivals
         rank = torch.arange(order.numel(), device=device) - start[by_member]
-        lower = torch.bincount(member[coordinate < self.middle], minlength=batch)
+        lower = torch.bincount(member[2 * (key - member * self.planes) + 1 < self.planes], minlength=batch)
         arriving, free = self.arrivals[by_member], self.free[by_member]
-        # Rank among the member's free slots sorted by coordinate; >= free: a new slot.
+        # Rank among the member's free slots sorted by plane; >= free: a new slot.
         hole = torch.where((rank < lower[by_member]) | (arriving > free), rank, free - arriving + rank)
-        hole_order = _by_member_then(self.hole_member, self.hole_coordinate)
+        hole_order = torch.argsort(self.hole_key, stable=True)
         slots = self.hole_slot[hole_order]
         hole_start = torch.cumsum(self.free, 0) - self.free
         slot = self.count + rank - free
@@ -454,9 +454,9 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
     # Free slots after the particles leave: theirs and earlier padding, in slot order
     # (one pass); the leavers and the earlier padding are split from them.
     non_finite = None
-    sizes = layout.real_x if axis == 0 else layout.real_y
-    low = split_offsets(sizes)[me]
     if destination is None:
+        sizes = layout.real_x if axis == 0 else layout.real_y
+        low = split_offsets(sizes)[me]
         # NaN compares False both ways: it stays, and the finiteness count reports it.
         holes, non_finite = torch.ops.torchpm._migration_holes(
             positions.detach(), ids, axis, float(low), float(low + sizes[me]))
@@ -491,8 +491,9 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
         # Headroom: a rank that gains particles step after step (a collapsing region)
         # would otherwise grow, and copy every per-particle tensor, at every step.
         count_out += _headroom(count_out, capacity)
-    placement = _Placement(axis, low, low + sizes[me], count, count_out, holes,
-                           positions.detach().reshape(-1, 3)[holes, axis], free, arrivals, received)
+    x_low = split_offsets(layout.real_x)[grid.coords[0]]
+    placement = _Placement(x_low, x_low + layout.real_x[grid.coords[0]], count, count_out, holes,
+                           positions.detach().reshape(-1, 3)[holes, 0], free, arrivals, received)
     stage = _Stage(grid_axis, batch, count, count_out, send_index, placement, clear_in,
                    counts.sum(1).tolist(), received.sum(1).tolist())
     # Occupied slots per member afterwards, without a pass over the slots.
