@@ -188,10 +188,6 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE bool locate(
   return valid;
 }
 
-// Fills `stencil` for a particle at (x0, x1, x2) and returns false when it is
-// rejected (first_node). `with_derivative` skips the derivatives when not needed.
-// `node_stride`: elements from one node to the next along z (MeshLayout; paints
-// write planar meshes, 1).
 // Fills axis d of `stencil` from the first node (first_node) and the stencil
 // fraction t along it; `stride`: elements from one node to the next along d.
 template <typename acc_t, int W, bool with_derivative>
