@@ -1,5 +1,6 @@
 // Argument checks and error diagnostics shared by every backend.
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <sstream>
 
@@ -15,6 +16,36 @@ void check_floating(const char* op, const char* name, const at::Tensor& t) {
       t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
       op, ": expected `", name, "` to be float32 or float64, got ",
       t.scalar_type(), ".");
+}
+
+// check_positions without the contiguous copy: for arguments that must already
+// be contiguous, or whose copy is not needed.
+void check_positions_shape(const char* op, const at::Tensor& positions) {
+  TORCH_CHECK_VALUE(
+      positions.dim() == 3 && positions.size(2) == 3, op,
+      ": expected `positions` of shape (B, N, 3), got ",
+      format_list(positions.sizes()), ".");
+  check_floating(op, "positions", positions);
+}
+
+// check_add_scaled_arguments without the contiguous copies.
+void check_add_scaled_shapes(const char* op, const at::Tensor& x, const at::Tensor& y) {
+  TORCH_CHECK_VALUE(x.defined() && y.defined(), op, ": `x` and `y` must be defined.");
+  check_floating(op, "x", x);
+  TORCH_CHECK_VALUE(
+      x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() && x.device() == y.device(), op,
+      ": expected `y` of the shape, dtype and device of `x` ", format_list(x.sizes()), ", ", x.scalar_type(),
+      ", ", x.device(), "; got ", format_list(y.sizes()), ", ", y.scalar_type(), ", ", y.device(), ".");
+}
+
+// `written` is updated in place while `read` is read: they must not share memory.
+void check_apart(const char* op, const at::Tensor& read, const char* read_name, const at::Tensor& written,
+                 const char* written_name) {
+  TORCH_CHECK_VALUE(
+      !read.storage().is_alias_of(written.storage()) ||
+          at::get_overlap_status(read, written) == at::MemOverlapStatus::No,
+      op, ": `", read_name, "` and `", written_name, "` share memory; expected separate tensors (`", written_name,
+      "` is updated in place).");
 }
 
 }  // namespace
@@ -80,11 +111,7 @@ void check_mesh_size(
 }
 
 at::Tensor check_positions(const char* op, const at::Tensor& positions) {
-  TORCH_CHECK_VALUE(
-      positions.dim() == 3 && positions.size(2) == 3, op,
-      ": expected `positions` of shape (B, N, 3), got ",
-      format_list(positions.sizes()), ".");
-  check_floating(op, "positions", positions);
+  check_positions_shape(op, positions);
   return positions.contiguous();
 }
 
@@ -402,26 +429,32 @@ FiniteDifferenceArguments check_finite_difference_arguments(
 
 std::tuple<at::Tensor, at::Tensor> check_add_scaled_arguments(
     const char* op, const at::Tensor& x, const at::Tensor& y) {
-  TORCH_CHECK_VALUE(x.defined() && y.defined(), op, ": `x` and `y` must be defined.");
-  check_floating(op, "x", x);
-  TORCH_CHECK_VALUE(
-      x.sizes() == y.sizes() && x.scalar_type() == y.scalar_type() && x.device() == y.device(), op,
-      ": expected `y` of the shape, dtype and device of `x` ", format_list(x.sizes()), ", ", x.scalar_type(),
-      ", ", x.device(), "; got ", format_list(y.sizes()), ", ", y.scalar_type(), ", ", y.device(), ".");
+  check_add_scaled_shapes(op, x, y);
   return {x.contiguous(), y.contiguous()};
 }
 
-at::Tensor check_add_scaled_in_place_arguments(const char* op, const at::Tensor& x, const at::Tensor& y) {
-  check_add_scaled_arguments(op, x, y);
+at::Tensor check_add_scaled_in_place_arguments(const char* op, const at::Tensor& x, const at::Tensor& y_in) {
+  check_add_scaled_shapes(op, x, y_in);
   TORCH_CHECK_VALUE(x.is_contiguous(), op, ": expected `x` contiguous (it is updated in place); got strides ",
                     format_list(x.strides()), ".");
-  return y.contiguous();
+  // A strided y is copied here, so only a contiguous one can still share x's
+  // memory: the same elements (y is x) are fine, each is read before it is
+  // written; a shifted overlap would read entries already written (in an order
+  // that depends on the kernel's blocking or, on CUDA, on its threads).
+  at::Tensor y = y_in.contiguous();
+  TORCH_CHECK_VALUE(
+      at::get_overlap_status(x, y) != at::MemOverlapStatus::Partial, op,
+      ": `y` partially overlaps `x`, which is updated in place; pass `x` itself or a separate tensor "
+      "(for example `y.clone()`).");
+  return y;
 }
 
-void check_readout_update_arguments(
-    const char* op, const at::Tensor& positions, const at::Tensor& momenta, at::ArrayRef<double> kicks) {
-  TORCH_CHECK_VALUE(positions.defined() && momenta.defined(), op, ": `positions` and `momenta` must be defined.");
-  check_positions(op, positions);
+ReadoutUpdateArguments check_readout_update_arguments(
+    const char* op, const at::Tensor& mesh, const at::Tensor& positions, const at::Tensor& momenta,
+    at::IntArrayRef offset, std::array<bool, 3> periodic, int64_t order, at::ArrayRef<double> kicks) {
+  TORCH_CHECK_VALUE(mesh.defined() && positions.defined() && momenta.defined(), op,
+                    ": `mesh`, `positions` and `momenta` must be defined.");
+  check_positions_shape(op, positions);
   TORCH_CHECK_VALUE(
       momenta.sizes() == positions.sizes() && momenta.scalar_type() == positions.scalar_type() &&
           momenta.device() == positions.device(),
@@ -433,6 +466,21 @@ void check_readout_update_arguments(
                     format_list(positions.strides()), " and ", format_list(momenta.strides()), ".");
   TORCH_CHECK_VALUE(kicks.size() == 1 || kicks.size() == 2, op, ": expected one or two `kicks`, got ",
                     kicks.size(), ".");
+  // Before check_mesh, which may copy the mesh.
+  TORCH_CHECK_VALUE(mesh.dim() == 5 && mesh.size(1) == 3, op,
+                    ": expected `mesh` of shape (B, 3, nx, ny, nz) (the three force components), got ",
+                    format_list(mesh.sizes()), ".");
+  ReadoutUpdateArguments args;
+  int64_t channels = 1;
+  bool has_channel_dim = false;
+  args.mesh = check_mesh(op, "mesh", mesh, positions, channels, has_channel_dim, args.layout);
+  // The updates write positions and momenta while the readout reads the mesh
+  // (as checked: a copy of it shares nothing) and positions.
+  check_apart(op, positions, "positions", momenta, "momenta");
+  check_apart(op, args.mesh, "mesh", positions, "positions");
+  check_apart(op, args.mesh, "mesh", momenta, "momenta");
+  args.geometry = make_geometry(op, args.mesh.sizes().slice(2), offset, periodic, order);
+  return args;
 }
 
 }  // namespace torchpm

@@ -261,14 +261,24 @@ std::tuple<at::Tensor, at::Tensor> readout_and_position_gradient_op(
 // dtype and device, returned contiguous.
 std::tuple<at::Tensor, at::Tensor> check_add_scaled_arguments(
     const char* op, const at::Tensor& x, const at::Tensor& y);
-// _add_scaled_'s checks (those of _add_scaled, and `x` contiguous, written in
-// place): returns y contiguous.
+// _add_scaled_'s checks (those of _add_scaled, `x` contiguous, written in
+// place, and `y` not partially overlapping it; `y` may be `x`): returns y
+// contiguous.
 at::Tensor check_add_scaled_in_place_arguments(const char* op, const at::Tensor& x, const at::Tensor& y);
-// _readout_kick_drift_'s particle arguments: `positions` (B, N, 3) float32 or
-// float64 and `momenta` of its shape, dtype and device, both contiguous
-// (updated in place); one or two `kicks`.
-void check_readout_update_arguments(
-    const char* op, const at::Tensor& positions, const at::Tensor& momenta, at::ArrayRef<double> kicks);
+
+// The checked arguments of _readout_kick_drift_ (both backends): `positions`
+// (B, N, 3) float32 or float64 and `momenta` of its shape, dtype and device,
+// both contiguous (updated in place); one or two `kicks`; a (B, 3, nx, ny, nz)
+// `mesh` (check_mesh); no two of them sharing memory.
+struct ReadoutUpdateArguments {
+  at::Tensor mesh;  // (B, 3, nx, ny, nz), planar or interleaved
+  MeshLayout layout;
+  StencilGeometry geometry;
+};
+
+ReadoutUpdateArguments check_readout_update_arguments(
+    const char* op, const at::Tensor& mesh, const at::Tensor& positions, const at::Tensor& momenta,
+    at::IntArrayRef offset, std::array<bool, 3> periodic, int64_t order, at::ArrayRef<double> kicks);
 
 // Called by a backend when its fused check found `bad` rejected particles: finds
 // the worst offender with ATen ops (slow, only on the error path) and throws.

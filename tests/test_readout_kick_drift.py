@@ -146,6 +146,9 @@ def test_deferred_error_is_reported_by_the_next_op(device):
         (lambda f, x, p: (f, x, p.float()), "expected `momenta` of the shape, dtype and device of `positions`"),
         (lambda f, x, p: (f, x.transpose(0, 1), p.transpose(0, 1)), "contiguous"),
         (lambda f, x, p: (f, x, x), "`positions` and `momenta` share memory"),
+        # A mesh that holds the particles: read while they are written.
+        (lambda f, x, p: (f, f.view(-1)[:30].view(2, 5, 3), p), "`mesh` and `positions` share memory"),
+        (lambda f, x, p: (f, x, f.view(-1)[-30:].view(2, 5, 3)), "`mesh` and `momenta` share memory"),
         (lambda f, x, p: (f, x[..., :2], p[..., :2]), r"expected `positions` of shape \(B, N, 3\)"),
     ],
 )

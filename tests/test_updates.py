@@ -63,6 +63,25 @@ def test_in_place_front_end_refuses_a_graph_and_aliases_y(device):
     assert torch.equal(x, expected)
 
 
+def test_partial_overlap_of_x_and_y_is_refused(device):
+    """y read while x is written: the same elements are fine (each is read before it is
+    written), a shifted overlap would read entries already written."""
+    base = torch.arange(12, dtype=torch.float64, device=device)
+    x, y = base[:10].view(2, 5), base[2:].view(2, 5)
+    with pytest.raises(ValueError, match="`y` partially overlaps `x`"):
+        torch.ops.torchpm._add_scaled_(x, y, 0.5)
+    assert torch.equal(base, torch.arange(12, dtype=torch.float64, device=device))  # untouched
+    same = x.view(2, 5)  # another view of x's elements
+    expected = torch_two_ops(x, x, 0.5)
+    torch.ops.torchpm._add_scaled_(x, same, 0.5)
+    assert torch.equal(x, expected)
+    # A strided y is copied before x is written: no overlap is left.
+    y = base.view(6, 2)[1:, 0].view(1, 5).expand(2, 5)
+    expected = torch_two_ops(x, y, -1.0)
+    torch.ops.torchpm._add_scaled_(x, y, -1.0)
+    assert torch.equal(x, expected)
+
+
 def test_front_end_takes_the_same_steps_with_and_without_a_graph(device):
     x = torch.randn(1, 1000, 3, device=device)
     y = torch.randn(1, 1000, 3, device=device)

@@ -9,7 +9,6 @@
 // order fixed by the input alone, so the result does not depend on the number
 // of threads.
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
@@ -1333,24 +1332,10 @@ void readout_kick_drift_cpu(
     bool check_finite) {
   const char* op = "torchpm._readout_kick_drift_";
   report_earlier_errors(op);
-  check_readout_update_arguments(op, positions, momenta, kicks);
-  int64_t channels = 1;
-  bool has_channel_dim = false;
-  MeshLayout layout;
-  auto mesh = check_mesh(op, "mesh", mesh_in, positions, channels, has_channel_dim, layout);
-  TORCH_CHECK_VALUE(has_channel_dim && channels == 3, op,
-                    ": expected `mesh` of shape (B, 3, nx, ny, nz) (the three force components), got ",
-                    format_list(mesh_in.sizes()), ".");
-  // The updates write positions and momenta while the readout reads the mesh and positions.
-  const auto check_apart = [&](const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
-    TORCH_CHECK_VALUE(!a.storage().is_alias_of(b.storage()) || at::get_overlap_status(a, b) == at::MemOverlapStatus::No,
-                      op, ": `", a_name, "` and `", b_name, "` share memory; expected separate tensors (`", b_name,
-                      "` is updated in place).");
-  };
-  check_apart(positions, "positions", momenta, "momenta");
-  check_apart(mesh, "mesh", positions, "positions");
-  check_apart(mesh, "mesh", momenta, "momenta");
-  const StencilGeometry g = make_geometry(op, mesh.sizes().slice(2), offset, periodic, order);
+  const auto args = check_readout_update_arguments(op, mesh_in, positions, momenta, offset, periodic, order, kicks);
+  const at::Tensor& mesh = args.mesh;
+  const MeshLayout& layout = args.layout;
+  const StencilGeometry& g = args.geometry;
   const int64_t batch = positions.size(0);
   const int64_t n = positions.size(1);
   if (batch * n == 0) {

@@ -81,10 +81,7 @@ void readout_kick_drift_cuda(
     std::array<bool, 3> periodic, int64_t order, at::ArrayRef<double> kicks, std::optional<double> drift,
     bool check_finite) {
   const char* op = "torchpm._readout_kick_drift_";
-  check_readout_update_arguments(op, positions, momenta, kicks);
-  TORCH_CHECK_VALUE(mesh.defined() && mesh.dim() == 5 && mesh.size(1) == 3, op,
-                    ": expected `mesh` of shape (B, 3, nx, ny, nz) (the three force components), got ",
-                    mesh.defined() ? format_list(mesh.sizes()) : std::string("undefined"), ".");
+  check_readout_update_arguments(op, mesh, positions, momenta, offset, periodic, order, kicks);
   static const auto readout =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("torchpm::readout", "")
