@@ -266,6 +266,15 @@ std::tuple<at::Tensor, at::Tensor> check_add_scaled_arguments(
 // contiguous.
 at::Tensor check_add_scaled_in_place_arguments(const char* op, const at::Tensor& x, const at::Tensor& y);
 
+// Called by an op that writes `t` in place, after its checks and before its
+// kernel: bumps the version counter, as torch's in-place ops do (the
+// dispatcher does not for an op defined in C++ with a `Tensor(a!)` argument),
+// so that autograd and the deferred error checks (error_checking.h) see the
+// write. An inference tensor outside inference mode is refused, untouched.
+inline void bump_version(const at::Tensor& t) {
+  t.unsafeGetTensorImpl()->bump_version();
+}
+
 // The checked arguments of _readout_kick_drift_ (both backends): `positions`
 // (B, N, 3) float32 or float64 and `momenta` of its shape, dtype and device,
 // both contiguous (updated in place); one or two `kicks`; a (B, 3, nx, ny, nz)

@@ -154,6 +154,21 @@ def test_deferred_report_after_the_inputs_changed_names_op_and_argument(device, 
     assert "set_error_checking(\"immediate\")" in message
 
 
+def test_deferred_report_after_an_in_place_update_names_no_particle(device, mode):
+    """torchpm's in-place updates bump the version counter, as torch's in-place ops do:
+    a deferred report does not look for the bad particle in positions moved since."""
+    mode("deferred")
+    x = particles(device)  # particle 1 outside the block
+    torchpm.readout(torch.zeros(1, *SHAPE, dtype=torch.float64, device=device), x, **GEO)
+    shift = torch.tensor([[[3.0, 0.0, 0.0], [-3.0, 0.0, 0.0]]], dtype=torch.float64, device=device)
+    torch.ops.torchpm._add_scaled_(x, shift, 1.0)  # particle 0 out (6.25), particle 1 in (3.5)
+    with pytest.raises(ValueError) as error:
+        torchpm.check()
+    message = str(error.value)
+    assert message.startswith(f"torchpm.readout: a call on {device.type}"), message
+    assert "cannot be named" in message and "particle 0" not in message
+
+
 def test_an_earlier_error_is_raised_before_the_next_op_runs(device, mode):
     mode("deferred")
     x = particles(device)

@@ -122,6 +122,22 @@ def test_non_finite_mesh_value(device):
                                                                                  device=device))
 
 
+def test_in_place_writes_bump_the_version_counters(device):
+    """As torch's in-place ops do: whatever kept the tensors (autograd, a deferred error
+    check) sees that they changed."""
+    field = torch.randn(1, 3, 6, 6, 6, dtype=torch.float64, device=device)
+    x, p = particles(1, 50, 0.0, 6.0, torch.float64, device, seed=10)
+    versions = x._version, p._version
+    with torch.no_grad():
+        torch.ops.torchpm._readout_kick_drift_(field, x, p, [0, 0, 0], [True] * 3, 2, [0.2], 0.1)
+    assert x._version > versions[0] and p._version > versions[1]
+    versions = x._version, p._version
+    with torch.no_grad():
+        readout_kick_drift_(torchpm.LocalMesh(6), field, x, p, [torch.tensor(0.5, dtype=torch.float64)],
+                            torch.tensor(0.25, dtype=torch.float64))
+    assert x._version > versions[0] and p._version > versions[1]
+
+
 def test_deferred_error_is_reported_by_the_next_op(device):
     shape = (8, 8, 8)
     field = torch.randn(1, 3, *shape, dtype=torch.float64, device=device)

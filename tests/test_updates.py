@@ -82,6 +82,20 @@ def test_partial_overlap_of_x_and_y_is_refused(device):
     assert torch.equal(x, expected)
 
 
+def test_in_place_writes_bump_the_version_counter(device):
+    """As torch's in-place ops do: whatever kept x (autograd, a deferred error check)
+    sees that it changed. The op and its front end."""
+    x = torch.randn(1, 100, 3, device=device)
+    y = torch.randn(1, 100, 3, device=device)
+    version = x._version
+    torch.ops.torchpm._add_scaled_(x, y, 0.5)
+    assert x._version > version
+    version = x._version
+    with torch.no_grad():
+        add_scaled_(x, y, torch.tensor(0.5, dtype=torch.float64))
+    assert x._version > version
+
+
 def test_front_end_takes_the_same_steps_with_and_without_a_graph(device):
     x = torch.randn(1, 1000, 3, device=device)
     y = torch.randn(1, 1000, 3, device=device)

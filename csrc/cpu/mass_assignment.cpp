@@ -1336,6 +1336,8 @@ void readout_kick_drift_cpu(
   const at::Tensor& mesh = args.mesh;
   const MeshLayout& layout = args.layout;
   const StencilGeometry& g = args.geometry;
+  bump_version(positions);
+  bump_version(momenta);
   const int64_t batch = positions.size(0);
   const int64_t n = positions.size(1);
   if (batch * n == 0) {

@@ -46,6 +46,7 @@ at::Tensor add_scaled_cpu(const at::Tensor& x_in, const at::Tensor& y_in, double
 // In place (x contiguous): add_scaled_kernel reads x[i] before it writes out[i].
 void add_scaled_in_place_cpu(at::Tensor& x, const at::Tensor& y_in, double factor) {
   at::Tensor y = check_add_scaled_in_place_arguments("torchpm._add_scaled_", x, y_in);
+  bump_version(x);
   if (x.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "add_scaled_in_place_cpu", [&] {
       add_scaled_kernel<scalar_t>(

@@ -60,6 +60,7 @@ at::Tensor add_scaled_cuda(const at::Tensor& x_in, const at::Tensor& y_in, doubl
 
 void add_scaled_in_place_cuda(at::Tensor& x, const at::Tensor& y_in, double factor) {
   at::Tensor y = check_add_scaled_in_place_arguments("torchpm._add_scaled_", x, y_in);
+  bump_version(x);
   const c10::cuda::CUDAGuard guard(x.device());
   const int64_t count = x.numel();
   if (count > 0) {
