@@ -50,7 +50,7 @@ bool diagnosis_current(const CallDiagnosis& d) {
 [[noreturn]] void raise_counts(
     OpSlot op, const BadCounts& counts, const PendingCheck& check, bool late,
     const char* caller) {
-  std::string context;
+  std::string late_note;
   if (late) {
     std::ostringstream note;
     note << "Reported late, by " << caller << ": with error checking \""
@@ -59,24 +59,29 @@ bool diagnosis_current(const CallDiagnosis& d) {
             "where waiting costs a host synchronisation). Call "
             "torchpm.set_error_checking(\"immediate\") to raise inside the call, or "
             "torchpm.check() where the errors should surface.";
-    context = note.str();
+    late_note = note.str();
   }
   const bool own = check.op == op;
-  if (own && diagnosis_current(check.diagnosis)) {
-    const CallDiagnosis& d = check.diagnosis;
+  const CallDiagnosis& d = check.diagnosis;
+  const char* name = own && d.op != nullptr ? d.op : op_name(op);
+  const std::string outcome = own ? d.outcome : std::string();
+  if (own && diagnosis_current(d)) {
+    const std::string context =
+        outcome.empty() ? late_note : (late_note.empty() ? outcome : outcome + " " + late_note);
     if (counts.positions > 0) {
-      throw_bad_particles(op_name(op), d.positions, d.geometry, counts.positions, context);
+      throw_bad_particles(name, d.positions, d.geometry, counts.positions, context);
     }
     if (d.values.defined()) {
-      throw_non_finite(op_name(op), value_name(op), d.values, counts.values, context);
+      throw_non_finite(name, value_name(op), d.values, counts.values, context);
     }
   }
-  // The call's tensors were written to since (or the count comes from a CUDA
-  // graph replay): say what is known without pointing at a particle.
+  // The call's tensors were written to since, or it kept none (or the count
+  // comes from a CUDA graph replay): say what is known without pointing at a
+  // particle.
   std::ostringstream msg;
-  msg << op_name(op) << ": a call";
-  if (own && !check.diagnosis.device.empty()) {
-    msg << " on " << check.diagnosis.device;
+  msg << name << ": a call";
+  if (own && !d.device.empty()) {
+    msg << " on " << d.device;
   }
   if (!own) {
     msg << " (inside a CUDA graph, or on another stream)";
@@ -89,12 +94,22 @@ bool diagnosis_current(const CallDiagnosis& d) {
   } else {
     msg << counts.values << " particles with NaN or Inf `" << value_name(op) << "`";
   }
-  msg << "; it returned NaN in their place. "
-      << (own ? "Its inputs changed since" : "The call's inputs are not known")
-      << ", so the first bad particle cannot be named: rerun with "
+  if (outcome.empty()) {
+    msg << "; it returned NaN in their place. ";
+  } else {
+    msg << ". " << outcome << " ";
+  }
+  if (!own) {
+    msg << "The call's inputs are not known";
+  } else if (!d.positions.defined()) {
+    msg << "The call kept nothing to name them by";
+  } else {
+    msg << "Its inputs changed since";
+  }
+  msg << ", so the first bad particle cannot be named: rerun with "
          "torchpm.set_error_checking(\"immediate\") (and without the graph) to raise inside "
          "the call. ";
-  msg << context;
+  msg << late_note;
   throw c10::ValueError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, msg.str());
 }
 
@@ -135,11 +150,20 @@ void drain(Registry& r, bool wait, const char* caller, bool late) {
 }  // namespace
 
 CallDiagnosis::CallDiagnosis(
-    const at::Tensor& positions_, const at::Tensor& values_, const StencilGeometry& g)
-    : positions(positions_), values(values_), geometry(g) {
+    const at::Tensor& positions_, const at::Tensor& values_, const StencilGeometry& g, const char* op_,
+    std::string outcome_)
+    : positions(positions_), values(values_), geometry(g), op(op_), outcome(std::move(outcome_)) {
   positions_version = positions.defined() ? positions._version() : 0;
   values_version = values.defined() ? values._version() : 0;
   device = positions.defined() ? positions.device().str() : "";
+}
+
+CallDiagnosis CallDiagnosis::unnamed(const c10::Device& device, const char* op, std::string outcome) {
+  CallDiagnosis d;
+  d.device = device.str();
+  d.op = op;
+  d.outcome = std::move(outcome);
+  return d;
 }
 
 ErrorChecking parse_error_checking(const std::string& name, const char* what) {

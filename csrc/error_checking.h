@@ -14,8 +14,8 @@
 //   torchpm.check() (waits for every pending count). A deferred call returns
 //   NaN in place of what a rejected particle should have contributed (readout
 //   and position gradient: its entries; paint: added to node (0, 0, 0) of its
-//   batch's mesh, every channel), so a result used before the report cannot
-//   look valid.
+//   batch's mesh, every channel; _readout_kick_drift_: its momentum, in both
+//   modes), so a result used before the report cannot look valid.
 //
 // "auto" (the default) is deferred on CUDA and immediate on the CPU, where the
 // count is known when the kernel returns. The environment variable
@@ -73,9 +73,18 @@ struct CallDiagnosis {
   int64_t positions_version = 0;
   int64_t values_version = 0;
   std::string device;
+  // An op that counts in another op's slot (_readout_kick_drift_ in the
+  // readout's): its name, and what it did with the bad particles, for the
+  // message; null and empty for the slot's own op.
+  const char* op = nullptr;
+  std::string outcome;
 
   CallDiagnosis() = default;
-  CallDiagnosis(const at::Tensor& positions, const at::Tensor& values, const StencilGeometry& g);
+  CallDiagnosis(const at::Tensor& positions, const at::Tensor& values, const StencilGeometry& g,
+                const char* op = nullptr, std::string outcome = std::string());
+  // A call that keeps nothing to name its bad particles by (the message says
+  // how to have them named): its device, op and outcome.
+  static CallDiagnosis unnamed(const c10::Device& device, const char* op, std::string outcome);
 };
 
 // One call's counts on their way to the host.

@@ -79,7 +79,27 @@ def test_block_geometry(device, order):
     assert torch.equal(p, want_p) and torch.equal(x, want_x)
 
 
-def test_rejected_particle_raises_and_is_left_out(device):
+@pytest.fixture(params=["immediate", "deferred"])
+def checking(request):
+    """Runs a test in each error-checking mode (restored afterwards). Returns the mode;
+    `raising` below says what its error names."""
+    previous = torchpm.set_error_checking(request.param)
+    yield request.param
+    torchpm.set_error_checking(previous)
+
+
+def raising(device, mode, named, unnamed):
+    """The error of a left-out particle: the CPU op names it in both modes, the CUDA op
+    only in immediate mode (deferred, it keeps nothing to name it by). Either way the
+    error says what the op did; deferred, it surfaces at torchpm.check() at the latest."""
+    if device.type == "cuda" and mode == "deferred":
+        detail = unnamed + r".*every other particle was updated.*cannot be named"
+    else:
+        detail = named + r".*every other particle was updated"
+    return pytest.raises(ValueError, match=r"torchpm\._readout_kick_drift_: .*" + detail)
+
+
+def test_rejected_particle_raises_and_is_left_out(device, checking):
     """A particle outside the block: the op raises naming it, where it was read; every
     other particle is updated as the composition updates it, the rejected one is not
     (momentum NaN, position unchanged)."""
@@ -92,17 +112,18 @@ def test_rejected_particle_raises_and_is_left_out(device):
     keep[1234] = False
     want_x, want_p = composed(field, x[:, keep], p[:, keep], [0, 0, 0], periodic, "cic", [0.2], 0.1)
     before = x[0, 1234].clone()
-    with torch.no_grad(), pytest.raises(ValueError, match=r"_readout_kick_drift_.*particle 1234 of batch 0 at position "
-                                                          r"\(7.5, 3, 3\).*every other particle was updated"):
+    with torch.no_grad(), raising(device, checking, r"particle 1234 of batch 0 at position \(7.5, 3, 3\)",
+                                  r"found 1 particles whose `positions` are non-finite or outside"):
         torch.ops.torchpm._readout_kick_drift_(field, x, p, [0, 0, 0], periodic, 2, [0.2], 0.1)
+        torchpm.check()  # deferred: raised here
     assert torch.equal(x[:, keep], want_x) and torch.equal(p[:, keep], want_p)
     assert torch.equal(x[0, 1234], before) and torch.isnan(p[0, 1234]).all()
 
 
-def test_non_finite_mesh_value(device):
-    """A particle reading a NaN node raises (check_finite), naming it; with
-    check_finite=False the NaN is carried into its momentum and position, as the
-    composition carries it."""
+def test_non_finite_mesh_value(device, checking):
+    """A particle reading a NaN node raises (check_finite), naming it, and is left out
+    (momentum NaN in every component, position as read); with check_finite=False the
+    NaN is carried into its momentum and position, as the composition carries it."""
     shape = (8, 8, 8)
     field = torch.randn(1, 3, *shape, dtype=torch.float64, device=device)
     field[0, 1, 2, 2, 2] = float("nan")
@@ -115,11 +136,37 @@ def test_non_finite_mesh_value(device):
         torch.ops.torchpm._readout_kick_drift_(field, got_x, got_p, [0, 0, 0], [True] * 3, 2, [0.2, 0.1], 0.3, False)
     for got, want in ((got_x, want_x), (got_p, want_p)):  # NaN where the composition has NaN, else equal
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-    with torch.no_grad(), pytest.raises(ValueError, match=r"`mesh` contains NaN or Inf values for 1 particles, the "
-                                                          r"first is particle 777 of batch 0"):
+    keep = torch.ones(2000, dtype=torch.bool)
+    keep[777] = False
+    with torch.no_grad(), raising(device, checking, r"`mesh` contains NaN or Inf values for 1 particles, the first "
+                                                    r"is particle 777 of batch 0",
+                                  r"found 1 particles with NaN or Inf `mesh`"):
         torch.ops.torchpm._readout_kick_drift_(field, x, p, [0, 0, 0], [True] * 3, 2, [0.2, 0.1], 0.3)
+        torchpm.check()  # deferred: raised here
+    assert torch.equal(x[:, keep], want_x[:, keep]) and torch.equal(p[:, keep], want_p[:, keep])
     assert torch.isnan(p[0, 777]).all() and torch.equal(x[0, 777], torch.tensor([2.5] * 3, dtype=torch.float64,
                                                                                  device=device))
+
+
+def test_non_finite_value_with_finite_components_is_left_out(device):
+    """A particle reading an Inf in one component only is left out whole: momentum NaN
+    in all three, position as read (not Inf in that component and updated in the
+    others)."""
+    shape = (8, 8, 8)
+    field = torch.randn(1, 3, *shape, dtype=torch.float64, device=device)
+    field[0, 1, 3, 3, 3] = float("inf")
+    x, p = particles(1, 500, 5.0, 8.0, torch.float64, device, seed=9)
+    x[0, 7] = torch.tensor([3.25, 3.0, 3.75], dtype=torch.float64)  # reads node (3, 3, 3) with weight > 0
+    before = x[0, 7].clone()
+    previous = torchpm.set_error_checking("deferred")
+    try:
+        with torch.no_grad():
+            torch.ops.torchpm._readout_kick_drift_(field, x, p, [0, 0, 0], [True] * 3, 2, [0.2], 0.1)
+        assert torch.isnan(p[0, 7]).all() and torch.equal(x[0, 7], before)
+        with pytest.raises(ValueError, match=r"_readout_kick_drift_: .*(`mesh` contains NaN or Inf|NaN or Inf `mesh`)"):
+            torchpm.check()
+    finally:
+        torchpm.set_error_checking(previous)
 
 
 def test_in_place_writes_bump_the_version_counters(device):

@@ -28,10 +28,10 @@
 #include "../error_checking.h"
 #include "../node_paint.h"
 #include "../stencil.h"
-#include "add_scaled.h"
 #include "stencil_block.h"
 #include "../tile_paint.h"
 #include "../torchpm.h"
+#include "../updates.h"
 #include "kernel_variant.h"
 
 // Everything above was compiled for the baseline; what follows is compiled a
@@ -1317,9 +1317,11 @@ at::Tensor readout_cpu(
 //
 // A particle the readout rejects (non-finite or outside the block), or one
 // that reads a NaN/Inf (check_finite), is not updated: its momentum becomes
-// NaN and its position stays where it was read, so the error names it there.
-// The others are updated. The error is raised when the op returns (immediate
-// mode), or reported later as the readout's (deferred mode).
+// NaN and its position stays where it was read, so the error names it there
+// (updates.h, leave_out). The others are updated. The error, in the readout's
+// slot but naming this op, is raised when the op returns (immediate mode) or
+// reported later (deferred mode). The CUDA kernel (../cuda/mass_assignment.cu)
+// applies the same rule per particle.
 void readout_kick_drift_cpu(
     const at::Tensor& mesh_in,
     const at::Tensor& positions,
@@ -1350,11 +1352,7 @@ void readout_kick_drift_cpu(
       const ReadoutPlan<scalar_t, W> plan(positions, mesh, layout, g, C);
       scalar_t* x = positions.data_ptr<scalar_t>();
       scalar_t* v = momenta.data_ptr<scalar_t>();
-      scalar_t kick[2] = {scalar_t(0), scalar_t(0)};
-      for (size_t i = 0; i < kicks.size(); ++i) {
-        kick[i] = static_cast<scalar_t>(kicks[i]);
-      }
-      const scalar_t drift_factor = static_cast<scalar_t>(drift.value_or(0.0));
+      const KickDrift<scalar_t> factors = make_kick_drift<scalar_t>(kicks, drift);
       std::atomic<int64_t> bad{0};
       std::atomic<int64_t> non_finite{0};
       // The particles left out (rare): index, position as read, values read.
@@ -1392,17 +1390,11 @@ void readout_kick_drift_cpu(
               kept.insert(kept.end(), row, row + C);
             }
           }
-          scalar_t* vr = v + run * C;
-          for (size_t i = 0; i < kicks.size(); ++i) {
-            add_scaled_block(vr, force, kick[i], vr, count, product);
-          }
-          if (drift.has_value()) {
-            add_scaled_block(x + run * 3, vr, drift_factor, x + run * 3, count, product);
-          }
+          kick_drift_block(x + run * 3, v + run * C, force, count, factors, product);
           for (size_t i = 0; i < skipped.size(); ++i) {
             const int64_t p = skipped[i];
             std::copy(kept.begin() + 6 * i, kept.begin() + 6 * i + 3, x + 3 * p);
-            std::fill(v + 3 * p, v + 3 * p + 3, std::numeric_limits<scalar_t>::quiet_NaN());
+            leave_out(v + 3 * p);
           }
           if (!skipped.empty()) {
             std::lock_guard<std::mutex> lock(left_out_mutex);
@@ -1431,16 +1423,7 @@ void readout_kick_drift_cpu(
         std::copy(left_out_rows.begin() + 6 * i, left_out_rows.begin() + 6 * i + 3, w + 3 * left_out[i]);
         std::copy(left_out_rows.begin() + 6 * i + 3, left_out_rows.begin() + 6 * i + 6, r + C * left_out[i]);
       }
-      if (errors_deferred(positions.device().type())) {
-        report_bad_particles(kReadoutOp, counts, CallDiagnosis(where, read, g));
-        return;
-      }
-      const std::string what =
-          "Their momenta are NaN and their positions as read; every other particle was updated.";
-      if (counts.positions > 0) {
-        throw_bad_particles(op, where, g, counts.positions, what);
-      }
-      throw_non_finite(op, "mesh", read, counts.values, what);
+      report_bad_particles(kReadoutOp, counts, CallDiagnosis(where, read, g, op, kLeftOutNote));
     });
   });
 }

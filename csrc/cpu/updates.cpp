@@ -13,7 +13,7 @@
 #include <tuple>
 
 #include "../torchpm.h"
-#include "add_scaled.h"
+#include "../updates.h"
 
 namespace torchpm {
 namespace {

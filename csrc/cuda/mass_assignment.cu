@@ -37,6 +37,7 @@
 #include "../stencil.h"
 #include "../tile_paint.h"
 #include "../torchpm.h"
+#include "../updates.h"
 #include "launch.cuh"
 
 namespace torchpm {
@@ -365,6 +366,65 @@ __global__ void position_gradient_kernel(
   out[3 * p + 0] = static_cast<scalar_t>(grad[0]);
   out[3 * p + 1] = static_cast<scalar_t>(grad[1]);
   out[3 * p + 2] = static_cast<scalar_t>(grad[2]);
+}
+
+// What an immediate error of _readout_kick_drift_ names (the CPU op's `where`
+// and `read`): per particle, the position as read and the values read of a
+// particle left out (NaN for a rejected one), the block's centre and zeros for
+// the others. Null (deferred mode, graph capture): nothing is written.
+template <typename scalar_t>
+struct LeftOutRecord {
+  scalar_t* where = nullptr;  // (B N, 3)
+  scalar_t* read = nullptr;   // (B N, 3)
+  scalar_t centre[3] = {scalar_t(0), scalar_t(0), scalar_t(0)};
+};
+
+// torchpm::_readout_kick_drift_, one thread per particle: the readout of its
+// force (make_stencil and read_mesh, as readout_kernel), then the rule of
+// ../updates.h (update_particle): updated, or, rejected or reading a non-finite
+// value with check_finite, left out (momentum NaN, position as read). The CPU
+// op (../cpu/mass_assignment.cpp) applies the same rule a run at a time.
+template <typename scalar_t, int W>
+__global__ void readout_kick_drift_kernel(
+    const scalar_t* __restrict__ mesh,
+    MeshLayout layout,
+    scalar_t* __restrict__ positions,
+    scalar_t* __restrict__ momenta,
+    int64_t per_batch,
+    int64_t total,
+    StencilGeometry g,
+    bool check_finite,
+    KickDrift<scalar_t> factors,
+    unsigned long long* __restrict__ bad,
+    LeftOutRecord<scalar_t> record) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (p >= total) {
+    return;
+  }
+  scalar_t* x = positions + 3 * p;
+  scalar_t* v = momenta + 3 * p;
+  Stencil<acc_t, W> s;
+  const bool accepted = make_stencil<scalar_t, acc_t, W>(x, g, s, layout.node_stride);
+  count_in_warp(!accepted, bad + kBadPositions);
+  scalar_t force[3];
+  bool finite = false;
+  if (accepted) {
+    finite = read_mesh<scalar_t, acc_t, W>(mesh + (p / per_batch) * layout.member, layout, 3, s, force);
+  } else {
+    fill_rejected(force, 3);
+  }
+  if (check_finite) {
+    count_in_warp(accepted && !finite, bad + kBadValues);
+  }
+  const bool updated = accepted && (finite || !check_finite);
+  if (record.where != nullptr) {
+    for (int d = 0; d < 3; ++d) {
+      record.where[3 * p + d] = updated ? record.centre[d] : x[d];
+      record.read[3 * p + d] = updated ? scalar_t(0) : force[d];
+    }
+  }
+  update_particle(updated, x, v, force, factors);
 }
 
 // The frame of the CUDA paints: paint_op, the device guard, and the particle
@@ -721,6 +781,71 @@ at::Tensor readout_cuda(
   return has_channel_dim ? out : out.squeeze(2);
 }
 
+// torchpm::_readout_kick_drift_ on CUDA: the CPU op's contract (see
+// readout_kick_drift_cpu): every particle updated except those left out
+// (momentum NaN, position as read), counted in the readout's slot. Immediate
+// mode raises the CPU op's error, naming the worst particle where it was
+// read; the kernel then also writes what the error names (LeftOutRecord, two
+// (B, N, 3) arrays). Deferred mode (the default on CUDA) writes nothing more
+// than the updates: the late error gives the counts and says how to have the
+// particle named.
+void readout_kick_drift_cuda(
+    const at::Tensor& mesh_in,
+    const at::Tensor& positions,
+    const at::Tensor& momenta,
+    at::IntArrayRef offset,
+    std::array<bool, 3> periodic,
+    int64_t order,
+    at::ArrayRef<double> kicks,
+    std::optional<double> drift,
+    bool check_finite) {
+  const char* op = "torchpm._readout_kick_drift_";
+  report_earlier_errors(op);
+  const auto args = check_readout_update_arguments(op, mesh_in, positions, momenta, offset, periodic, order, kicks);
+  const StencilGeometry& g = args.geometry;
+  bump_version(positions);
+  bump_version(momenta);
+  const c10::cuda::CUDAGuard guard(positions.device());
+  const int64_t total = positions.size(0) * positions.size(1);
+  if (total == 0) {
+    return;
+  }
+  DeviceCounters& counters = counters_for(op, positions.device());
+  const bool in_capture = capturing();
+  const bool immediate = !errors_deferred(c10::DeviceType::CUDA) && !in_capture;
+  at::Tensor where;
+  at::Tensor read;
+  if (immediate) {
+    where = at::empty_like(positions, at::MemoryFormat::Contiguous);
+    read = at::empty_like(positions, at::MemoryFormat::Contiguous);
+  }
+  unsigned long long* bad = slot_pointer(counters, kReadoutOp);
+  auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES(positions.scalar_type(), "readout_kick_drift_cuda", [&] {
+    LeftOutRecord<scalar_t> record;
+    if (immediate) {
+      record.where = where.data_ptr<scalar_t>();
+      record.read = read.data_ptr<scalar_t>();
+      for (int d = 0; d < 3; ++d) {
+        record.centre[d] =
+            static_cast<scalar_t>(static_cast<double>(g.offset[d]) + 0.5 * static_cast<double>(g.shape[d]));
+      }
+    }
+    dispatch_order(op, order, [&](auto width) {
+      readout_kick_drift_kernel<scalar_t, decltype(width)::value>
+          <<<blocks_for(op, total), kThreads, 0, stream>>>(
+              args.mesh.data_ptr<scalar_t>(), args.layout, positions.data_ptr<scalar_t>(),
+              momenta.data_ptr<scalar_t>(), positions.size(1), total, g, check_finite,
+              make_kick_drift<scalar_t>(kicks, drift), bad, record);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  report_after_launch(
+      kReadoutOp, counters, in_capture,
+      immediate ? CallDiagnosis(where, read, g, op, kLeftOutNote)
+                : CallDiagnosis::unnamed(positions.device(), op, kLeftOutNote));
+}
+
 // See position_gradient_impl in ../cpu/mass_assignment.cpp.
 std::tuple<at::Tensor, at::Tensor> position_gradient_impl(
     const char* op,
@@ -776,6 +901,7 @@ TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("_paint_deterministic", &paint_deterministic_cuda);
   m.impl("_paint_tiled", &paint_tiled_cuda);
   m.impl("readout", &readout_cuda);
+  m.impl("_readout_kick_drift_", &readout_kick_drift_cuda);
   m.impl("_position_gradient", &position_gradient_op<position_gradient_impl>);
   m.impl("_readout_and_position_gradient", &readout_and_position_gradient_op<position_gradient_impl>);
 }

@@ -1,9 +1,9 @@
 // CUDA kernels of torchpm::_add_scaled and _add_scaled_ (cpu/updates.cpp): x + y * f in one pass,
-// with the rounding of torch's mul then add. __fmul_rn / __fadd_rn (and the
-// double versions) are never contracted into a fused multiply-add, which nvcc
-// would otherwise do by default.
+// with the rounding of torch's mul then add (../updates.h: __fmul_rn / __fadd_rn
+// and the double versions, which nvcc never contracts into a fused
+// multiply-add, as it would by default). _readout_kick_drift_ on CUDA is in
+// mass_assignment.cu, next to the readout.
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -12,15 +12,11 @@
 #include <tuple>
 
 #include "../torchpm.h"
+#include "../updates.h"
 #include "launch.cuh"
 
 namespace torchpm {
 namespace {
-
-__device__ __forceinline__ float multiply(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ double multiply(double a, double b) { return __dmul_rn(a, b); }
-__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
 
 template <typename scalar_t>
 __global__ void add_scaled_kernel(
@@ -28,7 +24,7 @@ __global__ void add_scaled_kernel(
     scalar_t* __restrict__ out, int64_t count) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
        i += int64_t(gridDim.x) * blockDim.x) {
-    out[i] = add(x[i], multiply(y[i], factor));
+    out[i] = rounded_sum(x[i], rounded_product(y[i], factor));
   }
 }
 
@@ -37,7 +33,7 @@ template <typename scalar_t>
 __global__ void add_scaled_in_place_kernel(scalar_t* x, const scalar_t* y, scalar_t factor, int64_t count) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
        i += int64_t(gridDim.x) * blockDim.x) {
-    x[i] = add(x[i], multiply(y[i], factor));
+    x[i] = rounded_sum(x[i], rounded_product(y[i], factor));
   }
 }
 
@@ -72,39 +68,11 @@ void add_scaled_in_place_cuda(at::Tensor& x, const at::Tensor& y_in, double fact
   }
 }
 
-// torchpm::_readout_kick_drift_ on CUDA is its composition: the readout
-// kernel (its error reporting included), then the in-place updates. The same
-// bits as on the CPU; the force is written once and read back. A particle the
-// readout rejects gets its NaN force in momentum and position (the CPU kernel
-// leaves its position as read).
-void readout_kick_drift_cuda(
-    const at::Tensor& mesh, const at::Tensor& positions, const at::Tensor& momenta, at::IntArrayRef offset,
-    std::array<bool, 3> periodic, int64_t order, at::ArrayRef<double> kicks, std::optional<double> drift,
-    bool check_finite) {
-  const char* op = "torchpm._readout_kick_drift_";
-  check_readout_update_arguments(op, mesh, positions, momenta, offset, periodic, order, kicks);
-  static const auto readout =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("torchpm::readout", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, at::IntArrayRef, std::array<bool, 3>, int64_t,
-                            bool)>();
-  const at::Tensor force = readout.call(mesh, positions, offset, periodic, order, check_finite);
-  at::Tensor v = momenta;
-  for (const double kick : kicks) {
-    add_scaled_in_place_cuda(v, force, kick);
-  }
-  if (drift.has_value()) {
-    at::Tensor x = positions;
-    add_scaled_in_place_cuda(x, momenta, *drift);
-  }
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(torchpm, CUDA, m) {
   m.impl("_add_scaled", &add_scaled_cuda);
   m.impl("_add_scaled_", &add_scaled_in_place_cuda);
-  m.impl("_readout_kick_drift_", &readout_kick_drift_cuda);
 }
 
 }  // namespace torchpm

@@ -608,9 +608,11 @@ class PencilDecomposition:
         (``torch.ops.torchpm._readout_kick_drift_``). Contiguous float tensors of one
         shape, dtype and device, outside any graph. Local (no collective).
 
-        A particle the readout rejects (or one reading a NaN/Inf) is not updated on the
-        CPU: its momentum becomes NaN, its position stays as read, and the error names it
-        (on CUDA, the composition, the readout's NaN reaches its position too)."""
+        A particle the readout rejects (or one reading a NaN/Inf) is not updated: its
+        momentum becomes NaN, its position stays as read, and the error names it (on CUDA,
+        whose error checking is deferred by default, the late error gives the count and
+        names the particle only under ``torchpm.set_error_checking("immediate")``). Every
+        other particle is updated."""
         widths, _, offset, periodic = self._block_geometry(order)
         if not self.is_local:
             self._check_trailing(field, self.halo_shape(widths), "field", "readout_kick_drift_")
