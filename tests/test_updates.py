@@ -121,7 +121,7 @@ def test_autograd_and_opcheck(device):
 
 
 @pytest.mark.parametrize("sort_every", [0, 2])
-def test_simulation_steps_in_place_take_the_same_steps(device, sort_every):
+def test_simulation_steps_in_place_take_the_same_steps(device, reproducible, sort_every):
     """Outside a graph the integration updates its own particle arrays in place; the
     oracle is the same integration written out with the out-of-place add_scaled, step
     by step: equal bits, and the caller's tensors untouched."""
