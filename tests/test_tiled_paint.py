@@ -99,6 +99,16 @@ def test_auto_paint_method_takes_the_tiled_paint_for_wide_windows_and_channels(o
             torchpm.ops.set_paint_method(previous)
 
 
+@pytest.mark.parametrize("shape", [(), (3,), (5, 3), (1, 5, 2)])
+def test_auto_paint_method_leaves_bad_positions_to_the_op(shape):
+    """The routing reads no entry of `positions.shape` that may be missing: a tensor of
+    the wrong shape reaches the op, whose ValueError names it (on CUDA as on the CPU)."""
+    assert torchpm.ops.get_paint_method() == "auto"
+    assert mass_assignment._cuda_paint_method(2, torch.zeros(shape), None) == "scatter"
+    with pytest.raises(ValueError, match=r"expected `positions` of shape \(B, N, 3\)"):
+        torchpm.paint(torch.zeros(shape), None, (4, 4, 4))
+
+
 def _ops_called(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         fn()

@@ -53,6 +53,7 @@ Inputs must be torch tensors: numpy arrays and lists raise a ``TypeError``
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -142,7 +143,8 @@ def _cuda_paint_method(order: int, positions: torch.Tensor, weights: torch.Tenso
     ("auto" keeps the scatter beyond the tiled paint's particle count)."""
     if _paint_method != "auto":
         return _paint_method
-    if positions.shape[0] * positions.shape[1] > TILED_MAX_PARTICLES:
+    # B * N of a (B, N, 3) tensor; of any other shape a number, so that the op raises its ValueError.
+    if math.prod(positions.shape[:-1]) > TILED_MAX_PARTICLES:
         return "scatter"
     channels = 1 if weights is None or weights.dim() < 3 else weights.shape[-1]
     return "tiled" if order >= 3 or channels > 1 else "scatter"
