@@ -8,45 +8,40 @@
 #pragma once
 
 #include <c10/macros/Macros.h>
+#include <c10/util/ArrayRef.h>
 
 #include <cstdint>
 #include <limits>
 #include <optional>
-
-#include <c10/util/ArrayRef.h>
+#include <type_traits>
 
 namespace torchpm {
 
-// a * b and a + b, each rounded to nearest. On the device the intrinsics,
-// which nvcc never contracts into a fused multiply-add (it would by default);
-// on the host the plain operators (add_scaled_block keeps them apart).
-C10_HOST_DEVICE C10_ALWAYS_INLINE float rounded_product(float a, float b) {
+// a * b and a + b (float or double), each rounded to nearest. On the device
+// the intrinsics, which nvcc never contracts into a fused multiply-add (it
+// would by default); on the host the plain operators (add_scaled_block keeps
+// them apart).
+template <typename scalar_t>
+C10_HOST_DEVICE C10_ALWAYS_INLINE scalar_t rounded_product(scalar_t a, scalar_t b) {
 #ifdef __CUDA_ARCH__
-  return __fmul_rn(a, b);
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return __fmul_rn(a, b);
+  } else {
+    return __dmul_rn(a, b);
+  }
 #else
   return a * b;
 #endif
 }
 
-C10_HOST_DEVICE C10_ALWAYS_INLINE double rounded_product(double a, double b) {
+template <typename scalar_t>
+C10_HOST_DEVICE C10_ALWAYS_INLINE scalar_t rounded_sum(scalar_t a, scalar_t b) {
 #ifdef __CUDA_ARCH__
-  return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-C10_HOST_DEVICE C10_ALWAYS_INLINE float rounded_sum(float a, float b) {
-#ifdef __CUDA_ARCH__
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-C10_HOST_DEVICE C10_ALWAYS_INLINE double rounded_sum(double a, double b) {
-#ifdef __CUDA_ARCH__
-  return __dadd_rn(a, b);
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return __fadd_rn(a, b);
+  } else {
+    return __dadd_rn(a, b);
+  }
 #else
   return a + b;
 #endif
