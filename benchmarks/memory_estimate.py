@@ -8,7 +8,8 @@ Linux only. ``python benchmarks/memory_estimate.py``.
 import subprocess
 import sys
 
-CASES = [(64, 2, "float32"), (96, 1, "float32"), (64, 2, "float64"), (32, 4, "float32")]
+CASES = [(64, 2, "float32"), (96, 1, "float32"), (64, 2, "float64"), (32, 4, "float32"), (96, 1, "float64"),
+         (128, 1, "float32"), (128, 2, "float32"), (160, 1, "float32"), (192, 1, "float32")]
 
 CHILD = r"""
 import sys, torch, torchpm
@@ -19,7 +20,8 @@ def status(key):
             return int(line.split()[1]) * 1024
 
 n, factor, dtype = int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3])
-sim = torchpm.Simulation(n_particles=n, mesh_factor=factor, box_size=4.0 * n, steps=2, dtype=dtype)
+sim = torchpm.Simulation(n_particles=n, mesh_factor=factor, box_size=4.0 * n, steps=2, dtype=dtype,
+                         memory_check="off")
 small = torchpm.Simulation(n_particles=4, mesh_factor=factor, steps=1, dtype=dtype)
 with torch.no_grad():
     small(small.white_noise())  # libraries and thread pools warmed up

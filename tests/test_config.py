@@ -131,21 +131,21 @@ def test_readme_table_is_generated_from_the_declaration():
 
 
 def test_memory_estimate_by_hand():
-    # 8^3 particles, mesh factor 2, float32, batch 1: meshes 16 * 4 B * 16^3,
-    # particles (5 * 3 * 4 + 8) B * 8^3, LPT fields 27 * 4 B * 8^3.
+    # 8^3 particles, mesh factor 2, float32, batch 1: meshes 10 * 4 B * 16^3,
+    # particles (3 * 3 * 4 + 8) B * 8^3, LPT fields 21 * 4 B * 8^3.
     estimate = estimate_memory((8, 8, 8), 2, torch.float32)
-    assert MESH_COPIES == 16
-    assert estimate.force_meshes == 16 * 4 * 16**3
-    assert estimate.particles == 68 * 512
-    assert estimate.lpt_fields == 27 * 4 * 512
-    assert estimate.peak == int(1.2 * (68 * 512 + 16 * 4 * 16**3 + 27 * 4 * 512))
+    assert MESH_COPIES == 10
+    assert estimate.force_meshes == 10 * 4 * 16**3
+    assert estimate.particles == 44 * 512
+    assert estimate.lpt_fields == 21 * 4 * 512
+    assert estimate.peak == int(1.2 * (44 * 512 + 10 * 4 * 16**3 + 21 * 4 * 512))
     # per rank and per batch member
     halves = estimate_memory((8, 8, 8), 2, torch.float64, batch=2, ranks=4)
-    assert halves.force_meshes == 16 * 8 * 16**3 * 2 // 4
+    assert halves.force_meshes == 10 * 8 * 16**3 * 2 // 4
 
 
 def test_memory_check_refuses_before_allocating_and_can_be_overridden():
-    # 512^3 particles on a 1024^3 mesh: about 100 GiB, far more than this machine has.
+    # 512^3 particles on a 1024^3 mesh: about 67 GiB, far more than this machine has.
     start = time.perf_counter()
     with pytest.raises(MemoryError, match=r"needs about .*GiB.*memory_check"):
         torchpm.Simulation(n_particles=512, mesh_factor=2, steps=1)
@@ -157,7 +157,7 @@ def test_memory_check_refuses_before_allocating_and_can_be_overridden():
 
 
 def test_memory_check_counts_the_batch():
-    sim = torchpm.Simulation(n_particles=96, mesh_factor=2, steps=1)  # ~0.7 GiB per member
+    sim = torchpm.Simulation(n_particles=96, mesh_factor=2, steps=1)  # ~0.44 GiB per member
     noise_shape = (100_000, 1, 1, 1)  # the check runs before the noise's shape is used
     with pytest.raises(MemoryError, match=r"batch 100000"):
         sim(torch.zeros(noise_shape))

@@ -1,20 +1,25 @@
 """Up-front resource checks: a run's peak memory, estimated before anything is allocated.
 
-The estimate counts the arrays a FastPM run holds at its peak, per rank (mesh
-and particle terms divided by the number of ranks; uneven splits add at most
-one plane, which the margin covers), in units of one real value ``s`` (4 or 8 bytes):
+The estimate counts what a FastPM run holds at its peak, per rank (mesh and
+particle terms divided by the number of ranks; uneven splits add at most one
+plane, which the margin covers), in units of one real value ``s`` (4 or 8 bytes),
+for ``N`` particles and ``M = B^3 N`` mesh cells:
 
-* particles: positions, momenta and forces ``(B, N, 3)`` and two kick/drift
-  temporaries, plus the int64 ids: ``(15 s + 8) N``;
-* the initial conditions on the particle grid (noise, its transform, the 1LPT
-  and 2LPT displacements, the second derivatives of 2LPT): ``27 s N``;
-* the force computation on the mesh of ``M = B^3 N`` cells (painted density,
-  its R2C transform, potential, gradient and C2R outputs, the 3-channel force
-  mesh, FFT and paint work buffers): ``16 s M``;
+* particles: positions and momenta ``(B, N, 3)`` and one more such array of
+  temporaries, plus the int64 ids: ``(9 s + 8) N``;
+* the initial conditions on the particle grid (noise, its transform, the 1LPT and
+  2LPT displacements and the 2LPT source), at their peak: ``21 s N``;
+* the force computation on the mesh (painted density, its R2C transform,
+  potential, the 3-channel force mesh, FFT and paint work buffers): ``10 s M``;
 
-all times 1.2 for allocator slack. The coefficients were measured (peak RSS of
-a run without gradients, ``benchmarks/memory_estimate.py``, results in
-``benchmarks/RESULTS.md``): the estimate was 4% to 40% above the measured peak (2-core CPU).
+all times 1.2 for allocator slack. The coefficients were fitted to the peak resident
+set of runs without gradients (``benchmarks/memory_estimate.py``, 32^3 to 192^3
+particles, mesh factors 1 to 4, float32 and float64; results in
+``benchmarks/RESULTS.md``): without the 1.2 they are 6 % to 40 % above the
+measured peak, with it 27 % to 68 % (2-core CPU; on the H100 a 512^3 step needed
+about 13 s per cell above the particle state, within the estimate). Before
+2026-11-25 the estimate counted the initial conditions and the force meshes as if
+both were held at once and was about twice the measured peak.
 A run with gradients keeps more (every step's meshes unless ``checkpoint=True``).
 ``memory_check="warn"`` or ``"off"`` overrides the refusal.
 """
@@ -30,9 +35,9 @@ import torch
 
 __all__ = ["MemoryEstimate", "estimate_memory", "available_memory", "check_memory"]
 
-MESH_COPIES = 16
-LPT_COPIES = 27
-PARTICLE_VECTORS = 5
+MESH_COPIES = 10
+LPT_COPIES = 21
+PARTICLE_VECTORS = 3
 SLACK = 1.2
 
 
