@@ -316,6 +316,9 @@ def case_migration(grid, ctx):
         old_ids, ids = ids, new_ids
         valid = ids >= 0
         assert torch.equal(plan.padding, ~valid), f"round {round_}: the plan's padding is not the empty slots"
+        masses = plan.masses(torch.float64)
+        assert (masses is None and bool(valid.all())) or torch.equal(masses, valid.to(torch.float64)), (
+            f"round {round_}: the plan's masses are not 1 for the particles and 0 for the empty slots")
         assert _owned(mesh, positions, ids, grid), f"round {round_}: a particle is not on its owner"
         assert torch.equal(attribute[valid], _attribute(ids)[valid]), f"round {round_}: attributes lost their particle"
         assert torch.equal(positions, _expected_empty_positions(positions, ids, mesh.padding_position)), (

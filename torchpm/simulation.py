@@ -609,9 +609,10 @@ class Simulation(nn.Module):
         (``ids`` marks empty slots, which get no mass)."""
         return self._force(compute_forces, positions, a, ids, cosmology)
 
-    def _force(self, function, positions, a, ids, cosmology):
+    def _force(self, function, positions, a, ids, cosmology, weights=False):
         """``function`` (:func:`compute_forces` or :func:`force_field`) with this simulation's
-        kernels, mass, cosmology, force correction and weights."""
+        kernels, mass, cosmology, force correction and weights (from ``ids`` unless given:
+        ``None`` for unit masses)."""
         cosmology = cosmology or self.cosmology
         return function(
             positions,
@@ -620,7 +621,7 @@ class Simulation(nn.Module):
             particle_mass=self.particle_mass,
             force_scale=1.5 * cosmology.Omega_m,
             force_correction=self._correction(),
-            weights=self._particle_weights(ids, positions.dtype),
+            weights=self._particle_weights(ids, positions.dtype) if weights is False else weights,
             order=self.paint_order,
         )
 
@@ -727,12 +728,15 @@ class Simulation(nn.Module):
         and in its readout the second kick and, unless this is the last step
         (``following`` None), the first kick and drift of ``following``."""
         mesh = self.force_mesh
-        _, positions, ids, momenta = mesh.migrate(
+        plan, positions, ids, momenta = mesh.migrate(
             positions, ids, momenta, capacity=self.particle_capacity, overwrite=True
         )
+        # The masses from the migration's list of empty slots (a sort moves them).
+        weights = None if mesh.is_local else plan.masses(positions.dtype)
         if sort:
             positions, ids, momenta = sort_particles(mesh, positions, ids, momenta)
-        field = self._force(force_field, positions, factor.a_end, ids, cosmology)
+            weights = self._particle_weights(ids, positions.dtype)
+        field = self._force(force_field, positions, factor.a_end, ids, cosmology, weights)
         kicks = [factor.second_kick] if following is None else [factor.second_kick, following.first_kick]
         positions, momenta = readout_kick_drift_(mesh, field, positions, momenta, kicks,
                                                  None if following is None else following.drift,

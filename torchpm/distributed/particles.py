@@ -341,6 +341,20 @@ class MigrationPlan:
     def padding(self) -> torch.Tensor:
         return self._ids < 0
 
+    def masses(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """``(B, count_out)`` weights for the paint after the migration: 1 for a particle,
+        0 for an empty slot; None when no slot is empty. From the last stage's list of
+        empty slots: no pass over the ids and no host sync (a migration that moved
+        nothing reads the ids)."""
+        empty = self.stages[-1].empty_out if self.stages else None
+        if empty is None:
+            padding = self.padding
+            return padding.logical_not().to(dtype) if bool(padding.any()) else None
+        if not empty.numel():
+            return None
+        weights = torch.ones(self._ids.numel(), dtype=dtype, device=self._ids.device)
+        return weights.index_fill_(0, empty, 0).view(self._ids.shape)
+
     def exchange(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:
         """Move ``(B, count_in, ...)`` per-particle values with their particles:
         ``(B, count_out, ...)``, ``fill`` in empty slots. Collective; differentiable."""
