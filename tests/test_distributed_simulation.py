@@ -733,7 +733,7 @@ def test_arrivals_take_the_free_slots_of_their_x_plane():
     holes = torch.tensor([1, 3, 4, 6])  # flat b * 6 + slot: member 0 slots 1, 3, 4; member 1 slot 0
     hole_x = torch.tensor([7.9, 3.2, nan, 5.5], dtype=torch.float64)  # planes 3, 0 (clamped), 0 (NaN), 1
     placement = _Placement(4, 8, 6, 8, holes, hole_x, free=torch.tensor([3, 1]), arrivals=torch.tensor([2, 3]),
-                           received=torch.tensor([[1, 2], [1, 1]]))
+                           received=torch.tensor([[1, 2], [1, 1]]), arriving_host=[2, 3], free_host=[3, 1])
     # Receive order: source 0 member 0, source 0 member 1 (2 rows), source 1 member 0, source 1 member 1.
     x = torch.tensor([7.2, 4.1, 6.6, 4.9, 5.0], dtype=torch.float64)
     yz = torch.tensor([[9.0, 0.1], [0.5, 3.0], [0.2, 0.2], [7.0, 1.0], [3.3, 3.3]], dtype=torch.float64)

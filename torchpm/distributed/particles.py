@@ -227,10 +227,12 @@ class _Stage:
                      self.clear_in, True, exchange)
 
 
-def _member_ranges(count: int, begin: torch.Tensor, end: int) -> torch.Tensor:
-    """Flat slots ``b * count + i`` for ``begin[b] <= i < end``, member by member."""
+def _member_ranges(count: int, begin: torch.Tensor, end: int, total: int | None = None) -> torch.Tensor:
+    """Flat slots ``b * count + i`` for ``begin[b] <= i < end``, member by member
+    (``total``: how many, when known on the host: no device sync for it)."""
     lengths = (end - begin).clamp(min=0)
-    member = torch.repeat_interleave(torch.arange(begin.numel(), device=begin.device), lengths)
+    member = torch.repeat_interleave(torch.arange(begin.numel(), device=begin.device), lengths,
+                                     output_size=total)
     within = torch.arange(member.numel(), device=begin.device) - (torch.cumsum(lengths, 0) - lengths)[member]
     return member * count + begin[member] + within
 
@@ -249,7 +251,8 @@ class _Placement:
     chunks spanned the whole block and it left its fast path (late-time 128^3 on 2
     ranks: 29 ms per paint instead of 12)."""
 
-    def __init__(self, low, high, count, count_out, holes, hole_x, free, arrivals, received):
+    def __init__(self, low, high, count, count_out, holes, hole_x, free, arrivals, received, arriving_host,
+                 free_host):
         self.low = int(low)  # the block's x planes: [low, high)
         self.planes = int(high) - int(low)
         self.count = count
@@ -260,6 +263,10 @@ class _Placement:
         self.free = free  # (B,) free slots per member
         self.arrivals = arrivals  # (B,) arrivals per member
         self.received = received  # (sources, B) arrivals by source and member: the receive order
+        # The same counts on the host: the sizes of what assign makes, without device syncs.
+        self.total = sum(arriving_host)
+        self.unused = sum(max(f - a, 0) for a, f in zip(arriving_host, free_host))
+        self.grown_unused = sum(count_out - count - max(a - f, 0) for a, f in zip(arriving_host, free_host))
 
     def _keys(self, member, x):
         """``member * planes + plane`` (int64) of x coordinates: the plane in the block,
@@ -275,13 +282,14 @@ class _Placement:
         device = positions.device
         sources, batch = self.received.shape
         member = torch.repeat_interleave(torch.arange(batch, device=device).repeat(sources),
-                                         self.received.reshape(-1))
+                                         self.received.reshape(-1), output_size=self.total)
         key = self._keys(member, positions[:, 0])
         order = torch.argsort(key, stable=True)  # by member, then plane; ties in receive order
         by_member = member[order]
         start = torch.cumsum(self.arrivals, 0) - self.arrivals
         rank = torch.arange(order.numel(), device=device) - start[by_member]
-        lower = torch.bincount(member[2 * (key - member * self.planes) + 1 < self.planes], minlength=batch)
+        below_middle = (2 * (key - member * self.planes) + 1 < self.planes).to(torch.int64)
+        lower = torch.zeros(batch, dtype=torch.int64, device=device).index_add_(0, member, below_middle)
         arriving, free = self.arrivals[by_member], self.free[by_member]
         # Rank among the member's free slots sorted by plane; >= free: a new slot.
         hole = torch.where((rank < lower[by_member]) | (arriving > free), rank, free - arriving + rank)
@@ -299,8 +307,10 @@ class _Placement:
         rank = torch.arange(slots.numel(), device=device) - hole_start[owner]
         arriving, free, below = self.arrivals[owner], self.free[owner], lower[owner]
         used = (arriving >= free) | (rank < below) | (rank >= free - (arriving - below))
-        clear_out = owner[~used] * self.count_out + slots[~used]
-        grown = _member_ranges(self.count_out, self.count + (self.arrivals - self.free).clamp(min=0), self.count_out)
+        unused = torch.argsort(used.to(torch.int8), stable=True)[: self.unused]  # in hole order
+        clear_out = owner[unused] * self.count_out + slots[unused]
+        grown = _member_ranges(self.count_out, self.count + (self.arrivals - self.free).clamp(min=0), self.count_out,
+                               self.grown_unused)
         return target, clear_out, torch.sort(torch.cat([clear_out, grown])).values
 
 
@@ -478,8 +488,14 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
         coordinate = destination // grid.shape[1] if axis == 0 else destination % grid.shape[1]
         holes = torch.nonzero(((ids < 0) | (coordinate != me)).reshape(-1)).reshape(-1)
     hole_valid = ids.reshape(-1)[holes] >= 0
-    send_flat = holes[hole_valid]
-    clear_in = holes[~hole_valid]
+    # The leavers, then the earlier padding, each in slot order; their split and the
+    # non-finite count in one transfer (one device sync).
+    split = torch.argsort(hole_valid.logical_not().to(torch.int8), stable=True)
+    counted = torch.stack([hole_valid.sum()] + ([non_finite.reshape(())] if non_finite is not None else [])).tolist()
+    leaving = counted[0]
+    if non_finite is not None:
+        non_finite = counted[1]  # occupied slots with a non-finite position, on the host
+    send_flat, clear_in = holes[split[:leaving]], holes[split[leaving:]]
     member = send_flat // count
     if destination is None:
         n = layout.global_shape[axis]
@@ -491,15 +507,19 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
     key = peer * batch + member
     order = torch.argsort(key, stable=True)
     send_index = send_flat[order]
-    counts = torch.bincount(key, minlength=size * batch).view(size, batch)
+    counts = torch.zeros(size * batch, dtype=torch.int64, device=device).index_add_(
+        0, key, torch.ones_like(key)).view(size, batch)  # (a bincount without its device sync)
     received = all_to_all(counts.reshape(-1).contiguous(), [batch] * size, [batch] * size, grid_axis.name)
     received = received.view(size, batch)
     arrivals = received.sum(0)  # per member
 
-    hole_member = holes // count
-    free = torch.bincount(hole_member, minlength=batch)
-    extra = (arrivals - free).clamp(min=0)
-    grow = int(extra.max()) if batch else 0
+    # Free slots per member (holes are increasing); then every count the host needs, in
+    # one transfer (one device sync).
+    free = torch.diff(torch.searchsorted(holes, torch.arange(batch + 1, device=device) * count))
+    host = torch.cat([arrivals, free, counts.sum(1), received.sum(1)]).tolist()
+    arriving_host, free_host = host[:batch], host[batch:2 * batch]
+    send_counts, receive_counts = host[2 * batch:2 * batch + size], host[2 * batch + size:]
+    grow = max([0] + [a - f for a, f in zip(arriving_host, free_host)])
     count_out = count + grow
     if grow:
         # Headroom: a rank that gains particles step after step (a collapsing region)
@@ -507,9 +527,10 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
         count_out += _headroom(count_out, capacity)
     x_low = split_offsets(layout.real_x)[grid.coords[0]]
     placement = _Placement(x_low, x_low + layout.real_x[grid.coords[0]], count, count_out, holes,
-                           positions.detach().reshape(-1, 3)[holes, 0], free, arrivals, received)
-    stage = _Stage(grid_axis, batch, count, count_out, send_index, placement, clear_in,
-                   counts.sum(1).tolist(), received.sum(1).tolist())
+                           positions.detach().reshape(-1, 3)[holes, 0], free, arrivals, received,
+                           arriving_host, free_host)
+    stage = _Stage(grid_axis, batch, count, count_out, send_index, placement, clear_in, send_counts,
+                   receive_counts)
     # Occupied slots per member afterwards, without a pass over the slots.
     occupied = count - free + arrivals
     return stage, occupied, non_finite
@@ -568,7 +589,7 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
             continue
         stage, occupied, non_finite = _plan_stage(layout, grid, axis, positions, ids, destination, capacity)
         if bad is None:
-            bad = _count_non_finite(positions, ids) if non_finite is None else int(non_finite)
+            bad = _count_non_finite(positions, ids) if non_finite is None else non_finite
         payload = [positions, ids, *attributes] + ([] if destination is None else [destination])
         fills = [fill_position, -1] + [0] * len(attributes) + ([] if destination is None else [-1])
         # The first stage writes into the caller's tensors only if allowed; a later one
@@ -633,8 +654,11 @@ def place_empty_slots(positions: torch.Tensor, ids: torch.Tensor, corner, empty:
     first[1:] = (empty[1:] != empty[:-1] + 1) | (slot[1:] == 0)
     last = torch.ones_like(first)
     last[:-1] = first[1:]
-    run = torch.cumsum(first, 0) - 1
-    start, end = empty[first][run], empty[last][run]
+    # Each slot's run start and end, by running max / min of the run boundaries' indices.
+    index = torch.arange(empty.numel(), device=empty.device)
+    start = empty[torch.cummax(torch.where(first, index, 0), 0).values]
+    end_index = torch.where(last, index, empty.numel() - 1).flip(0)
+    end = empty[torch.cummin(end_index, 0).values.flip(0)]
     member_start = empty - slot
     after_start = start > member_start
     source = torch.where(after_start, start - 1, end + 1)
