@@ -732,7 +732,7 @@ class Simulation(nn.Module):
             positions, ids, momenta, capacity=self.particle_capacity, overwrite=True
         )
         # The masses from the migration's list of empty slots (a sort moves them).
-        weights = None if mesh.is_local else plan.masses(positions.dtype)
+        weights = plan.masses(positions.dtype)
         if sort:
             positions, ids, momenta = sort_particles(mesh, positions, ids, momenta)
             weights = self._particle_weights(ids, positions.dtype)

@@ -353,15 +353,12 @@ class MigrationPlan:
 
     def masses(self, dtype: torch.dtype) -> torch.Tensor | None:
         """``(B, count_out)`` weights for the paint after the migration: 1 for a particle,
-        0 for an empty slot; None when no slot is empty. From the last stage's list of
-        empty slots: no pass over the ids and no host sync (a migration that moved
-        nothing reads the ids)."""
-        empty = self.stages[-1].empty_out if self.stages else None
-        if empty is None:
-            padding = self.padding
-            return padding.logical_not().to(dtype) if bool(padding.any()) else None
-        if not empty.numel():
+        0 for an empty slot; None when no slot is empty, and on one device (no stage: one
+        device never pads). From the last stage's list of empty slots: no pass over the
+        ids and no host sync."""
+        if not self.stages or not self.stages[-1].empty_out.numel():
             return None
+        empty = self.stages[-1].empty_out
         weights = torch.ones(self._ids.numel(), dtype=dtype, device=self._ids.device)
         return weights.index_fill_(0, empty, 0).view(self._ids.shape)
 
@@ -532,21 +529,22 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
     stage = _Stage(grid_axis, batch, count, count_out, send_index, placement, clear_in, send_counts,
                    receive_counts)
     # Occupied slots per member afterwards, without a pass over the slots.
-    occupied = count - free + arrivals
+    occupied = [count - f + a for a, f in zip(arriving_host, free_host)]
     return stage, occupied, non_finite
 
 
-def _plan_compaction(ids: torch.Tensor, capacity: int | None, occupied: torch.Tensor):
+def _plan_compaction(ids: torch.Tensor, capacity: int | None, occupied: list[int]):
     """A :class:`_Compaction` when more than a quarter of the slots is empty, or when
     compacting brings the slots within ``capacity``; else None. ``occupied``: the
-    occupied slots of each member, ``(B,)``."""
+    occupied slots of each member, on the host (no device sync for the decision)."""
     batch, count = ids.shape
-    count_out = int(occupied.max()) if batch else 0
+    count_out = max(occupied, default=0)
     needed = capacity is not None and count > capacity
     if count_out == count or (count - count_out <= _COMPACT_FRACTION * count and not needed):
         return None
     valid = ids >= 0
     keep = torch.nonzero(valid.reshape(-1)).reshape(-1)
+    occupied = torch.tensor(occupied, dtype=torch.int64, device=ids.device)
     member = keep // count
     rank = torch.arange(keep.numel(), device=ids.device) - (torch.cumsum(occupied, 0) - occupied)[member]
     return _Compaction(batch, count, count_out, keep, member * count_out + rank, occupied)
@@ -617,7 +615,7 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         status = torch.tensor([bad, -1, 0], dtype=torch.int64)
         if capacity is not None and count_out > capacity:
             # `occupied` (per member, from the last stage's counts) is unchanged by a compaction.
-            status = torch.tensor([0, int(torch.argmax(occupied)), count_out], dtype=torch.int64)
+            status = torch.tensor([0, occupied.index(max(occupied)), count_out], dtype=torch.int64)
         table = torch.zeros(grid.size, 3, dtype=torch.int64, device=ids.device)
         table[:, 1] = -1
         table[grid.rank] = status.to(ids.device)
