@@ -110,7 +110,8 @@ def _timed_steps(sim, factors, positions, momenta, ids, sort_every):
         sort = bool(sort_every) and number % sort_every == 0
         # every timed step carries a following step's first kick and drift, the last one too
         following = factors[min(index + 1, len(factors) - 1)]
-        positions, momenta, ids = sim._fused_step(positions, momenta, ids, factors[index], following, sort=sort)
+        positions, momenta, ids = sim._fused_step(positions, momenta, ids, factors[index], following, sort=sort,
+                                                  own_ids=True)
         steps.append(time.perf_counter() - start)
         breakdowns.append(timer.take())
     return {"steps": steps, "breakdowns": breakdowns, "particles": int((ids >= 0).sum())}

@@ -114,7 +114,8 @@ class Mesh(Protocol):
         """Interpolation of the local block at owned particles."""
 
     def migrate(self, positions: torch.Tensor, ids: torch.Tensor, *attributes: torch.Tensor,
-                capacity: int | None = None, destination: torch.Tensor | None = None, overwrite: bool = False):
+                capacity: int | None = None, destination: torch.Tensor | None = None, overwrite: bool = False,
+                overwrite_ids: bool = False):
         """Move particles to the ranks owning their positions: ``(plan, positions, ids, *attributes)``."""
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

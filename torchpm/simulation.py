@@ -715,21 +715,24 @@ class Simulation(nn.Module):
         for index, factor in enumerate(factors):
             number = start + 1 + index
             following = factors[index + 1] if index + 1 < len(factors) else None
+            # From the second step on, the ids are an earlier migration's or sort's.
             positions, momenta, ids = self._fused_step(positions, momenta, ids, factor, following, cosmology,
-                                                       sort=bool(sort_every) and number % sort_every == 0)
+                                                       sort=bool(sort_every) and number % sort_every == 0,
+                                                       own_ids=index > 0)
             if callback is not None:
                 callback(number, float(factor.a_end))
         return positions, momenta, ids
 
     def _fused_step(self, positions, momenta, ids, factor: StepFactors, following: StepFactors | None,
-                    cosmology=None, sort=False):
+                    cosmology=None, sort=False, own_ids=False):
         """A step of :meth:`_evolve_fused` on arrays it owns, whose first kick and drift are
         done: the migration (and the sort when ``sort``), the force at ``factor.a_end``,
         and in its readout the second kick and, unless this is the last step
-        (``following`` None), the first kick and drift of ``following``."""
+        (``following`` None), the first kick and drift of ``following``. ``own_ids``: the
+        ids are the integration's own too (the migration writes into them)."""
         mesh = self.force_mesh
         plan, positions, ids, momenta = mesh.migrate(
-            positions, ids, momenta, capacity=self.particle_capacity, overwrite=True
+            positions, ids, momenta, capacity=self.particle_capacity, overwrite=True, overwrite_ids=own_ids
         )
         # The masses from the migration's list of empty slots (a sort moves them).
         weights = plan.masses(positions.dtype)

@@ -643,7 +643,8 @@ class PencilDecomposition:
                 for axis, o in enumerate(self.local_real_offset[:2])] + [0.0]
 
     def migrate(self, positions: torch.Tensor, ids: torch.Tensor, *attributes: torch.Tensor,
-                capacity: int | None = None, destination: torch.Tensor | None = None, overwrite: bool = False):
+                capacity: int | None = None, destination: torch.Tensor | None = None, overwrite: bool = False,
+                overwrite_ids: bool = False):
         """Move particles to the rank that owns their position (wrapped along split axes).
 
         Args:
@@ -656,6 +657,9 @@ class PencilDecomposition:
             overwrite: ``positions`` and ``attributes`` are scratch that the migration may
                 write into instead of copying (never ``ids``, nor a tensor that records
                 gradients): saves a copy of each when this rank's slot count is unchanged.
+            overwrite_ids: ``ids`` are scratch too (the simulation's steps, on the ids an
+                earlier migration returned): saves the copy of the ids. A plan returned
+                earlier reads the ids it returned (``plan.padding``), which this changes.
 
         Returns:
             ``(plan, positions, ids, *attributes)``; ``plan.exchange`` moves any
@@ -694,7 +698,7 @@ class PencilDecomposition:
         before = (ids >= 0).sum(1) if debug else None
         plan, positions, ids, *moved = _particles.migrate(
             self.layout, self.grid, positions, ids, *attributes, capacity=capacity, corner=corner,
-            destination=destination, overwrite=overwrite,
+            destination=destination, overwrite=overwrite, overwrite_ids=overwrite_ids,
         )
         if debug:
             self.check_conservation(before, ids)

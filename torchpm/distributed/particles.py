@@ -16,7 +16,8 @@ one exchange of counts and one uneven all-to-all carrying every per-particle ten
 once (positions, momenta, ids and any attribute, packed side by side), so a step
 costs O(particles that move) in selection and communication, plus one copy of each
 per-particle tensor that the caller does not let it overwrite (``overwrite``: the
-simulation's step lets it write into its freshly drifted positions and momenta). When
+simulation's step lets it write into its freshly drifted positions and momenta, and
+``overwrite_ids`` into the ids an earlier migration returned). When
 more than a quarter of the slots end up empty, the particles are compacted to the
 front.
 
@@ -552,7 +553,7 @@ def _plan_compaction(ids: torch.Tensor, capacity: int | None, occupied: list[int
 
 def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids: torch.Tensor,
             *attributes: torch.Tensor, capacity: int | None = None, corner=(0.0, 0.0, 0.0),
-            destination: torch.Tensor | None = None, overwrite: bool = False):
+            destination: torch.Tensor | None = None, overwrite: bool = False, overwrite_ids: bool = False):
     """Move particles to the ranks that own their positions.
 
     Args:
@@ -568,8 +569,10 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
             particle to, instead of the owner of its position (e.g. to bring values
             back to where they started).
         overwrite: ``positions`` and ``attributes`` are the caller's scratch: the
-            migration may write into them instead of copying them (never into ``ids``,
-            nor into a tensor that records gradients).
+            migration may write into them instead of copying them (never into a tensor
+            that records gradients).
+        overwrite_ids: ``ids`` too (a plan returned earlier reads the ids it returned:
+            its ``padding`` changes when a later migration writes into them).
 
     Returns:
         ``(plan, positions, ids, *attributes)`` ``(B, count_out, ...)``: positions are
@@ -592,7 +595,7 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         fills = [fill_position, -1] + [0] * len(attributes) + ([] if destination is None else [-1])
         # The first stage writes into the caller's tensors only if allowed; a later one
         # into what the earlier stage made.
-        mine = [overwrite, False] + [overwrite] * len(attributes) + [False] * (destination is not None)
+        mine = [overwrite, overwrite_ids] + [overwrite] * len(attributes) + [False] * (destination is not None)
         if stages:
             mine = [True] * len(payload)
         stages.append(stage)
