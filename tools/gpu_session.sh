@@ -3,6 +3,7 @@
 # (10 minutes). Logs go to $OUT (or ./gpu-logs); every number they print belongs in
 # benchmarks/RESULTS.md with the device, the date and the command.
 #
+#   bash tools/gpu_session.sh first       # one call for a 15-minute device budget (below)
 #   bash tools/gpu_session.sh test        # build, then every CUDA case of the suite and the C++ API
 #   bash tools/gpu_session.sh memcheck    # build, then the CUDA op tests under compute-sanitizer memcheck
 #   bash tools/gpu_session.sh racecheck   # the same under racecheck
@@ -18,11 +19,21 @@
 # fetches the JaxPM wheels for the bench phase into .whl/ (jaxpm 0.1.6, jax-cosmo 0.1.0,
 # jaxdecomp 0.3.4, which works with the machine's jax 0.11); carry both.
 #
+# A task is lent 15 device-minutes in all (a machine's start included), and one call may
+# run 10 minutes: `first` is that budget's one call (run it with timeout_s 590). It runs,
+# each bounded so that the whole ends near 9 minutes: the CUDA tests of the code written
+# since the one H100 session (never run on a GPU: the fused readout and updates, the
+# in-place updates, the 4-point stencil's fill-written scale, the paint routing, the
+# migration's CUDA twin, the deferred checks, the CUDA-graph capture of a step); every
+# CUDA case of the suite; the PM step at 256^3 and 512^3 without JaxPM (section 0 of
+# benchmarks/RESULTS.md has the JaxPM ratios); memcheck over the new kernels' tests.
+# The other phases are for a session with more device time.
+#
 # The GPU machine has torch, pytest, pytest-xdist, hypothesis, scipy, h5py, safetensors and
 # matplotlib, but not the test-only oracles astropy, colossus, pynbody and JaxPM: those
 # tests skip or are deselected here (they run in CI on the CPU).
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh test|memcheck|racecheck|bench|determinism|tiled|layout}
+phase=${1:?usage: gpu_session.sh first|test|memcheck|racecheck|bench|determinism|tiled|layout}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -61,7 +72,32 @@ torch.cuda.get_device_name(), 'cuda kernels', torchpm.has_cuda_kernels())" | tee
 
 oracle_free="--ignore=tests/test_against_jaxpm.py --ignore=tests/test_jaxpm_reference.py"
 
+# The test files of the CUDA code that has not run on a GPU yet (see `first`).
+never_run="tests/test_readout_kick_drift.py tests/test_updates.py tests/test_finite_difference.py \
+tests/test_paint_variants.py tests/test_deferred_checks.py tests/test_simulation.py"
+
 case $phase in
+first)
+    build
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/device.txt"
+    timeout 90 $python -m pytest -q -ra -m cuda $parallel -p no:cacheprovider $never_run \
+        tests/test_distributed_simulation.py::test_migration_holes_op_matches_its_pure_torch_twin_and_hand_cases \
+        2>&1 | tee "$out/pytest-new.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -30
+    echo "pytest -m cuda (code not run on a GPU before): exit ${PIPESTATUS[0]} (124: timed out)"
+    # Every other CUDA case; -v so that a run cut by its timeout still says what passed.
+    timeout 260 $python -m pytest -v -ra -m cuda $parallel $oracle_free -p no:cacheprovider \
+        $(for f in $never_run; do echo "--ignore=$f"; done) 2>&1 \
+        | tee "$out/pytest-cuda.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -30
+    echo "pytest -m cuda (the rest): exit ${PIPESTATUS[0]} (124: timed out; see pytest-cuda.log)"
+    for n in 256 512; do
+        timeout $((n / 4 + 16)) $python benchmarks/bench_pm.py --device cuda --no-jaxpm --sizes $n 2>&1 \
+            | tee "$out/bench_pm_$n.log"
+    done
+    timeout 60 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+        $python -m pytest -q -x -m cuda -p no:cacheprovider tests/test_readout_kick_drift.py tests/test_updates.py \
+        2>&1 | tee "$out/sanitizer-memcheck-new.log" | tail -8
+    echo "compute-sanitizer memcheck (new kernels): exit ${PIPESTATUS[0]}"
+    ;;
 test)
     build
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/device.txt"
@@ -117,5 +153,5 @@ layout)
         2>&1 | tee "$out/bench_layout.log"
     ;;
 *)
-    echo "unknown phase $phase (test, memcheck, racecheck, bench, determinism, tiled, layout)"; exit 2 ;;
+    echo "unknown phase $phase (first, test, memcheck, racecheck, bench, determinism, tiled, layout)"; exit 2 ;;
 esac
