@@ -492,6 +492,50 @@ def test_cpu_paint_of_ordered_particles_adds_in_particle_order(order, mode, chan
                                rtol=1e-5 if dtype == torch.float32 else 1e-12, atol=1e-4 if dtype == torch.float32 else 1e-11)
 
 
+@pytest.mark.parametrize("order", ["cic", "tsc", "pcs"])
+def test_cpu_paint_of_dispersed_lagrangian_particles_in_a_thin_block_adds_in_particle_order(order):
+    # A rank's slab of 36 x planes (non-periodic x, as on a process grid) holding
+    # particles in Lagrangian (lattice) order that have moved up to 1.25 planes: the
+    # chunks of 128 consecutive particles span a few planes, as late in a run. Plane
+    # ownership still paints them fastest (measured on 64^3 on 2 ranks: 1.9 ms against
+    # 3.9 ms for the counting sort), so they must take it: every node then receives its
+    # contributions in particle order, which the counting sort by plane would not give.
+    width = WIDTH[order]
+    shape, offset, periodic = (36, 6, 5), (10, 0, 0), (False, True, True)
+    count = 40_000
+    g = torch.Generator().manual_seed(31)
+    lo, hi = accepted_range(order, offset[0], shape[0])
+    lagrangian = torch.arange(count, dtype=torch.float64) * (hi - lo) / count + lo
+    x = torch.rand(2, count, 3, generator=g, dtype=torch.float64) * torch.tensor([1.0, 6.0, 5.0])
+    x[..., 0] = (lagrangian + (x[..., 0] - 0.5) * 2.5).clamp(lo, hi - 1e-3)
+    x = x.to(torch.float32)
+    # The regime: chunks wider on average than the old limit max(W + 2, nx / 8),
+    # within the new one max(2 W + 2, nx / 8).
+    nodes = torch.floor(x[..., 0].double() + 1 - width / 2) - offset[0]
+    chunks = nodes[:, : count // 128 * 128].reshape(-1, 128)
+    mean_length = float((chunks.max(1).values - chunks.min(1).values + width).mean())
+    assert max(width + 2, shape[0] // 8) < mean_length <= max(2 * width + 2, shape[0] // 8), mean_length
+    w = torch.rand(2, count, generator=g, dtype=torch.float64).to(torch.float32)
+    expected = paint_in_particle_order(x, w, shape, offset, periodic, width)
+    by_plane = paint_in_particle_order(*_sorted_by_plane(x, w, width), shape, offset, periodic, width)
+    assert not torch.equal(by_plane, expected), "the test cannot tell the two summation orders apart"
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            mesh = torchpm.paint(x, w, shape, order=order, offset=offset, periodic=periodic).reshape(expected.shape)
+            assert torch.equal(mesh, expected), (n_threads, (mesh - expected).abs().max())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sorted_by_plane(x, w, width):
+    """Particles stably sorted by their first x node: the counting sort's order."""
+    node = torch.floor(x[..., 0].double() + 1 - width / 2)
+    order = torch.sort(node, dim=1, stable=True).indices
+    return torch.gather(x, 1, order.unsqueeze(-1).expand(-1, -1, 3)), torch.gather(w, 1, order)
+
+
 # --------------------------------------------------------------------------- identities
 
 
