@@ -476,16 +476,7 @@ def test_cpu_paint_of_ordered_particles_adds_in_particle_order(order, mode, chan
     x = torch.gather(x, 1, spatial.unsqueeze(-1).expand(-1, -1, 3)).to(dtype)
     g = torch.Generator().manual_seed(12)
     w = None if channels is None else torch.rand(2, count, channels, generator=g, dtype=torch.float64).to(dtype)
-    expected = paint_in_particle_order(x, w, shape, offset, periodic, width)
-    threads = torch.get_num_threads()
-    try:
-        for n_threads in (1, 3):
-            torch.set_num_threads(n_threads)
-            mesh = torchpm.paint(x, w, shape, order=order, offset=offset, periodic=periodic)
-            mesh = mesh.reshape(expected.shape)
-            assert torch.equal(mesh, expected), (n_threads, (mesh - expected).abs().max())
-    finally:
-        torch.set_num_threads(threads)
+    mesh = _assert_painted_in_particle_order(x, w, shape, offset, periodic, order)
     # the float64 twin, to its rounding
     reference = paint_reference(x.double(), None if w is None else w.double(), shape, offset, periodic, width)
     torch.testing.assert_close(mesh.double().reshape(reference.shape), reference,
@@ -516,17 +507,11 @@ def test_cpu_paint_of_dispersed_lagrangian_particles_in_a_thin_block_adds_in_par
     mean_length = float((chunks.max(1).values - chunks.min(1).values + width).mean())
     assert max(width + 2, shape[0] // 8) < mean_length <= max(2 * width + 2, shape[0] // 8), mean_length
     w = torch.rand(2, count, generator=g, dtype=torch.float64).to(torch.float32)
-    expected = paint_in_particle_order(x, w, shape, offset, periodic, width)
-    by_plane = paint_in_particle_order(*_sorted_by_plane(x, w, width), shape, offset, periodic, width)
-    assert not torch.equal(by_plane, expected), "the test cannot tell the two summation orders apart"
-    threads = torch.get_num_threads()
-    try:
-        for n_threads in (1, 3):
-            torch.set_num_threads(n_threads)
-            mesh = torchpm.paint(x, w, shape, order=order, offset=offset, periodic=periodic).reshape(expected.shape)
-            assert torch.equal(mesh, expected), (n_threads, (mesh - expected).abs().max())
-    finally:
-        torch.set_num_threads(threads)
+    by_plane = _sorted_by_plane(x, w, width)
+    assert not torch.equal(paint_in_particle_order(*by_plane, shape, offset, periodic, width),
+                           paint_in_particle_order(x, w, shape, offset, periodic, width)), (
+        "the test cannot tell the two summation orders apart")
+    _assert_painted_in_particle_order(x, w, shape, offset, periodic, order)
 
 
 def _sorted_by_plane(x, w, width):
@@ -534,6 +519,22 @@ def _sorted_by_plane(x, w, width):
     node = torch.floor(x[..., 0].double() + 1 - width / 2)
     order = torch.sort(node, dim=1, stable=True).indices
     return torch.gather(x, 1, order.unsqueeze(-1).expand(-1, -1, 3)), torch.gather(w, 1, order)
+
+
+def _assert_painted_in_particle_order(x, w, shape, offset, periodic, order):
+    """The CPU paint on 1 and 3 threads equals, bit for bit, every node's contributions
+    added in particle order (paint_in_particle_order). Returns the painted mesh."""
+    expected = paint_in_particle_order(x, w, shape, offset, periodic, WIDTH[order])
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            mesh = torchpm.paint(x, w, shape, order=order, offset=offset, periodic=periodic)
+            mesh = mesh.reshape(expected.shape)
+            assert torch.equal(mesh, expected), (n_threads, (mesh - expected).abs().max())
+    finally:
+        torch.set_num_threads(threads)
+    return mesh
 
 
 # --------------------------------------------------------------------------- identities

@@ -6,9 +6,10 @@
 // along `axis` lies outside [low, high). A NaN coordinate compares false both
 // ways and stays (the count of non-finite positions reports it). The flat slot
 // indices come out in increasing order. Torch needs about seven passes over the
-// slots for this (the comparisons, their combinations and nonzero); the same
-// pass also counts the occupied slots with a non-finite coordinate, which the
-// migration must report on every rank.
+// slots for this (the comparisons, their combinations and nonzero); here each
+// chunk of slots is read once from memory (its flags, then, while it is in
+// cache, the count of occupied slots with a non-finite coordinate, which the
+// migration must report on every rank).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

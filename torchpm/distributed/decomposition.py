@@ -655,8 +655,9 @@ class PencilDecomposition:
             destination: optional ``(B, n)`` int64 grid rank (``r0 * P1 + r1``) to send each
                 particle to instead of the owner of its position.
             overwrite: ``positions`` and ``attributes`` are scratch that the migration may
-                write into instead of copying (never ``ids``, nor a tensor that records
-                gradients): saves a copy of each when this rank's slot count is unchanged.
+                write into instead of copying (not ``ids``: see ``overwrite_ids``; never a
+                tensor that records gradients): saves a copy of each when this rank's slot
+                count is unchanged.
             overwrite_ids: ``ids`` are scratch too (the simulation's steps, on the ids an
                 earlier migration returned): saves the copy of the ids. A plan returned
                 earlier reads the ids it returned (``plan.padding``), which this changes.
