@@ -707,6 +707,32 @@ def test_migration_holes_op_matches_its_pure_torch_twin_and_hand_cases(device, d
         op(positions, ids[:, :4], 0, 2.0, 5.0)
 
 
+def test_migration_holes_cuda_kernel_checks_arguments_as_the_cpu_op():
+    """The CUDA kernel of _migration_holes is pure torch (run here on CPU tensors): it
+    raises the CPU op's ValueErrors, same messages, instead of an IndexError, a
+    broadcast error or an answer for inverted bounds."""
+    from torchpm.distributed.particles import _migration_holes_device
+
+    positions, ids = torch.zeros(1, 4, 3), torch.arange(4).view(1, 4)
+    for arguments in [
+        (positions, ids, 3, 2.0, 5.0),
+        (positions, ids, -1, 2.0, 5.0),
+        (positions, ids, 0, 5.0, 2.0),
+        (positions, ids, 0, float("nan"), 2.5),
+        (positions, ids, 0, 0.0, float("inf")),
+        (positions, ids[:, :2], 0, 2.0, 5.0),
+        (positions, ids.int(), 0, 2.0, 5.0),
+        (positions[..., :2], ids, 0, 2.0, 5.0),
+        (positions.half(), ids, 0, 2.0, 5.0),
+        (positions, ids[:, :2], 3, 5.0, 2.0),  # several errors: the first in the CPU op's order
+    ]:
+        with pytest.raises(ValueError) as native:
+            torch.ops.torchpm._migration_holes(*arguments)
+        with pytest.raises(ValueError) as composed:
+            _migration_holes_device(*arguments)
+        assert str(composed.value) == str(native.value)
+
+
 def test_empty_slots_sit_in_the_cell_of_their_neighbour():
     """place_empty_slots, hand-made: runs of empty slots inside a member, at its start and
     at its end take the cell centre of the nearest particle before them (after them at

@@ -63,6 +63,43 @@ def test_op_matches_reference_and_ignores_input_order(dtype):
     assert torch.equal(ids.gather(1, order), shuffled_ids.gather(1, again))
 
 
+def _same_error(registered, pure_torch, *arguments):
+    """The registered CPU op and the pure-torch CUDA kernel (run here on CPU tensors)
+    raise the same ValueError for ``arguments``; returns its message."""
+    with pytest.raises(ValueError) as native:
+        registered(*arguments)
+    with pytest.raises(ValueError) as composed:
+        pure_torch(*arguments)
+    assert str(composed.value) == str(native.value)
+    return str(native.value)
+
+
+def test_cuda_kernels_check_arguments_as_the_cpu_ops():
+    """The CUDA kernels of _spatial_order, _gather_rows and _scatter_rows are pure torch:
+    they check their arguments as the CPU ops do (same messages) instead of failing in
+    an indexing kernel (a device-side assert on a GPU)."""
+    ids = torch.zeros(1, 4, dtype=torch.int64)
+    for arguments in [
+        (torch.zeros(1, 4, 3), ids.int(), [2, 2], [0, 0], [2, 2]),
+        (torch.zeros(1, 4, 3), torch.zeros(1, 5, dtype=torch.int64), [2, 2], [0, 0], [2, 2]),
+        (torch.zeros(1, 4, 3), ids, [2, 0], [0, 0], [2, 2]),
+        (torch.zeros(1, 4, 3), ids, [2, 2], [0, 0], [2, 2**31]),
+        (torch.zeros(1, 4, 3), ids, [2], [0, 0], [2, 2]),
+        (torch.zeros(1, 4, 2), ids, [2, 2], [0, 0], [2, 2]),
+        (torch.zeros(1, 4, 3, dtype=torch.float16), ids, [2, 2], [0, 0], [2, 2]),
+        (torch.zeros(1, 4, 3), ids[:, :3], [0, 2], [0, 0], [2, 2]),  # several: the CPU op's order
+    ]:
+        _same_error(_op, ordering._spatial_order_device, *arguments)
+    values = torch.zeros(1, 4, 3)
+    for name in ("_gather_rows", "_scatter_rows"):
+        registered, pure_torch = getattr(torch.ops.torchpm, name), getattr(ordering, f"{name}_device")
+        message = _same_error(registered, pure_torch, values, torch.tensor([[0, 1, 3, 4]]))
+        assert message.endswith("`order` must hold slots in [0, 4), got 4 at flat position 3.")
+        for order in (torch.tensor([[0, -2, 1, 2]]), torch.tensor([[0, 1, 2]]), torch.tensor([[0, 1, 2, 3]]).int()):
+            _same_error(registered, pure_torch, values, order)
+        _same_error(registered, pure_torch, torch.zeros(4), torch.tensor([[0, 1, 2, 3]]))
+
+
 def test_op_rejects_bad_arguments():
     positions = torch.zeros(1, 4, 3)
     with pytest.raises(ValueError, match="`ids`"):

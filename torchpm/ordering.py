@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .ops._arguments import MAX_AXIS, format_list, particle_ids, particle_positions, row_permutation
+
 __all__ = ["spatial_order", "spatial_order_reference", "permute", "sort_particles", "restore_id_order"]
 
 # Coordinates beyond this magnitude (cells) get the last bin, like NaN and Inf.
@@ -76,6 +78,17 @@ def _spatial_order_fake(positions, ids, shape, offset, period):
 
 
 def _spatial_order_device(positions, ids, shape, offset, period):
+    """The CUDA kernel: the CPU op's argument checks (same messages), then the pure-torch twin."""
+    op = "torchpm._spatial_order"
+    particle_positions(op, positions)
+    shape, offset, period = list(shape), list(offset), list(period)
+    if not len(shape) == len(offset) == len(period) == 2:
+        raise ValueError(f"{op}: `shape`, `offset` and `period` must have 2 entries (x and y), got {format_list(shape)}, "
+                         f"{format_list(offset)}, {format_list(period)}.")
+    if not all(0 < value <= MAX_AXIS for value in shape + period):
+        raise ValueError(f"{op}: `shape` and `period` must be positive mesh sizes, got {format_list(shape)} and "
+                         f"{format_list(period)}.")
+    particle_ids(op, ids, positions)
     return spatial_order_reference(positions, ids, shape, offset, period)
 
 
@@ -94,11 +107,13 @@ def _flat_index(order):
 
 
 def _gather_rows_device(input, order):
+    row_permutation("torchpm._gather_rows", input, order)
     batch, n = order.shape
     return input.reshape(batch * n, -1).index_select(0, _flat_index(order)).view(input.shape)
 
 
 def _scatter_rows_device(input, order):
+    row_permutation("torchpm._scatter_rows", input, order)
     batch, n = order.shape
     rows = input.reshape(batch * n, -1)
     return torch.zeros_like(rows).index_copy_(0, _flat_index(order), rows).view(input.shape)

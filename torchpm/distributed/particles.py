@@ -44,6 +44,7 @@ from typing import Sequence
 
 import torch
 
+from ..ops._arguments import particle_ids, particle_positions
 from ._ops import all_to_all
 from .groups import GridAxis, GridGroups
 from .layout import BlockLayout, split_offsets
@@ -418,7 +419,19 @@ def _migration_holes_fake(positions, ids, axis, low, high):
 
 
 torch.library.register_fake("torchpm::_migration_holes")(_migration_holes_fake)
-torch.library.register_kernel("torchpm::_migration_holes", "cuda")(migration_holes_reference)
+def _migration_holes_device(positions: torch.Tensor, ids: torch.Tensor, axis: int, low: float, high: float):
+    """The CUDA kernel: the CPU op's argument checks (same messages), then the pure-torch twin."""
+    op = "torchpm._migration_holes"
+    particle_positions(op, positions)
+    if not 0 <= axis < 3:
+        raise ValueError(f"{op}: expected `axis` 0, 1 or 2, got {axis}.")
+    if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+        raise ValueError(f"{op}: expected finite bounds `low` <= `high`, got {low:g} and {high:g}.")
+    particle_ids(op, ids, positions)
+    return migration_holes_reference(positions, ids, axis, low, high)
+
+
+torch.library.register_kernel("torchpm::_migration_holes", "cuda")(_migration_holes_device)
 
 
 def _wrapped_column(column: torch.Tensor, n: int) -> torch.Tensor:

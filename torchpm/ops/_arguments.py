@@ -106,3 +106,56 @@ def bool_argument(value, name: str, op: str) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{op}: `{name}` must be a bool, got {value!r}")
     return bool(value)
+
+
+# The checks of the C++ ops' arguments (csrc/checks.cpp), with their messages, for the
+# ops whose CUDA kernel is a pure-torch composition (migration holes, spatial order,
+# row permutations): on a GPU they fail as they do on the CPU instead of with an
+# indexing error, a broadcast or a device-side assert.
+
+def format_list(values) -> str:
+    """A list as the C++ ``format_list`` writes it: ``(a, b)``."""
+    return "(" + ", ".join(str(int(value)) for value in values) + ")"
+
+
+def _dims(tensor: torch.Tensor) -> str:
+    return format_list(tensor.shape)
+
+
+def _scalar_type(dtype: torch.dtype) -> str:
+    names = {torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float", torch.float64: "Double",
+             torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
+             torch.bool: "Bool"}
+    return names.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def particle_positions(op: str, positions: torch.Tensor) -> None:
+    """``positions`` ``(B, N, 3)`` float32/float64 (the C++ ``check_positions``)."""
+    if positions.dim() != 3 or positions.shape[2] != 3:
+        raise ValueError(f"{op}: expected `positions` of shape (B, N, 3), got {_dims(positions)}.")
+    if positions.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{op}: expected `positions` to be float32 or float64, got {_scalar_type(positions.dtype)}.")
+
+
+def particle_ids(op: str, ids: torch.Tensor, positions: torch.Tensor) -> None:
+    """``ids`` int64 ``(B, N)`` like ``positions`` (the C++ ``check_particle_ids``)."""
+    if ids.dtype != torch.int64 or ids.dim() != 2 or tuple(ids.shape) != tuple(positions.shape[:2]):
+        raise ValueError(f"{op}: expected int64 `ids` of shape ({positions.shape[0]}, {positions.shape[1]}) like "
+                         f"`positions`, got {_scalar_type(ids.dtype)} {_dims(ids)}.")
+
+
+def row_permutation(op: str, input: torch.Tensor, order: torch.Tensor) -> None:
+    """An int64 ``(B, N)`` ``order`` of slots in ``[0, N)`` for a ``(B, N, ...)`` ``input``
+    (the C++ ``as_rows`` and ``move_rows``); the range check reads the device (one sync)."""
+    if order.dtype != torch.int64 or order.dim() != 2:
+        raise ValueError(f"{op}: expected an int64 `order` of shape (B, N), got {_scalar_type(order.dtype)} "
+                         f"{_dims(order)}.")
+    if input.dim() < 2 or tuple(input.shape[:2]) != tuple(order.shape):
+        raise ValueError(f"{op}: expected `input` of shape (B, N, ...) with (B, N) = {_dims(order)} from `order`, "
+                         f"got {_dims(input)}.")
+    n = order.shape[1]
+    bad = torch.nonzero(((order < 0) | (order >= n)).reshape(-1))
+    if bad.numel():
+        at = int(bad[0])
+        raise ValueError(f"{op}: `order` must hold slots in [0, {n}), got {int(order.reshape(-1)[at])} at flat "
+                         f"position {at}.")
