@@ -275,18 +275,24 @@ void submit_check(PendingCheck check, bool immediate) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   const OpSlot op = static_cast<OpSlot>(std::max(check.op, 0));
+  // The submitting call, named in the late errors it drains: an op that counts in
+  // another op's slot (_readout_kick_drift_ in the readout's) by its own name, a
+  // snapshot (op -1) by torchpm.check.
+  const char* caller = check.diagnosis.op != nullptr ? check.diagnosis.op
+      : check.op < 0                                 ? "torchpm.check"
+                                                     : op_name(op);
   r.pending.push_back(std::move(check));
   r.size.store(r.pending.size());
   if (immediate) {
     // Everything queued before belongs to earlier calls: their errors are late.
     while (r.pending.size() > 1) {
-      drain_front(r, true, op_name(op), true);
+      drain_front(r, true, caller, true);
     }
-    drain_front(r, true, op_name(op), false);
+    drain_front(r, true, caller, false);
     return;
   }
   while (r.pending.size() > kMaxPending) {
-    drain_front(r, true, op_name(op), true);
+    drain_front(r, true, caller, true);
   }
 }
 

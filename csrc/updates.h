@@ -91,8 +91,11 @@ template <typename scalar_t>
 C10_HOST_DEVICE C10_ALWAYS_INLINE void kick_drift_block(scalar_t* x, scalar_t* v, const scalar_t* force,
                                                         int64_t count, const KickDrift<scalar_t>& f,
                                                         scalar_t* product) {
-  for (int i = 0; i < f.kicks; ++i) {
-    add_scaled_block(v, force, f.kick[i], v, count, product);
+  // kicks is 1 or 2 (checked): the two written out, as a loop over f.kick[i] with
+  // a runtime i puts the struct in local memory in a CUDA kernel.
+  add_scaled_block(v, force, f.kick[0], v, count, product);
+  if (f.kicks > 1) {
+    add_scaled_block(v, force, f.kick[1], v, count, product);
   }
   if (f.drifts) {
     add_scaled_block(x, v, f.drift, x, count, product);
