@@ -57,12 +57,17 @@ def process_grid_groups(
 
     Every rank of the world must call this with the same arguments (``new_group`` is
     collective). Returns ``(group_axis0, group_axis1)`` for the calling rank; an axis
-    of size 1 gets ``None`` (no communication along it).
+    of size 1 gets ``None`` (no communication along it). The groups are made once per
+    world and arguments: a later call with the same arguments returns them again (a
+    ``Simulation`` built per sample in a loop does not open new connections each time),
+    until ``destroy_process_group`` ends the world.
 
     Args:
         grid: ``(P0, P1)`` with ``P0 * P1 == world size``.
         backend: passed to ``new_group`` (default: the world's backend).
-        timeout: bound on every collective of these groups (default: the world's).
+        timeout: bound on every collective of these groups (default: the world's, as
+            given to ``init_process_group``; ``new_group`` alone would take torch's
+            default of 10 or 30 minutes).
     """
     import torch.distributed as dist
 
@@ -81,6 +86,12 @@ def process_grid_groups(
         raise ValueError(
             f"`grid` {tuple(grid)} must be 2 positive integers whose product is the world size {world}"
         )
+    if timeout is None:
+        timeout = _world_timeout()
+    key = (p0, p1, backend, timeout)
+    cached = _GRID_GROUPS.get(key)
+    if cached is not None and all(_alive(g) for g in cached):
+        return cached
     r0, r1 = divmod(rank, p1)
     group0 = group1 = None
     kwargs = {"backend": backend, "timeout": timeout}
@@ -94,7 +105,38 @@ def process_grid_groups(
             g = dist.new_group([row * p1 + column for column in range(p1)], **kwargs)
             if row == r0:
                 group1 = g
+    _GRID_GROUPS[key] = (group0, group1)
     return group0, group1
+
+
+# The groups process_grid_groups made, by (P0, P1, backend, timeout).
+_GRID_GROUPS: dict = {}
+
+
+def _alive(group) -> bool:
+    """Whether ``group`` (None: an axis without one) still belongs to the world (not
+    ended by ``destroy_process_group``)."""
+    if group is None:
+        return True
+    from torch.distributed import distributed_c10d
+
+    try:
+        return group in distributed_c10d._world.pg_map
+    except AttributeError:  # a torch without the registry: make new groups, as before
+        return False
+
+
+def _world_timeout() -> datetime.timedelta | None:
+    """The timeout the world's group was created with, or None where torch does not say."""
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return world._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None
 
 
 class GridAxis:
