@@ -25,7 +25,8 @@ SHAPE = (8, 7, 6)  # uneven over 2 and 3 ranks
 PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch_irfftn", "halo_fill",
             "halo_add", "halo_paint", "operation", "local_error", "transpose_axis", "migrate_attribute_dtype",
             "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
-            "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off"]
+            "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
+            "simulation_integrator", "simulation_cosmology", "gather_batch", "gather_no_ids", "density_ids"]
 PER_WORLD = ["grid_axis"]
 
 
@@ -63,14 +64,15 @@ def decomposition(grid, ctx, shape=SHAPE, **kwargs):
     return PencilDecomposition(shape, ctx["groups"][grid], **kwargs)
 
 
-def expect_error(call, ctx, *fragments, exception=ValueError):
+def expect_error(call, ctx, *fragments, exception=ValueError, ranks=None):
     """``call()`` must raise ``exception`` on this rank, naming every fragment (the argument,
-    each rank's value) and every rank of the world."""
+    each rank's value) and every rank of the world (or of ``ranks``)."""
     try:
         call()
     except exception as error:
         text = str(error)
-        for fragment in (*fragments, *(f"rank {r}" for r in range(ctx["world"]))):
+        ranks = range(ctx["world"]) if ranks is None else ranks
+        for fragment in (*fragments, *(f"rank {r}" for r in ranks)):
             assert fragment in text, f"{fragment!r} missing from the error: {text}"
         return text
     raise AssertionError(f"rank {ctx['rank']}: the disagreeing call did not raise {exception.__name__}")
@@ -249,6 +251,57 @@ def case_paint_density_batch(grid, ctx):
     mesh = decomposition(grid, ctx)
     positions, _ = particles(mesh, batch=1 if ctx["odd"] else 2)
     expect_error(lambda: paint_density(positions, mesh), ctx, "batch size", "paint_density")
+
+
+def simulation(grid, ctx, **overrides):
+    import torchpm
+
+    config = dict(n_particles=(6, 5, 4), box_size=24.0, steps=1, dtype=torch.float64, mesh=ctx["groups"][grid])
+    return torchpm.Simulation(**dict(config, **overrides))
+
+
+def case_simulation_integrator(grid, ctx):
+    """Ranks that build their Simulation with different physics raise together (the
+    shapes alone agree, so the run would otherwise mix two configurations)."""
+    integrator = "leapfrog" if ctx["odd"] else "fastpm"
+    expect_error(lambda: simulation(grid, ctx, integrator=integrator), ctx, "disagree", "`integrator`",
+                 "leapfrog", "fastpm", "Simulation")
+
+
+def case_simulation_cosmology(grid, ctx):
+    import torchpm
+
+    parameters = {key: float(value) for key, value in torchpm.Planck15().parameters().items()}
+    parameters["sigma8"] += 1e-9 if ctx["odd"] else 0.0
+    cosmology = torchpm.Cosmology(**parameters)
+    expect_error(lambda: simulation(grid, ctx, cosmology=cosmology), ctx, "disagree", "`cosmology`",
+                 "'sigma8': 0.8159000009999999", "'sigma8': 0.8159,", "Simulation")
+
+
+def case_gather_batch(grid, ctx):
+    """gather with another batch on one rank: an error on every rank, not a gloo abort."""
+    sim = simulation(grid, ctx, steps=0)
+    state = sim(sim.white_noise(batch=2, seed=3))
+    if ctx["odd"]:
+        state = state._replace(positions=state.positions[:1], momenta=state.momenta[:1], ids=state.ids[:1])
+    expect_error(lambda: sim.gather(state), ctx, "disagree", "batch size of the state", "Simulation.gather")
+
+
+def case_gather_no_ids(grid, ctx):
+    sim = simulation(grid, ctx, steps=0)
+    state = sim(sim.white_noise(seed=3))
+    if ctx["odd"]:
+        state = state._replace(ids=None)
+    expect_error(lambda: sim.gather(state), ctx, "`state.ids` is required", "Simulation.gather")
+
+
+def case_density_ids(grid, ctx):
+    """density's `ids` of the wrong shape on one rank: every rank raises before the migration."""
+    sim = simulation(grid, ctx, steps=0)
+    state = sim(sim.white_noise(seed=3))
+    ids = state.ids[:, :1] if ctx["odd"] else state.ids
+    expect_error(lambda: sim.density(state.positions, ids=ids), ctx, "`ids`", "density", "every rank",
+                 ranks=[ctx["world"] - 1])
 
 
 def case_paint_not_owned(grid, ctx):

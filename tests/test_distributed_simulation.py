@@ -145,6 +145,8 @@ def _compare_runs(grid, ctx, batch):
     assert_small(float((whole.momenta - expected.momenta).abs().max()), float(expected.momenta.abs().max()),
                  "momenta")
     density = distributed.density(state)
+    # The state's positions with their ids: the empty slots (id -1) carry no mass.
+    assert torch.equal(distributed.density(state.positions, ids=state.ids), density), "density of positions + ids"
     expected_density = distributed.force_mesh.local_real_part(serial.density(expected))
     assert_small(float((density - expected_density).abs().max()), float(expected_density.abs().max()), "density")
     spectrum = power_spectrum(density - 1.0, box, mesh=distributed.force_mesh)

@@ -121,6 +121,19 @@ def test_batch_equals_separate_runs(device):
     density = sim.density(both)
     assert density.shape == (2, 8, 8, 12)
     torch.testing.assert_close(density.mean(dim=(1, 2, 3)), torch.ones(2, dtype=torch.float64, device=device))
+    # the positions with ids weigh only the occupied slots; the positions alone every slot
+    assert torch.equal(sim.density(both.positions, ids=both.ids), density)
+    assert torch.equal(sim.density(both.positions), density)
+    emptied = both.ids.clone()
+    emptied[:, :48] = -1
+    half = sim.density(both.positions, ids=emptied)
+    torch.testing.assert_close(half.sum(dim=(1, 2, 3)), density.sum(dim=(1, 2, 3)) / 2, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match=r"density: expected integer `ids` of shape \(2, 96\)"):
+        sim.density(both.positions, ids=both.ids[:, :5])
+    with pytest.raises(ValueError, match="pass `ids` with positions only"):
+        sim.density(both, ids=both.ids)
+    with pytest.raises(ValueError, match=r"density: expected positions of shape \(B, N, 3\)"):
+        sim.density(both.positions[..., :2])
     # positions are wrapped into the box
     box = torch.tensor([40.0, 40.0, 60.0], dtype=torch.float64, device=device)
     assert bool(((both.positions >= 0) & (both.positions < box)).all())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import zlib
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -296,6 +297,28 @@ class Simulation(nn.Module):
         else:
             self.particle_mesh = PencilDecomposition(self.particle_shape, groups)
             self.force_mesh = PencilDecomposition(self.mesh_shape, groups)
+            # The decompositions agreed on the shapes; the ranks must also run the same
+            # physics (one rank's other box, cosmology or integrator would mix two runs).
+            self.force_mesh.grid.agree("Simulation", [
+                ("`box_size`", repr(self.box_size)),
+                ("the scale factors (`a_start`, `steps`, `a_end`)", repr(tuple(self.scale_factors))),
+                ("`cosmology`", repr({key: float(value.detach()) for key, value in cosmology.parameters().items()})),
+                ("`power_spectrum`", _power_setting(power_spectrum, self.power)),
+                ("`lpt_order`", self.lpt_order),
+                ("`lpt_normalisation`", self.lpt_normalisation),
+                ("`integrator`", self.integrator),
+                ("`gradient`", self.kernel_options["gradient"]),
+                ("`laplacian`", self.kernel_options["laplacian"]),
+                ("`paint_order`", self.paint_order),
+                ("`window_compensation`", self.window_compensation),
+                ("`cic_compensation`", self.cic_compensation),
+                ("`dtype`", str(dtype)),
+                ("`checkpoint`", self.checkpoint),
+                ("`adjoint`", self.adjoint),
+                ("`particle_capacity`", repr(self.particle_capacity)),
+                ("`sort_every`", self.sort_every),
+                ("`force_correction`", "None" if force_correction is None else type(force_correction).__qualname__),
+            ])
         # Before any particle or mesh is allocated: refuse a run that cannot fit (the
         # module starts on the CPU; forward checks again on its device with its batch).
         self._memory_checked: set = set()
@@ -856,16 +879,32 @@ class Simulation(nn.Module):
             momenta = torch.where((ids >= 0).unsqueeze(-1), momenta, torch.zeros_like(momenta))
         return SimulationState(physical, momenta, a, ids)
 
-    def density(self, state: SimulationState | torch.Tensor) -> torch.Tensor:
+    def density(self, state: SimulationState | torch.Tensor, *, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The CIC-painted density ``1 + delta`` (mean 1) on this rank's block of the force
         mesh, ``(B, *force_mesh.local_real_shape)`` (the whole mesh on one device).
 
         Accepts a :class:`SimulationState` or positions ``(B, N, 3)`` in Mpc/h. On a
         process grid the particles are first moved to the ranks owning them, so any
-        distribution of particles over the ranks is accepted.
+        distribution of particles over the ranks is accepted. A grid state holds empty
+        slots (id ``-1``), which carry no mass: pass the state, or its positions with
+        ``ids=state.ids`` (positions alone count every slot as a particle).
         """
         positions = state.positions if isinstance(state, SimulationState) else state
-        ids = state.ids if isinstance(state, SimulationState) else None
+        error = None
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 3 or positions.shape[-1] != 3:
+            error = f"density: expected positions of shape (B, N, 3), got {getattr(positions, 'shape', positions)!r}"
+        elif isinstance(state, SimulationState):
+            if ids is not None:
+                error = "density: pass `ids` with positions only (a SimulationState carries its own)"
+            ids = state.ids
+        elif ids is not None and (not isinstance(ids, torch.Tensor) or ids.is_floating_point()
+                                  or tuple(ids.shape) != tuple(positions.shape[:2])):
+            error = (f"density: expected integer `ids` of shape {tuple(positions.shape[:2])} like the positions, "
+                     f"got {getattr(ids, 'shape', ids)!r}")
+        if not self.force_mesh.is_local:
+            self.force_mesh.raise_together(error)  # every rank raises, none waits in the migration
+        elif error:
+            raise ValueError(error)
         if ids is None:
             ids = torch.zeros(positions.shape[:2], dtype=torch.int64, device=positions.device)
         cell = torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
@@ -877,9 +916,19 @@ class Simulation(nn.Module):
         """The whole state on every rank: ``(B, N, 3)`` positions and momenta sorted by id,
         ids ``arange(N)``. For small runs and tests (every rank holds every particle); not
         differentiable. Collective on a process grid; the identity order on one device."""
-        if state.ids is None:
-            raise ValueError("gather: `state.ids` is required")
         mesh = self.force_mesh
+        error = _gather_error(state)
+        if not mesh.is_local:
+            # Every rank's call alike before the collectives, whose sizes follow from
+            # these (a mismatch there is a gloo abort, not an error): errors raised together.
+            positions = state.positions if error is None else None
+            mesh.grid.agree("Simulation.gather", [
+                ("batch size of the state", -1 if positions is None else positions.shape[0]),
+                ("dtype of the state's positions", None if positions is None else positions.dtype),
+                ("the state's scale factor `a`", repr(state.a) if error is None else None),
+            ], error)
+        elif error is not None:
+            raise ValueError(error)
         ids = state.ids.to(torch.int64)
         values = torch.cat([state.positions, state.momenta], dim=-1).detach()
         if not mesh.is_local:
@@ -910,6 +959,34 @@ class Simulation(nn.Module):
             f"integrator={self.integrator!r}, lpt_order={self.lpt_order}, dtype={self.dtype}"
             + (f", grid={grid}" if grid != (1, 1) else "")
         )
+
+
+def _power_setting(argument, power) -> str:
+    """``power_spectrum`` as the ranks compare it: a table by its values (its path may
+    differ between machines), a callable by its qualified name, a built-in by name."""
+    if isinstance(power, PowerTable):
+        values = torch.cat([power._log_k.reshape(-1), power._log_p.reshape(-1)]).to(torch.float64)
+        return f"table {zlib.crc32(values.numpy().tobytes()):08x}"
+    if callable(argument):
+        return f"callable {getattr(argument, '__module__', '?')}.{getattr(argument, '__qualname__', type(argument).__qualname__)}"
+    return str(argument)
+
+
+def _gather_error(state) -> str | None:
+    """What is wrong with a state passed to :meth:`Simulation.gather`, or None."""
+    if not isinstance(state, SimulationState):
+        return f"gather: expected a SimulationState, got {type(state).__name__}"
+    positions, momenta, ids = state.positions, state.momenta, state.ids
+    if ids is None:
+        return "gather: `state.ids` is required"
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 3 or positions.shape[-1] != 3:
+        return f"gather: expected `state.positions` of shape (B, N, 3), got {getattr(positions, 'shape', positions)!r}"
+    if not isinstance(momenta, torch.Tensor) or momenta.shape != positions.shape or momenta.dtype != positions.dtype:
+        return (f"gather: expected `state.momenta` of the positions' shape {tuple(positions.shape)} and dtype "
+                f"{positions.dtype}, got {getattr(momenta, 'shape', momenta)!r}")
+    if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != tuple(positions.shape[:2]) or ids.is_floating_point():
+        return f"gather: expected integer `state.ids` of shape {tuple(positions.shape[:2])}, got {ids!r:.80}"
+    return None
 
 
 def _all_gather_rows(tensor: torch.Tensor, mesh) -> torch.Tensor:
