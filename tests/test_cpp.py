@@ -149,6 +149,13 @@ def test_cpp_example_rejects_a_bad_positions_file(example, tmp_path):
     )
     assert result.returncode == 1
     assert "3 per particle" in result.stderr and "56 bytes" in result.stderr
+    for arguments, message in [(["abc", "0.45"], "MESH_SIZE must be an integer, got 'abc'"),
+                               (["16x", "0.45"], "MESH_SIZE must be an integer, got '16x'"),
+                               ([str(MESH), "nan"], "FORCE_SCALE must be a finite number, got 'nan'"),
+                               ([str(MESH), "0.4.5"], "FORCE_SCALE must be a finite number, got '0.4.5'")]:
+        result = subprocess.run([example, *arguments, str(source), str(tmp_path / "out.f64")],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 1 and message in result.stderr, result.stderr
 
 
 def test_cpp_api_gradients_match_python_and_errors_reach_cpp(api_checks, tmp_path):

@@ -114,6 +114,36 @@ at::Tensor compute_forces(const at::Tensor& positions, const Kernels& kernels, i
   return torchpm::cic_readout(field, positions);  // (B, N, 3): 3 channels, one pass
 }
 
+// A whole command-line number, or an error naming the argument (std::stoll alone
+// accepts "12abc" and reports "abc" only as "stoll").
+int64_t integer_argument(const char* text, const char* name) {
+  size_t used = 0;
+  int64_t value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || text[used] != '\0') {
+    throw std::runtime_error(std::string(name) + " must be an integer, got '" + text + "'");
+  }
+  return value;
+}
+
+double real_argument(const char* text, const char* name) {
+  size_t used = 0;
+  double value = 0.0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || text[used] != '\0' || !std::isfinite(value)) {
+    throw std::runtime_error(std::string(name) + " must be a finite number, got '" + text + "'");
+  }
+  return value;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -125,8 +155,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    const int64_t n = std::stoll(argv[1]);
-    const double force_scale = std::stod(argv[2]);
+    const int64_t n = integer_argument(argv[1], "MESH_SIZE");
+    const double force_scale = real_argument(argv[2], "FORCE_SCALE");
     const torch::Device device(argc == 6 ? argv[5] : "cpu");
     if (n < 2) {
       throw std::runtime_error("MESH_SIZE must be at least 2, got " + std::string(argv[1]));
