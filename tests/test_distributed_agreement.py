@@ -26,7 +26,8 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "halo_add", "halo_paint", "operation", "local_error", "transpose_axis", "migrate_attribute_dtype",
             "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
-            "simulation_integrator", "simulation_cosmology", "gather_batch", "gather_no_ids", "density_ids"]
+            "simulation_integrator", "simulation_cosmology", "gather_batch", "gather_no_ids", "density_ids",
+            "thin_blocks"]
 PER_WORLD = ["grid_axis"]
 
 
@@ -302,6 +303,19 @@ def case_density_ids(grid, ctx):
     ids = state.ids[:, :1] if ctx["odd"] else state.ids
     expect_error(lambda: sim.density(state.positions, ids=ids), ctx, "`ids`", "density", "every rank",
                  ranks=[ctx["world"] - 1])
+
+
+def case_thin_blocks(grid, ctx):
+    """A stencil wider than a rank's block (3 planes over 2 or 3 ranks; TSC reaches 2) is
+    refused when the Simulation is built, on every rank, naming `paint_order` and the
+    blocks (not at the first force, as a halo width); CIC on the same grid runs."""
+    expect_error(lambda: simulation(grid, ctx, n_particles=(3, 3, 4), paint_order="tsc"), ctx,
+                 "`paint_order` 'tsc'", "blocks of 1 plane(s)", "[2, 1]" if max(grid) == 2 else "[1, 1, 1]", ranks=[])
+    sim = simulation(grid, ctx, n_particles=(3, 3, 4), paint_order="cic")
+    assert sim(sim.white_noise(seed=1)).ids.shape[0] == 1
+    # a particle grid with fewer planes than ranks is named as such (not as "mesh")
+    expect_error(lambda: simulation(grid, ctx, n_particles=(1, 1, 4)), ctx,
+                 "the particle grid `n_particles` (1, 1, 4)", "is too small", ranks=[])
 
 
 def case_paint_not_owned(grid, ctx):

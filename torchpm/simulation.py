@@ -30,6 +30,7 @@ from .resources import check_memory, estimate_memory
 from .adjoint import ParticleMeshForce, adjoint_integrate
 from .ordering import restore_id_order, sort_particles
 from .ops._arguments import ORDER_NAMES, order_number
+from .ops.mass_assignment import halo_widths
 
 __all__ = ["Simulation", "SimulationState"]
 
@@ -295,8 +296,15 @@ class Simulation(nn.Module):
             self.particle_mesh = LocalMesh(self.particle_shape)
             self.force_mesh = LocalMesh(self.mesh_shape)
         else:
-            self.particle_mesh = PencilDecomposition(self.particle_shape, groups)
-            self.force_mesh = PencilDecomposition(self.mesh_shape, groups)
+            for name, shape in (("particle_mesh", self.particle_shape), ("force_mesh", self.mesh_shape)):
+                try:
+                    setattr(self, name, PencilDecomposition(shape, groups))
+                except ValueError as error:
+                    if "is too small" not in str(error):
+                        raise
+                    what = ("the particle grid `n_particles`" if name == "particle_mesh" else
+                            "the force mesh (`n_particles` x `mesh_factor`)")
+                    raise ValueError(f"Simulation: {what} {shape}: {error}") from None
             # The decompositions agreed on the shapes; the ranks must also run the same
             # physics (one rank's other box, cosmology or integrator would mix two runs).
             self.force_mesh.grid.agree("Simulation", [
@@ -319,6 +327,7 @@ class Simulation(nn.Module):
                 ("`sort_every`", self.sort_every),
                 ("`force_correction`", "None" if force_correction is None else type(force_correction).__qualname__),
             ])
+            self._check_blocks()  # the same answer on every rank: they agree on its inputs
         # Before any particle or mesh is allocated: refuse a run that cannot fit (the
         # module starts on the CPU; forward checks again on its device with its batch).
         self._memory_checked: set = set()
@@ -334,6 +343,23 @@ class Simulation(nn.Module):
         self._constant_cache: dict = {}
         # A buffer so that .to(device) tells us where to run.
         self.register_buffer("_anchor", torch.zeros((), dtype=dtype), persistent=False)
+
+    def _check_blocks(self):
+        """On a grid, every block of the force mesh along a split axis must hold the reach
+        of the paint stencil (its halo comes from one neighbour): said when the Simulation
+        is built, naming the settings, not at the first force. (The fd4 gradient of blocks
+        thinner than its reach is taken in Fourier space.)"""
+        below, above = halo_widths(self.paint_order)
+        reach = max(below, above)
+        layout = self.force_mesh.layout
+        for axis, (name, sizes) in enumerate((("x", layout.real_x), ("y", layout.real_y))):
+            if len(sizes) > 1 and min(sizes) < reach:
+                raise ValueError(
+                    f"the force mesh {self.mesh_shape} (n_particles x mesh_factor) split over the {layout.grid_shape} "
+                    f"process grid leaves blocks of {min(sizes)} plane(s) along {name} ({list(sizes)}), fewer than the "
+                    f"{reach} that the stencil of `paint_order` {self.paint_order!r} reaches; use a larger mesh, fewer "
+                    "ranks along that axis or a lower `paint_order`"
+                )
 
     # ------------------------------------------------------------------------------
     def _k_range(self):
