@@ -274,3 +274,22 @@ def test_cuda_graph_capture_of_a_simulation_step(device, method):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(out[3], expected[3])
     torchpm.check()
+
+
+def test_double_and_float_convert_the_simulation_like_any_module():
+    """.double() / .float() / .to(dtype) change the precision the simulation runs in (it
+    was silently kept), and give the runs of a Simulation built with that dtype, bit for
+    bit; a dtype torchpm cannot run in is named at the next use."""
+    built = _tiny(n_particles=4, box_size=40.0, mesh_factor=2, steps=2, dtype=torch.float64)
+    converted = _tiny(n_particles=4, box_size=40.0, mesh_factor=2, steps=2, dtype=torch.float32).double()
+    assert converted.dtype == torch.float64
+    noise = built.white_noise(seed=4)
+    expected, state = built(noise), converted(noise)
+    assert state.positions.dtype == torch.float64
+    assert torch.equal(state.positions, expected.positions) and torch.equal(state.momenta, expected.momenta)
+    assert converted.float().dtype == torch.float32 and converted(noise).positions.dtype == torch.float32
+    assert converted.to(torch.float64).dtype == torch.float64
+    converted.half()
+    assert "float16" in repr(converted)
+    with pytest.raises(ValueError, match=r"float32 or float64.*float16.*\.float\(\) or \.double\(\)"):
+        converted(noise)

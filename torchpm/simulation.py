@@ -251,7 +251,9 @@ class Simulation(nn.Module):
         self.sort_every = BY_NAME["sort_every"].validate(sort_every)
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype}")
-        self.dtype = dtype
+        # A buffer so that .to(device) tells us where to run, and .double() / .float() /
+        # .to(dtype) in what precision (the `dtype` property).
+        self.register_buffer("_anchor", torch.zeros((), dtype=dtype), persistent=False)
         if cosmology is None:
             cosmology = Planck15()
         if not isinstance(cosmology, Cosmology):
@@ -341,8 +343,6 @@ class Simulation(nn.Module):
             self.power.check_covers(*self._k_range())
         self._kernels: dict = {}
         self._constant_cache: dict = {}
-        # A buffer so that .to(device) tells us where to run.
-        self.register_buffer("_anchor", torch.zeros((), dtype=dtype), persistent=False)
 
     def _check_blocks(self):
         """On a grid, every block of the force mesh along a split axis must hold the reach
@@ -376,7 +376,7 @@ class Simulation(nn.Module):
         return estimate_memory(self.particle_shape, self.mesh_factor, self.dtype, batch=batch, ranks=ranks)
 
     def _check_memory(self, device: torch.device, batch: int) -> None:
-        key = (str(device), int(batch))
+        key = (str(device), int(batch), self.dtype)
         if self.memory_check == "off" or key in self._memory_checked:
             return
         check_memory(self.memory_estimate(batch), device, self.memory_check, what=f"this Simulation (batch {batch})")
@@ -385,6 +385,16 @@ class Simulation(nn.Module):
     @property
     def device(self) -> torch.device:
         return self._anchor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """float32 or float64: the ``dtype`` it was built with, or what ``.double()``,
+        ``.float()`` or ``.to(dtype)`` made it since (like any module)."""
+        dtype = self._anchor.dtype
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"Simulation: runs in float32 or float64, but .to() / .half() made it {dtype}; "
+                             "call .float() or .double()")
+        return dtype
 
     @property
     def steps(self) -> int:
@@ -982,7 +992,7 @@ class Simulation(nn.Module):
         return (
             f"n_particles={self.particle_shape}, box_size={self.box_size}, mesh_factor={self.mesh_factor}, "
             f"steps={self.steps}, a={self.scale_factors[0]:.4g}->{self.scale_factors[-1]:.4g}, "
-            f"integrator={self.integrator!r}, lpt_order={self.lpt_order}, dtype={self.dtype}"
+            f"integrator={self.integrator!r}, lpt_order={self.lpt_order}, dtype={self._anchor.dtype}"
             + (f", grid={grid}" if grid != (1, 1) else "")
         )
 
