@@ -218,29 +218,47 @@ def write_snapshot(
     h5py = _h5py()
     from .simulation import SimulationState
 
-    if not isinstance(state, SimulationState):
-        raise TypeError(f"`state` must be a torchpm.SimulationState, got {type(state).__name__}")
-    positions, momenta = state.positions, state.momenta
-    if positions.dim() != 3 or positions.shape[-1] != 3 or momenta.shape != positions.shape:
-        raise ValueError(
-            f"`state` positions and momenta must both be (B, N, 3), got {tuple(positions.shape)} and {tuple(momenta.shape)}"
-        )
-    batch, count, _ = positions.shape
-    if isinstance(member, bool) or not isinstance(member, int) or not 0 <= member < batch:
-        raise ValueError(f"`member` must be an int in [0, {batch}), got {member!r}")
     dist = _distributed()
     if num_files is None and file_index is None:
         file_index, num_files = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-    if num_files is None or file_index is None or not (0 <= file_index < num_files):
-        raise ValueError(f"`file_index` and `num_files` must be given together with 0 <= file_index < num_files, "
-                         f"got {file_index!r} and {num_files!r}")
-    ids = state.ids
-    if ids is None:
-        if num_files > 1 or count != sim.n_total:
-            raise ValueError("`state.ids` is needed for a multi-file snapshot or a partial particle set")
-        ids = torch.arange(count, device=positions.device).expand(batch, count)
-    if ids.shape != positions.shape[:2]:
-        raise ValueError(f"`state.ids` must be (B, N) = {tuple(positions.shape[:2])}, got {tuple(ids.shape)}")
+    # A multi-file set is written by every rank together: one rank's bad argument
+    # makes every rank raise (instead of the others waiting in the collectives below).
+    together = dist is not None and isinstance(num_files, int) and num_files > 1
+    error = None
+    try:
+        if not isinstance(state, SimulationState):
+            raise TypeError(f"`state` must be a torchpm.SimulationState, got {type(state).__name__}")
+        positions, momenta = state.positions, state.momenta
+        if positions.dim() != 3 or positions.shape[-1] != 3 or momenta.shape != positions.shape:
+            raise ValueError(f"`state` positions and momenta must both be (B, N, 3), got {tuple(positions.shape)} "
+                             f"and {tuple(momenta.shape)}")
+        batch, count, _ = positions.shape
+        if isinstance(member, bool) or not isinstance(member, int) or not 0 <= member < batch:
+            raise ValueError(f"`member` must be an int in [0, {batch}), got {member!r}")
+        if num_files is None or file_index is None or not (0 <= file_index < num_files):
+            raise ValueError(f"`file_index` and `num_files` must be given together with 0 <= file_index < num_files, "
+                             f"got {file_index!r} and {num_files!r}")
+        ids = state.ids
+        if ids is None:
+            if num_files > 1 or count != sim.n_total:
+                raise ValueError("`state.ids` is needed for a multi-file snapshot or a partial particle set")
+            ids = torch.arange(count, device=positions.device).expand(batch, count)
+        if ids.shape != positions.shape[:2]:
+            raise ValueError(f"`state.ids` must be (B, N) = {tuple(positions.shape[:2])}, got {tuple(ids.shape)}")
+    except (TypeError, ValueError) as exc:
+        if not together:
+            raise
+        error = exc
+    if together:
+        refused = torch.tensor([0 if error is None else 1], dtype=torch.int64)
+        if dist.get_backend() == "nccl":
+            refused = refused.cuda()
+        dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+        if error is not None:
+            raise error
+        if int(refused.item()):
+            raise ValueError(f"snapshot {path!r}: another rank's arguments were refused (its error says which); "
+                             "no file of the set was written")
     ids = ids[member]
     positions, momenta = positions[member], momenta[member]
     valid = int((ids >= 0).sum())
