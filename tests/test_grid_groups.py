@@ -11,6 +11,7 @@ import os
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.distributed
@@ -73,3 +74,24 @@ def test_grid_groups_take_the_world_timeout_and_are_made_once(tmp_path):
     # Rank 0 fails after about the world's 3 s, not after rank 1's 12 s stall.
     assert "timed out" in (reports[0]["raised"] or "").lower(), reports
     assert reports[0]["seconds"] < STALL_SECONDS - 4, reports
+
+
+class _FakeGroup:
+    def __init__(self, *types):
+        self._device_types = [torch.device(kind) for kind in types]
+
+
+def test_control_tensors_go_where_the_groups_can_reduce_them():
+    """The grid's own small reductions (agreement descriptors, counts) use the CPU when
+    every group has a CPU backend (gloo, "cpu:gloo,cuda:nccl") and the groups' device when
+    one has none (NCCL alone cannot reduce a CPU tensor): checked here on stand-in groups,
+    a device type without a current-device notion standing in for CUDA."""
+    from torchpm.distributed.groups import _control_device, _to_control
+
+    assert _control_device([]) == torch.device("cpu")
+    assert _control_device([_FakeGroup("cuda", "cpu"), _FakeGroup("cpu")]) == torch.device("cpu")
+    assert _control_device([_FakeGroup("cpu"), _FakeGroup("meta")]) == torch.device("meta")
+    moved = _to_control(torch.arange(3), [_FakeGroup("meta")])
+    assert moved.device.type == "meta" and moved.shape == (3,)
+    kept = torch.arange(3)
+    assert _to_control(kept, [_FakeGroup("cuda", "cpu")]) is kept

@@ -109,6 +109,29 @@ def process_grid_groups(
     return group0, group1
 
 
+def _control_device(groups) -> torch.device:
+    """Where the small tensors of the grid's own reductions (agreement descriptors, counts,
+    flags) go: the CPU when every group has a CPU backend (gloo, MPI, or a world made with
+    ``"cpu:gloo,cuda:nccl"``), else the current device of the groups' device type (a
+    world made with ``"nccl"`` alone, which cannot reduce a CPU tensor)."""
+    for group in groups:
+        types = list(getattr(group, "_device_types", None) or [])
+        if types and torch.device("cpu") not in types:
+            kind = types[0].type
+            module = getattr(torch, kind, None)
+            index = module.current_device() if module is not None and hasattr(module, "current_device") else None
+            return torch.device(kind, index)
+    return torch.device("cpu")
+
+
+def _to_control(tensor: torch.Tensor, groups) -> torch.Tensor:
+    """``tensor`` where ``groups`` can reduce it: a CPU tensor moves to the current GPU when
+    they have no CPU backend (NCCL alone); anything else stays."""
+    if tensor.device.type != "cpu":
+        return tensor
+    return tensor.to(_control_device(groups))
+
+
 # The groups process_grid_groups made, by (P0, P1, backend, timeout).
 _GRID_GROUPS: dict = {}
 
@@ -168,10 +191,10 @@ class _SumOverGrid(torch.autograd.Function):
     def forward(ctx, tensor, groups):
         import torch.distributed as dist
 
-        result = tensor.detach().clone().contiguous()
+        result = _to_control(tensor.detach().clone().contiguous(), groups)
         for group in groups:
             dist.all_reduce(result, group=group)
-        return result
+        return result.to(tensor.device)
 
     @staticmethod
     def backward(ctx, grad):
@@ -196,10 +219,10 @@ class _ReplicatedInput(torch.autograd.Function):
     def backward(ctx, grad):
         import torch.distributed as dist
 
-        grad = grad.contiguous().clone()
+        summed = _to_control(grad.contiguous().clone(), ctx.groups)
         for group in ctx.groups:
-            dist.all_reduce(grad, group=group)
-        return grad, None
+            dist.all_reduce(summed, group=group)
+        return summed.to(grad.device), None
 
 
 class GridGroups:
@@ -245,10 +268,10 @@ class GridGroups:
         reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op)
         if reduce_op is None:
             raise ValueError(f"all_reduce: `op` must be 'sum', 'max' or 'min', got {op!r}")
-        result = tensor.detach().clone().contiguous()
+        result = _to_control(tensor.detach().clone().contiguous(), groups)
         for group in groups:
             dist.all_reduce(result, op=reduce_op, group=group)
-        return result
+        return result.to(tensor.device)
 
     def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` for use in a distributed computation when every rank holds the same
@@ -260,7 +283,11 @@ class GridGroups:
         return _ReplicatedInput.apply(tensor, groups)
 
     def all_gather_counts(self, values: Sequence[int], device=None) -> torch.Tensor:
-        """``(grid size, len(values))`` int64: every rank's ``values``, row ``r0 * P1 + r1``."""
+        """``(grid size, len(values))`` int64: every rank's ``values``, row ``r0 * P1 + r1``
+        (on ``device``; by default where the groups can reduce it: the CPU, or the current
+        GPU when they have no CPU backend, as with NCCL alone)."""
+        if device is None:
+            device = _control_device(self._groups())
         table = torch.zeros(self.size, len(values), dtype=torch.int64, device=device)
         table[self.rank] = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
         return self.all_reduce(table, "sum")
@@ -307,6 +334,8 @@ class GridGroups:
             tail = descriptor[AGREEMENT_SLOTS - 1 :]
             descriptor = descriptor[: AGREEMENT_SLOTS - 1] + [zlib.crc32(repr(tail).encode())]
         descriptor += [0] * (AGREEMENT_SLOTS - len(descriptor))
+        if device is None:
+            device = _control_device(self._groups())
         both = torch.tensor(descriptor + [-d for d in descriptor], dtype=torch.int64, device=device)
         try:
             reduced = self.all_reduce(both, "max").tolist()
