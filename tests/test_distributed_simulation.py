@@ -38,7 +38,8 @@ def case_ids(world_size):
                 f"adjoint_b2-{grid}", f"adjoint_fused_force_b2-{grid}"]
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
-                    f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}"]
+                    f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}",
+                    f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}"]
         if (p0, p1) == (2, 1):
             ids.append(f"migration_placement-{grid}")
     if world_size > 1:
@@ -444,6 +445,68 @@ def case_migration_placement(grid, ctx):
     else:  # 3 of 10 slots empty: more than a quarter, compacted in order
         assert ids[0].tolist() == [7, 2, 15, 16, 0, 6, 1], ids
     assert torch.equal(positions, _expected_empty_positions(positions, ids, mesh.padding_position))
+
+
+def case_migration_ignores_empty_slots(grid, ctx):
+    """Where arrivals land depends on the occupied slots only: the empty slots' own
+    positions and momenta (which the kicks and drifts since the last migration move,
+    and which a returned state resets) change nothing. A run's particles at step 1,
+    drifted so that some cross to the other rank, migrated once with the empty slots
+    as the run holds them and once with them scattered over the block."""
+    import torchpm
+
+    sim = torchpm.Simulation(16, 64.0, 2, steps=5, dtype=torch.float64, mesh=ctx["groups"][grid])
+    mesh = sim.force_mesh
+    with torch.no_grad():
+        state = sim(sim.white_noise(seed=2), until=sim.scale_factors[1], return_mesh_units=True)
+    empty = state.ids < 0
+    counts = torch.tensor([int(empty.sum())])
+    torch.distributed.all_reduce(counts)
+    assert int(counts) > 0, "no rank holds empty slots: the case tests nothing"
+    drifted = state.positions + 0.5 * state.momenta / state.momenta.abs().max()
+    generator = torch.Generator().manual_seed(ctx["rank"])
+    scattered = drifted.clone()
+    low, size = mesh.local_real_offset, mesh.local_real_shape
+    for axis in range(3):
+        values = low[axis] + size[axis] * torch.rand(drifted.shape[:2], generator=generator, dtype=torch.float64)
+        scattered[..., axis] = torch.where(empty, values, drifted[..., axis])
+    momenta = torch.where(empty.unsqueeze(-1), torch.randn(drifted.shape, generator=generator,
+                                                            dtype=torch.float64), state.momenta)
+    _, positions, ids, moved = mesh.migrate(drifted, state.ids, state.momenta)
+    _, other_positions, other_ids, other_moved = mesh.migrate(scattered, state.ids, momenta)
+    assert torch.equal(ids, other_ids), "the empty slots' positions changed where the arrivals went"
+    assert torch.equal(positions, other_positions) and torch.equal(moved, other_moved)
+
+
+def case_resume_bits(grid, ctx):
+    """A run stopped with ``until`` and resumed (``resume``, mesh units) equals the
+    uninterrupted run bit for bit, float32 and float64, and so does one stopped twice
+    (as the command line does for its snapshots). The empty slots of the stopped state
+    have zero momentum, whereas the run's have been kicked and drifted since their
+    last migration: the migrations must not read them. (This configuration placed
+    arrivals differently, and so painted in another order, before they did not.)"""
+    import torchpm
+
+    differ = []
+    for dtype in (torch.float32, torch.float64):
+        sim = torchpm.Simulation(16, 64.0, 2, steps=5, dtype=dtype, mesh=ctx["groups"][grid])
+        noise = sim.white_noise(seed=2)
+        with torch.no_grad():
+            whole = sim.gather(sim(noise, return_mesh_units=True))
+            runs = {}
+            for k in (1, 2, 3):
+                middle = sim(noise, until=sim.scale_factors[k], return_mesh_units=True)
+                assert bool((middle.momenta[middle.ids < 0] == 0).all()), "momentum in an empty slot"
+                runs[f"resumed at step {k}"] = sim.resume(middle, mesh_units=True, return_mesh_units=True)
+            first = sim(noise, until=sim.scale_factors[1], return_mesh_units=True)
+            second = sim.resume(first, mesh_units=True, until=sim.scale_factors[3], return_mesh_units=True)
+            runs["resumed at steps 1 and 3"] = sim.resume(second, mesh_units=True, return_mesh_units=True)
+            for name, state in runs.items():
+                state = sim.gather(state)
+                if not (torch.equal(state.positions, whole.positions) and torch.equal(state.momenta, whole.momenta)):
+                    error = float((state.positions - whole.positions).abs().max())
+                    differ.append(f"{dtype} {name}: max |dx| {error:.3g}")
+    assert not differ, "resumed runs differ from the uninterrupted one: " + "; ".join(differ)
 
 
 def case_migration_headroom(grid, ctx):

@@ -196,7 +196,8 @@ class Simulation(nn.Module):
     field is accepted too and cut), and a state holds the particles this rank owns:
     ``(B, n, 3)`` with ``n`` the largest count of any batch member on the rank,
     the other members padded with empty slots whose ``ids`` are ``-1`` (zero mass,
-    zero momentum). :meth:`gather` returns the whole state on every rank and
+    zero momentum, in the cell of a neighbouring particle; a resume reads neither their
+    positions nor their momenta). :meth:`gather` returns the whole state on every rank and
     :meth:`density` the local block of the density. Results equal the single-device
     run from the same seed up to rounding.
     """
@@ -565,7 +566,8 @@ class Simulation(nn.Module):
 
         The force at ``state.a`` is recomputed from the positions, which on the CPU
         gives the same bits as the uninterrupted run when ``state`` holds the
-        integrator's own values (``mesh_units=True``, from ``return_mesh_units``).
+        integrator's own values (``mesh_units=True``, from ``return_mesh_units``; on a
+        process grid: on the same grid, each rank's particles in the slots it returned).
 
         Args:
             state: particles at ``state.a``; in Mpc/h, or in force-mesh cells with
@@ -819,7 +821,10 @@ class Simulation(nn.Module):
         """On one device, sorted particles back in grid (id) order; on a grid the
         order is the run's own and ``ids`` say which particle is where, and the empty
         slots get back their zero momentum (the kicks after the last migration, which
-        resets them, reached every slot)."""
+        resets them, reached every slot). No result depends on an empty slot's
+        momentum or position between migrations (a migration places it anew, and the
+        arrivals by the occupied slots alone), so a resume from this state is
+        bit-identical to the run going on."""
         if not self.force_mesh.is_local:
             return positions, momenta.masked_fill((ids < 0).unsqueeze(-1), 0), ids
         if not sort_every:

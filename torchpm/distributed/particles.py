@@ -244,7 +244,9 @@ class _Placement:
     position has come. Per batch member, the arrivals are sorted by the plane of their
     x coordinate in this rank's block (x: the axis along which the CPU paint measures
     its chunks of consecutive slots), and the free slots by that of their last occupant
-    (a leaver's clamped into the block); the arrivals in the lower half of the block
+    (a leaver's clamped into the block) or, for a slot empty already, by the plane that
+    :func:`place_empty_slots` gives it from the occupied slots next to it (never its own
+    position: see :func:`_plan_stage`); the arrivals in the lower half of the block
     take the lowest free slots, those in the upper half the highest, and when more
     arrive than slots are free the last ones take new slots at the end. A particle so
     lands among slots whose particles share its planes (the slots keep the lattice's
@@ -478,9 +480,11 @@ def _headroom(count: int, capacity: int | None) -> int:
     return room
 
 
-def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids, destination, capacity=None):
+def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids, destination, capacity=None,
+                corner=(0.0, 0.0, 0.0)):
     """The stage of grid ``axis`` for particles ``positions`` / ``ids`` ``(B, count, ...)``;
-    when the slots grow, they grow with headroom (within ``capacity``)."""
+    when the slots grow, they grow with headroom (within ``capacity``). ``corner``: the
+    position of the empty slots of a member without particles (:func:`place_empty_slots`)."""
     grid_axis = grid.axes[axis]
     size = grid_axis.size
     batch, count = ids.shape
@@ -537,9 +541,18 @@ def _plan_stage(layout: BlockLayout, grid: GridGroups, axis: int, positions, ids
         # would otherwise grow, and copy every per-particle tensor, at every step.
         count_out += _headroom(count_out, capacity)
     x_low = split_offsets(layout.real_x)[grid.coords[0]]
+    # The free slots' x, by which the arrivals are placed: a leaver's own; an earlier
+    # empty slot's as place_empty_slots would set it now, from the occupied slot next to
+    # it. Not its own position: the steps kick and drift the empty slots too after the
+    # migration placed them, and a state returned to the user resets them (zero
+    # momentum), so a run resumed from it would place the arrivals, and paint, in
+    # another order. So no migration reads an empty slot's position or momentum.
+    hole_x = positions.detach().reshape(-1, 3)[holes, 0]
+    if len(clear_in):
+        padding_x = _empty_slot_rows(positions.detach().reshape(-1, 3)[:, :1], count, clear_in, float(corner[0]))
+        hole_x = hole_x.masked_scatter(~hole_valid, padding_x.reshape(-1))
     placement = _Placement(x_low, x_low + layout.real_x[grid.coords[0]], count, count_out, holes,
-                           positions.detach().reshape(-1, 3)[holes, 0], free, arrivals, received,
-                           arriving_host, free_host)
+                           hole_x, free, arrivals, received, arriving_host, free_host)
     stage = _Stage(grid_axis, batch, count, count_out, send_index, placement, clear_in, send_counts,
                    receive_counts)
     # Occupied slots per member afterwards, without a pass over the slots.
@@ -601,7 +614,8 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
     for axis in (0, 1):
         if grid.axes[axis].size == 1:
             continue
-        stage, occupied, non_finite = _plan_stage(layout, grid, axis, positions, ids, destination, capacity)
+        stage, occupied, non_finite = _plan_stage(layout, grid, axis, positions, ids, destination, capacity,
+                                                  corner)
         if bad is None:
             bad = _count_non_finite(positions, ids) if non_finite is None else non_finite
         payload = [positions, ids, *attributes] + ([] if destination is None else [destination])
@@ -656,12 +670,25 @@ def place_empty_slots(positions: torch.Tensor, ids: torch.Tensor, corner, empty:
     narrow (its fast path), and a GPU paint does not pile every empty slot onto one
     node. The position depends only on the occupied slots' positions and the layout, so
     a restart that restores the layout (:func:`torchpm.io.restart_state`) restores the
-    empty slots as the migration left them. It carries no gradient."""
-    batch, count = ids.shape
+    empty slots as the migration left them; and a migration places the arrivals by the
+    same rule applied to the positions it is given, not by where the empty slots have
+    drifted since. It carries no gradient."""
     if empty is None:
         empty = torch.nonzero(ids.reshape(-1) < 0).reshape(-1)
     if not empty.numel():
         return positions
+    flat = positions.view(-1, 3)
+    flat.index_copy_(0, empty, _empty_slot_rows(flat, ids.shape[1], empty, corner))
+    return positions
+
+
+def _empty_slot_rows(flat: torch.Tensor, count: int, empty: torch.Tensor, corner) -> torch.Tensor:
+    """The rows :func:`place_empty_slots` gives the empty slots ``empty`` (flat indices
+    ``b * count + i``, increasing, every empty slot of the members they are in) of the
+    ``(B * count, w)`` rows ``flat``: the cell centre of the nearest occupied slot before
+    (else after) in its member, ``corner`` in a member without particles. Read from the
+    occupied slots only; writes nothing. With ``w = 1`` (one coordinate column) and a
+    scalar ``corner``, that coordinate alone."""
     # Runs of consecutive empty slots within a member.
     slot = empty % count
     first = torch.ones_like(empty, dtype=torch.bool)
@@ -677,11 +704,10 @@ def place_empty_slots(positions: torch.Tensor, ids: torch.Tensor, corner, empty:
     after_start = start > member_start
     source = torch.where(after_start, start - 1, end + 1)
     occupied = after_start | (end + 1 < member_start + count)
-    flat = positions.view(-1, 3)
     rows = torch.floor(flat.detach().index_select(0, torch.where(occupied, source, 0))).add_(0.5)
-    corner = torch.as_tensor(corner, dtype=rows.dtype, device=rows.device)
-    flat.index_copy_(0, empty, torch.where(occupied.unsqueeze(1), rows, corner))
-    return positions
+    if not isinstance(corner, float):  # (a Python float needs no copy to the device)
+        corner = torch.as_tensor(corner, dtype=rows.dtype, device=rows.device)
+    return torch.where(occupied.unsqueeze(1), rows, corner)
 
 
 def _count_non_finite(positions: torch.Tensor, ids: torch.Tensor) -> int:
