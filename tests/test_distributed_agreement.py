@@ -27,7 +27,7 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
             "simulation_integrator", "simulation_cosmology", "gather_batch", "gather_no_ids", "density_ids",
-            "thin_blocks"]
+            "thin_blocks", "resume_no_ids", "resume_step"]
 PER_WORLD = ["grid_axis"]
 
 
@@ -303,6 +303,25 @@ def case_density_ids(grid, ctx):
     ids = state.ids[:, :1] if ctx["odd"] else state.ids
     expect_error(lambda: sim.density(state.positions, ids=ids), ctx, "`ids`", "density", "every rank",
                  ranks=[ctx["world"] - 1])
+
+
+def case_resume_no_ids(grid, ctx):
+    """resume with a state without ids on one rank: every rank raises, none waits."""
+    sim = simulation(grid, ctx, steps=2)
+    state = sim(sim.white_noise(seed=3), until=sim.scale_factors[1])
+    if ctx["odd"]:
+        state = state._replace(ids=None)
+    expect_error(lambda: sim.resume(state), ctx, "`state.ids` is required on a process grid", "Simulation.resume",
+                 "every rank", ranks=[ctx["world"] - 1])
+
+
+def case_resume_step(grid, ctx):
+    """Ranks resuming from different steps (they would run other numbers of steps) are named."""
+    sim = simulation(grid, ctx, steps=2)
+    state = sim(sim.white_noise(seed=3), until=sim.scale_factors[1])
+    until = sim.scale_factors[1] if ctx["odd"] else None
+    expect_error(lambda: sim.resume(state, until=until), ctx, "disagree", "the last step (`until`)",
+                 "Simulation.resume")
 
 
 def case_thin_blocks(grid, ctx):

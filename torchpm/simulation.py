@@ -575,12 +575,26 @@ class Simulation(nn.Module):
             until: final scale factor (one of :attr:`scale_factors`); default the last.
             callback: as in :meth:`forward`, called after each step with the global step number.
         """
-        if not isinstance(state, SimulationState):
-            raise ValueError(f"`state` must be a SimulationState, got {type(state).__name__}")
-        start = self._step_index(state.a, "state.a")
-        stop = self._step_index(until, "until")
-        if stop < start:
-            raise ValueError(f"`until` ({self.scale_factors[stop]}) is before the state's scale factor ({state.a})")
+        error, start, stop = None, None, None
+        try:
+            if not isinstance(state, SimulationState):
+                raise ValueError(f"`state` must be a SimulationState, got {type(state).__name__}")
+            start = self._step_index(state.a, "state.a")
+            stop = self._step_index(until, "until")
+            if stop < start:
+                raise ValueError(f"`until` ({self.scale_factors[stop]}) is before the state's scale factor ({state.a})")
+            if state.ids is None and not self.force_mesh.is_local:
+                raise ValueError("`state.ids` is required on a process grid")
+        except ValueError as exc:
+            if self.force_mesh.is_local:
+                raise
+            error = exc
+        if not self.force_mesh.is_local:
+            # One rank's bad state raises on every rank, and ranks resuming from other
+            # steps (they would run other numbers of steps) are named.
+            self.force_mesh.agree("Simulation.resume", [("the state's step (`state.a`)", start),
+                                                        ("the last step (`until`)", stop)],
+                                  None if error is None else str(error))
         positions, momenta = state.positions, state.momenta
         if not mesh_units:
             cell = torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
@@ -589,8 +603,6 @@ class Simulation(nn.Module):
         momenta = momenta.to(dtype=self.dtype, device=self.device)
         ids = state.ids
         if ids is None:
-            if not self.force_mesh.is_local:
-                raise ValueError("`state.ids` is required on a process grid")
             ids = torch.arange(positions.shape[1], device=self.device).expand(positions.shape[0], -1)
         ids = ids.to(device=self.device, dtype=torch.int64)
         _, positions, ids, momenta = self.force_mesh.migrate(
