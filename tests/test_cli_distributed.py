@@ -64,3 +64,29 @@ def test_nccl_runs_get_a_blocking_wait_unless_the_user_chose():
         chosen = {name: "0"}
         assert nccl_failure_settings(chosen) == {}
         assert chosen == {name: "0"}
+
+
+def test_torchrun_resume_refused_by_one_rank_is_one_error_on_every_rank(tmp_path):
+    """A 2-rank run writes a snapshot set; rank 1's file is then made incompatible (another
+    h). ``--resume`` must stop every rank with the one-line error (naming the file and the
+    rank), before the new output folder is made: no traceback of a rank left waiting, no
+    config.toml that a rerun would refuse to overwrite."""
+    import h5py
+
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG + "snapshots = [0.4]\n")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "torchpm"]
+    _run([*launch, "run", str(config), "--output", str(tmp_path / "first")], tmp_path)
+    with h5py.File(tmp_path / "first" / "snap_000.1.hdf5", "r+") as handle:
+        handle["torchpm"].attrs["cosmology_h"] = 0.5
+    command = [*launch, "run", str(config), "--output", str(tmp_path / "second"),
+               "--resume", str(tmp_path / "first" / "snap_000.0.hdf5")]
+    result = subprocess.run(command, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    # Both ranks print the one line (rank 1's reason) and exit; neither is left waiting.
+    assert output.count("torchpm run: rank 1 (grid (1, 0)): cannot resume from") == 2, output[-3000:]
+    assert "cosmology_h: snapshot 0.5" in output, output[-3000:]
+    assert "[rank0]: Traceback" not in output and "Connection closed" not in output, output[-3000:]
+    assert not (tmp_path / "second" / "config.toml").exists()

@@ -245,6 +245,24 @@ def _agree(context, error: str | None) -> None:
         raise UserError(error)
 
 
+def _resume_state(resume, batch, context, simulation, read_snapshot, restart_state):
+    """This rank's state to resume from (every batch member's snapshot); UserError naming
+    the file that cannot be resumed from."""
+    states = []
+    for member, path in enumerate(member_snapshots(resume, batch)):
+        try:
+            snapshot = _read_for_resume(path, context, read_snapshot)
+            if batch > 1 and int(snapshot.attributes.get("member", member)) != member:
+                raise ValueError(f"it holds batch member {snapshot.attributes['member']}, not {member}")
+            states.append(restart_state(snapshot, simulation))
+        except (OSError, ValueError, KeyError) as error:
+            raise UserError(f"cannot resume from {path!r}: {error}") from None
+    try:
+        return stack_members(states, simulation.force_mesh.padding_position)
+    except ValueError as error:
+        raise UserError(f"cannot resume from {resume!r}: {error}") from None
+
+
 def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gather_blocks,
          read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot):
     import numpy as np
@@ -264,20 +282,14 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
 
     start_state = None
     if resume is not None:
-        paths = member_snapshots(resume, batch)
-        states = []
-        for member, path in enumerate(paths):
-            try:
-                snapshot = _read_for_resume(path, context, read_snapshot)
-                if batch > 1 and int(snapshot.attributes.get("member", member)) != member:
-                    raise ValueError(f"it holds batch member {snapshot.attributes['member']}, not {member}")
-                states.append(restart_state(snapshot, simulation))
-            except (OSError, ValueError, KeyError) as error:
-                raise UserError(f"cannot resume from {path!r}: {error}") from None
+        problem = None
         try:
-            start_state = stack_members(states, simulation.force_mesh.padding_position)
-        except ValueError as error:
-            raise UserError(f"cannot resume from {resume!r}: {error}") from None
+            start_state = _resume_state(resume, batch, context, simulation, read_snapshot, restart_state)
+        except UserError as error:
+            problem = str(error)
+        # Each rank reads its own file: one rank's refusal is raised by every rank (before
+        # the output folder is touched), not by that rank alone with the others waiting.
+        simulation.force_mesh.raise_together(problem, UserError)
     if check:
         if main_rank:
             print(describe(config, simulation), flush=True)
