@@ -944,3 +944,7 @@ def test_paint_density_normalisation():
     torch.testing.assert_close(delta, expected, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="no particles"):
         paint_density(x[:, :0], mesh)
+    # a shape where the mesh goes: the error says to pass it as `shape`
+    with pytest.raises(TypeError, match=r"got tuple; for the whole mesh of that shape pass shape=\(8, 8, 8\)"):
+        paint_density(x, (8, 8, 8))
+    torch.testing.assert_close(paint_density(x, shape=(8, 8, 8), weights=w, order="tsc"), delta, rtol=0, atol=0)

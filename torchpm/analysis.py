@@ -150,9 +150,12 @@ def _binned(
 def _check_mesh_argument(mesh, function):
     if mesh is not None and not all(hasattr(mesh, name) for name in
                                     ("paint", "rfftn", "global_shape", "local_real_shape", "all_reduce")):
+        hint = ""
+        if isinstance(mesh, (tuple, list)) and all(isinstance(n, numbers.Integral) for n in mesh):
+            hint = f"; for the whole mesh of that shape pass shape={tuple(int(n) for n in mesh)}"
         raise TypeError(
             f"{function}: `mesh` must be None or a mesh object such as torchpm.mesh.LocalMesh or a "
-            f"PencilDecomposition (e.g. sim.force_mesh), got {type(mesh).__name__}"
+            f"PencilDecomposition (e.g. sim.force_mesh), got {type(mesh).__name__}{hint}"
         )
 
 
