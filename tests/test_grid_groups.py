@@ -95,3 +95,39 @@ def test_control_tensors_go_where_the_groups_can_reduce_them():
     assert moved.device.type == "meta" and moved.shape == (3,)
     kept = torch.arange(3)
     assert _to_control(kept, [_FakeGroup("cuda", "cpu")]) is kept
+
+
+def _nccl_worker(rank, store):
+    import torch.distributed as dist
+
+    from torchpm.distributed.groups import GridGroups
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        grid = GridGroups((dist.new_group([0]), None))
+        grid.agree("an operation", [("a value", 3), ("a name", "x")])
+        counts = grid.all_gather_counts([5, 7])
+        assert counts.device.type == "cuda" and counts.tolist() == [[5, 7]]
+        grid.raise_together(None)
+        for op in ("sum", "max"):
+            reduced = grid.all_reduce(torch.tensor([2.0, -1.0]), op)
+            assert reduced.device.type == "cpu" and reduced.tolist() == [2.0, -1.0]
+        try:
+            grid.raise_together("this rank's error")
+        except ValueError as error:
+            assert "this rank's error" in str(error)
+        else:
+            raise AssertionError("raise_together did not raise")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),
+                    reason="needs a CUDA device and NCCL")
+def test_grid_reductions_of_cpu_values_on_an_nccl_group(tmp_path):
+    """On a real NCCL group (one rank: the one GPU there is), the grid's own reductions of
+    CPU values (agreement, counts, error flags, max and sum) run on the GPU and come back."""
+    mp.start_processes(_nccl_worker, args=(str(tmp_path / "store"),), nprocs=1, join=True, start_method="spawn")
