@@ -488,8 +488,9 @@ class PencilDecomposition:
             (f"leading (batch) shape of `{name}`", tuple(tensor.shape[:-3]) if is_tensor and tensor.dim() >= 3 else ()),
         ]
         values += [(key, value() if callable(value) else value) for key, value in extra]
-        self.grid.agree(f"PencilDecomposition.{method}", values, error,
-                        device=tensor.device if is_tensor else None)
+        # (on the groups' control device: the CPU wherever they have a CPU backend, so
+        # the check does not wait for a GPU's queue; the GPU with NCCL alone)
+        self.grid.agree(f"PencilDecomposition.{method}", values, error)
 
     def _check_width(self, width):
         def pair(value):
