@@ -488,8 +488,8 @@ class PencilDecomposition:
             (f"leading (batch) shape of `{name}`", tuple(tensor.shape[:-3]) if is_tensor and tensor.dim() >= 3 else ()),
         ]
         values += [(key, value() if callable(value) else value) for key, value in extra]
-        # (on the groups' control device: the CPU wherever they have a CPU backend, so
-        # the check does not wait for a GPU's queue; the GPU with NCCL alone)
+        # (on the groups' control device: the CPU wherever they have a CPU backend, the
+        # GPU with NCCL alone, which cannot reduce a CPU tensor)
         self.grid.agree(f"PencilDecomposition.{method}", values, error)
 
     def _check_width(self, width):
