@@ -26,7 +26,7 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "halo_add", "halo_paint", "operation", "local_error", "transpose_axis", "migrate_attribute_dtype",
             "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
-            "simulation_integrator", "simulation_cosmology", "gather_batch", "gather_no_ids", "density_ids",
+            "simulation_integrator", "simulation_cosmology", "simulation_power_alias", "gather_batch", "gather_no_ids", "density_ids",
             "thin_blocks", "resume_no_ids", "resume_step"]
 PER_WORLD = ["grid_axis"]
 
@@ -267,6 +267,12 @@ def case_simulation_integrator(grid, ctx):
     integrator = "leapfrog" if ctx["odd"] else "fastpm"
     expect_error(lambda: simulation(grid, ctx, integrator=integrator), ctx, "disagree", "`integrator`",
                  "leapfrog", "fastpm", "Simulation")
+
+
+def case_simulation_power_alias(grid, ctx):
+    """Two names of one built-in spectrum are one setting: no error."""
+    sim = simulation(grid, ctx, power_spectrum="eh" if ctx["odd"] else "eisenstein_hu")
+    assert sim.steps == 1
 
 
 def case_simulation_cosmology(grid, ctx):

@@ -362,6 +362,16 @@ def run_case(case_id, ctx):
             raise AssertionError("the write should have failed on every rank")
         dist.barrier()
         assert not [name for name in os.listdir(folder) if name.startswith("other")]
+        # the same for a scale factor off the steps on rank 1
+        try:
+            write_snapshot(other, local._replace(a=0.37) if rank == 1 else local, sim, mesh_units=True)
+        except ValueError as error:
+            expected = "0.37" if rank == 1 else "another rank's arguments"
+            assert expected in str(error), str(error)
+        else:
+            raise AssertionError("the write should have failed on every rank")
+        dist.barrier()
+        assert not [name for name in os.listdir(folder) if name.startswith("other")]
     elif kind == "restart":
         # A distributed run (grid 2x1) writes its per-rank files at a = 0.5; every rank
         # resumes from a share of the set; the result equals the uninterrupted run bit for bit.

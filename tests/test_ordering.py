@@ -95,6 +95,13 @@ def test_cuda_kernels_check_arguments_as_the_cpu_ops():
         registered, pure_torch = getattr(torch.ops.torchpm, name), getattr(ordering, f"{name}_device")
         message = _same_error(registered, pure_torch, values, torch.tensor([[0, 1, 3, 4]]))
         assert message.endswith("`order` must hold slots in [0, 4), got 4 at flat position 3.")
+        message = _same_error(registered, pure_torch, values, torch.tensor([[-1, 0, 1, 5]]))
+        assert message.endswith("got -1 at flat position 0.")  # the first bad slot, of several
+        big = torch.zeros(1, 100_000, 3)  # the CPU op's threaded path
+        order = torch.arange(100_000).flip(0).unsqueeze(0)
+        order[0, 70_000], order[0, 90_000] = -5, 100_000
+        message = _same_error(registered, pure_torch, big, order)
+        assert message.endswith("got -5 at flat position 70000.")
         for order in (torch.tensor([[0, -2, 1, 2]]), torch.tensor([[0, 1, 2]]), torch.tensor([[0, 1, 2, 3]]).int()):
             _same_error(registered, pure_torch, values, order)
         _same_error(registered, pure_torch, torch.zeros(4), torch.tensor([[0, 1, 2, 3]]))

@@ -123,6 +123,7 @@ def test_batch_equals_separate_runs(device):
     torch.testing.assert_close(density.mean(dim=(1, 2, 3)), torch.ones(2, dtype=torch.float64, device=device))
     # the positions with ids weigh only the occupied slots; the positions alone every slot
     assert torch.equal(sim.density(both.positions, ids=both.ids), density)
+    assert torch.equal(sim.density(both.positions, ids=both.ids.int()), density)
     assert torch.equal(sim.density(both.positions), density)
     emptied = both.ids.clone()
     emptied[:, :48] = -1

@@ -177,6 +177,15 @@ def _distributed():
     return None
 
 
+def _world_control(tensor: torch.Tensor) -> torch.Tensor:
+    """A small CPU tensor where the world's group can reduce it (the GPU with NCCL alone)."""
+    import torch.distributed as dist
+
+    from .distributed.groups import _to_control
+
+    return _to_control(tensor, [dist.group.WORLD])
+
+
 def write_snapshot(
     path,
     state,
@@ -245,14 +254,15 @@ def write_snapshot(
             ids = torch.arange(count, device=positions.device).expand(batch, count)
         if ids.shape != positions.shape[:2]:
             raise ValueError(f"`state.ids` must be (B, N) = {tuple(positions.shape[:2])}, got {tuple(ids.shape)}")
+        a = float(state.a)
+        if step is None:
+            step = scale_factor_index(sim, a)
     except (TypeError, ValueError) as exc:
         if not together:
             raise
         error = exc
     if together:
-        refused = torch.tensor([0 if error is None else 1], dtype=torch.int64)
-        if dist.get_backend() == "nccl":
-            refused = refused.cuda()
+        refused = _world_control(torch.tensor([0 if error is None else 1], dtype=torch.int64))
         dist.all_reduce(refused, op=dist.ReduceOp.MAX)
         if error is not None:
             raise error
@@ -264,18 +274,13 @@ def write_snapshot(
     valid = int((ids >= 0).sum())
     if num_part_total is None:
         if dist is not None and num_files > 1:
-            total = torch.tensor([valid], dtype=torch.int64)
-            if dist.get_backend() == "nccl":
-                total = total.cuda()
+            total = _world_control(torch.tensor([valid], dtype=torch.int64))
             dist.all_reduce(total)
             num_part_total = int(total.item())
         elif num_files == 1:
             num_part_total = valid
         else:
             raise ValueError("`num_part_total` is needed for a multi-file snapshot written without torch.distributed")
-    a = float(state.a)
-    if step is None:
-        step = scale_factor_index(sim, a)
     final = snapshot_files(path, num_files)[file_index]
     directory = os.path.dirname(os.path.abspath(final))
     temporary = os.path.join(directory, f".{os.path.basename(final)}.{os.getpid()}.tmp")
@@ -403,8 +408,7 @@ def write_snapshot(
     # Every file of a set is renamed only when every rank wrote its own.
     ok = torch.tensor([0 if failed else 1], dtype=torch.int64)
     if dist is not None and num_files > 1:
-        if dist.get_backend() == "nccl":
-            ok = ok.cuda()
+        ok = _world_control(ok)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if failed is not None or int(ok.item()) == 0:
         try:

@@ -585,7 +585,7 @@ class Simulation(nn.Module):
                 raise ValueError(f"`until` ({self.scale_factors[stop]}) is before the state's scale factor ({state.a})")
             if state.ids is None and not self.force_mesh.is_local:
                 raise ValueError("`state.ids` is required on a process grid")
-        except ValueError as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:  # (float() of a bad scale factor)
             if self.force_mesh.is_local:
                 raise
             error = exc
@@ -748,7 +748,11 @@ class Simulation(nn.Module):
         if not factors:
             return positions, momenta, ids
         sort_every = self._sort_cadence(ids)
-        if sort_every:
+        # On a grid the slot order is the run's own and comes back with a state: sorting
+        # there only at the cadence (start 0: after the LPT) lets a resumed run go on in
+        # the order the uninterrupted one has (bit-identical). On one device the state
+        # comes back in id order and is sorted again here.
+        if sort_every and (self.force_mesh.is_local or start % sort_every == 0):
             positions, ids, momenta = sort_particles(self.force_mesh, positions, ids, momenta)
         if self.adjoint and torch.is_grad_enabled():
             positions, momenta, ids = self._evolve_adjoint(positions, momenta, ids, factors, cosmology, callback, start)
@@ -960,6 +964,7 @@ class Simulation(nn.Module):
             raise ValueError(error)
         if ids is None:
             ids = torch.zeros(positions.shape[:2], dtype=torch.int64, device=positions.device)
+        ids = ids.to(device=positions.device, dtype=torch.int64)
         cell = torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
         _, cells, ids = self.force_mesh.migrate(positions / cell, ids, capacity=self.particle_capacity)
         weights = (ids >= 0).to(cells.dtype) if bool((ids < 0).any()) else None
@@ -978,7 +983,7 @@ class Simulation(nn.Module):
             mesh.grid.agree("Simulation.gather", [
                 ("batch size of the state", -1 if positions is None else positions.shape[0]),
                 ("dtype of the state's positions", None if positions is None else positions.dtype),
-                ("the state's scale factor `a`", repr(state.a) if error is None else None),
+                ("the state's scale factor `a`", repr(float(state.a)) if error is None else None),
             ], error)
         elif error is not None:
             raise ValueError(error)
@@ -1022,7 +1027,12 @@ def _power_setting(argument, power) -> str:
         return f"table {zlib.crc32(values.numpy().tobytes()):08x}"
     if callable(argument):
         return f"callable {getattr(argument, '__module__', '?')}.{getattr(argument, '__qualname__', type(argument).__qualname__)}"
-    return str(argument)
+    name = str(argument)
+    return _POWER_ALIASES.get(name, name)
+
+
+# The built-in spectra's other names (torchpm.cosmology.resolve_power), compared as one.
+_POWER_ALIASES = {"eh": "eisenstein_hu", "eisenstein_hu_wiggles": "eisenstein_hu", "eh_nowiggle": "eisenstein_hu_nowiggle"}
 
 
 def _gather_error(state) -> str | None:
@@ -1032,6 +1042,10 @@ def _gather_error(state) -> str | None:
     positions, momenta, ids = state.positions, state.momenta, state.ids
     if ids is None:
         return "gather: `state.ids` is required"
+    try:
+        float(state.a)
+    except (TypeError, ValueError, RuntimeError):
+        return f"gather: expected a number `state.a`, got {state.a!r:.80}"
     if not isinstance(positions, torch.Tensor) or positions.dim() != 3 or positions.shape[-1] != 3:
         return f"gather: expected `state.positions` of shape (B, N, 3), got {getattr(positions, 'shape', positions)!r}"
     if not isinstance(momenta, torch.Tensor) or momenta.shape != positions.shape or momenta.dtype != positions.dtype:

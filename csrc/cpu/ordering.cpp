@@ -208,7 +208,14 @@ at::Tensor move_rows(const char* op, const at::Tensor& input, const at::Tensor& 
       }
     });
   }
-  const int64_t at = bad.load();
+  int64_t at = bad.load();
+  if (at >= 0) {
+    // The threads report some bad slot; the message names the first one.
+    at = 0;
+    while (index[at] >= 0 && index[at] < n) {
+      ++at;
+    }
+  }
   TORCH_CHECK_VALUE(
       at < 0, op, ": `order` must hold slots in [0, ", n, "), got ", at < 0 ? 0 : index[at],
       " at flat position ", at, ".");

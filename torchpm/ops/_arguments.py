@@ -146,7 +146,9 @@ def particle_ids(op: str, ids: torch.Tensor, positions: torch.Tensor) -> None:
 
 def row_permutation(op: str, input: torch.Tensor, order: torch.Tensor) -> None:
     """An int64 ``(B, N)`` ``order`` of slots in ``[0, N)`` for a ``(B, N, ...)`` ``input``
-    (the C++ ``as_rows`` and ``move_rows``); the range check reads the device (one sync)."""
+    (the C++ ``as_rows`` and ``move_rows``). The range check reads the device: one host
+    synchronisation per call on a GPU (a sort's few permutations), skipped while a CUDA
+    graph is captured (the orders torchpm makes there are permutations by construction)."""
     if order.dtype != torch.int64 or order.dim() != 2:
         raise ValueError(f"{op}: expected an int64 `order` of shape (B, N), got {_scalar_type(order.dtype)} "
                          f"{_dims(order)}.")
@@ -154,6 +156,8 @@ def row_permutation(op: str, input: torch.Tensor, order: torch.Tensor) -> None:
         raise ValueError(f"{op}: expected `input` of shape (B, N, ...) with (B, N) = {_dims(order)} from `order`, "
                          f"got {_dims(input)}.")
     n = order.shape[1]
+    if order.is_cuda and torch.cuda.is_current_stream_capturing():
+        return  # the range check reads the device, which a CUDA graph capture forbids
     bad = torch.nonzero(((order < 0) | (order >= n)).reshape(-1))
     if bad.numel():
         at = int(bad[0])
