@@ -351,27 +351,21 @@ def run_case(case_id, ctx):
         dist.barrier()
         assert not os.path.exists(os.path.join(folder, "snap_000.0.hdf5"))
         assert not [name for name in os.listdir(folder) if name.endswith(".tmp")]
-        # rank 1 asks for a batch member it does not have: both raise, neither waits or writes
+        # rank 1 asks for a batch member it does not have, or passes a scale factor off the
+        # steps: both ranks raise, neither waits or writes
         other = os.path.join(folder, "other.hdf5")
-        try:
-            write_snapshot(other, local, sim, mesh_units=True, member=rank)
-        except ValueError as error:
-            expected = "`member` must be an int in [0, 1), got 1" if rank == 1 else "another rank's arguments"
-            assert expected in str(error), str(error)
-        else:
-            raise AssertionError("the write should have failed on every rank")
-        dist.barrier()
-        assert not [name for name in os.listdir(folder) if name.startswith("other")]
-        # the same for a scale factor off the steps on rank 1
-        try:
-            write_snapshot(other, local._replace(a=0.37) if rank == 1 else local, sim, mesh_units=True)
-        except ValueError as error:
-            expected = "0.37" if rank == 1 else "another rank's arguments"
-            assert expected in str(error), str(error)
-        else:
-            raise AssertionError("the write should have failed on every rank")
-        dist.barrier()
-        assert not [name for name in os.listdir(folder) if name.startswith("other")]
+        for arguments, reason in [(dict(member=rank), "`member` must be an int in [0, 1), got 1"),
+                                  (dict(state=local._replace(a=0.37) if rank == 1 else local), "0.37")]:
+            arguments = dict(dict(state=local, member=0), **arguments)
+            try:
+                write_snapshot(other, arguments.pop("state"), sim, mesh_units=True, **arguments)
+            except ValueError as error:
+                expected = reason if rank == 1 else "another rank's arguments"
+                assert expected in str(error), str(error)
+            else:
+                raise AssertionError("the write should have failed on every rank")
+            dist.barrier()
+            assert not [name for name in os.listdir(folder) if name.startswith("other")]
     elif kind == "restart":
         # A distributed run (grid 2x1) writes its per-rank files at a = 0.5; every rank
         # resumes from a share of the set; the result equals the uninterrupted run bit for bit.

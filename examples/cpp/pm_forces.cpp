@@ -114,34 +114,31 @@ at::Tensor compute_forces(const at::Tensor& positions, const Kernels& kernels, i
   return torchpm::cic_readout(field, positions);  // (B, N, 3): 3 channels, one pass
 }
 
-// A whole command-line number, or an error naming the argument (std::stoll alone
-// accepts "12abc" and reports "abc" only as "stoll").
-int64_t integer_argument(const char* text, const char* name) {
+// A whole command-line number, or an error naming the argument and what it must
+// be (std::stoll alone accepts "12abc" and reports "abc" only as "stoll").
+template <typename Number, typename Parse>
+Number number_argument(const char* text, const char* name, const char* what, Parse parse) {
   size_t used = 0;
-  int64_t value = 0;
+  Number value{};
   try {
-    value = std::stoll(text, &used);
+    value = parse(std::string(text), &used);
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used == 0 || text[used] != '\0') {
-    throw std::runtime_error(std::string(name) + " must be an integer, got '" + text + "'");
+  if (used == 0 || text[used] != '\0' || !std::isfinite(static_cast<double>(value))) {
+    throw std::runtime_error(std::string(name) + " must be " + what + ", got '" + text + "'");
   }
   return value;
 }
 
+int64_t integer_argument(const char* text, const char* name) {
+  return number_argument<int64_t>(text, name, "an integer",
+                                  [](const std::string& s, size_t* used) { return std::stoll(s, used); });
+}
+
 double real_argument(const char* text, const char* name) {
-  size_t used = 0;
-  double value = 0.0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used == 0 || text[used] != '\0' || !std::isfinite(value)) {
-    throw std::runtime_error(std::string(name) + " must be a finite number, got '" + text + "'");
-  }
-  return value;
+  return number_argument<double>(text, name, "a finite number",
+                                 [](const std::string& s, size_t* used) { return std::stod(s, used); });
 }
 
 }  // namespace
