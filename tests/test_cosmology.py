@@ -197,6 +197,22 @@ def test_bad_cosmology_raises(overrides, match):
         torchpm.Planck15(**overrides)
 
 
+@pytest.mark.parametrize("name,canonical,wiggles", [
+    ("eisenstein_hu", "eisenstein_hu", True), ("eh", "eisenstein_hu", True),
+    ("eisenstein_hu_wiggles", "eisenstein_hu", True),
+    ("eisenstein_hu_nowiggle", "eisenstein_hu_nowiggle", False), ("eh_nowiggle", "eisenstein_hu_nowiggle", False),
+])
+def test_builtin_spectrum_names(name, canonical, wiggles):
+    """Each name of a built-in spectrum gives that spectrum, and the name the ranks compare."""
+    from torchpm.cosmology import builtin_power_name, resolve_power
+
+    cosmology = torchpm.Planck15()
+    k = torch.logspace(-3, 0, 7, dtype=torch.float64)
+    assert builtin_power_name(name) == canonical
+    assert torch.equal(resolve_power(name)(k, cosmology), linear_power(k, cosmology, wiggles=wiggles))
+    assert builtin_power_name("my_table.txt") == "my_table.txt"
+
+
 def test_power_table_round_trip(tmp_path):
     cosmology = torchpm.Planck15()
     k = np.logspace(-4, 1, 2000)

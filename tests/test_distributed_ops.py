@@ -141,5 +141,8 @@ def test_decomposition_errors():
         d.irfftn(torch.zeros(1, 4, 5, 4))
     with pytest.raises(ValueError, match="halo `width`"):
         d.fill_halo(torch.zeros(1, 14, 15, 6), 5)
+    with pytest.raises(ValueError, match=r"halo `width` \(-1, 1\) along y must be non-negative"):
+        d.fill_halo(torch.zeros(1, 6, 7, 6), ((1, 1), (-1, 1)))
+    d.check_paint_order("pcs")  # one rank: no split axis, any stencil fits
     with pytest.raises(ValueError, match="grid coordinates"):
         d.real_block((1, 0))

@@ -678,6 +678,18 @@ class PowerTable:
         return torch.exp(values[index - 1] + t * (values[index] - values[index - 1]))
 
 
+# Every name of a built-in spectrum, mapped to its canonical name.
+_BUILTIN_POWER = {
+    "eisenstein_hu": "eisenstein_hu", "eh": "eisenstein_hu", "eisenstein_hu_wiggles": "eisenstein_hu",
+    "eisenstein_hu_nowiggle": "eisenstein_hu_nowiggle", "eh_nowiggle": "eisenstein_hu_nowiggle",
+}
+
+
+def builtin_power_name(name: str) -> str:
+    """The canonical name of a built-in spectrum given any of its names; other strings unchanged."""
+    return _BUILTIN_POWER.get(name, name)
+
+
 def resolve_power(power) -> Callable:
     """A callable ``power(k, cosmology) -> P(k)`` at ``a = 1`` from a user choice.
 
@@ -687,10 +699,10 @@ def resolve_power(power) -> Callable:
     if callable(power):
         return power
     if isinstance(power, (str, os.PathLike)):
-        name = os.fspath(power)
-        if name in ("eisenstein_hu", "eh", "eisenstein_hu_wiggles"):
+        name = builtin_power_name(os.fspath(power))
+        if name == "eisenstein_hu":
             return lambda k, cosmology: linear_power(k, cosmology, wiggles=True)
-        if name in ("eisenstein_hu_nowiggle", "eh_nowiggle"):
+        if name == "eisenstein_hu_nowiggle":
             return lambda k, cosmology: linear_power(k, cosmology, wiggles=False)
         return PowerTable(name)
     raise ValueError(

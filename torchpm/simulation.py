@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .config import BY_NAME, as_bool, as_int, simulation_arguments
-from .cosmology import Cosmology, Planck15, growth_table, resolve_power, PowerTable
+from .cosmology import Cosmology, Planck15, growth_table, resolve_power, PowerTable, builtin_power_name
 from .ic import (
     check_lpt_normalisation,
     grid_positions,
@@ -30,7 +30,6 @@ from .resources import check_memory, estimate_memory
 from .adjoint import ParticleMeshForce, adjoint_integrate
 from .ordering import restore_id_order, sort_particles
 from .ops._arguments import ORDER_NAMES, order_number
-from .ops.mass_assignment import halo_widths
 
 __all__ = ["Simulation", "SimulationState"]
 
@@ -350,17 +349,8 @@ class Simulation(nn.Module):
         of the paint stencil (its halo comes from one neighbour): said when the Simulation
         is built, naming the settings, not at the first force. (The fd4 gradient of blocks
         thinner than its reach is taken in Fourier space.)"""
-        below, above = halo_widths(self.paint_order)
-        reach = max(below, above)
-        layout = self.force_mesh.layout
-        for axis, (name, sizes) in enumerate((("x", layout.real_x), ("y", layout.real_y))):
-            if len(sizes) > 1 and min(sizes) < reach:
-                raise ValueError(
-                    f"the force mesh {self.mesh_shape} (n_particles x mesh_factor) split over the {layout.grid_shape} "
-                    f"process grid leaves blocks of {min(sizes)} plane(s) along {name} ({list(sizes)}), fewer than the "
-                    f"{reach} that the stencil of `paint_order` {self.paint_order!r} reaches; use a larger mesh, fewer "
-                    "ranks along that axis or a lower `paint_order`"
-                )
+        self.force_mesh.check_paint_order(
+            self.paint_order, f"the force mesh {self.mesh_shape} (n_particles x mesh_factor)")
 
     # ------------------------------------------------------------------------------
     def _k_range(self):
@@ -1028,11 +1018,7 @@ def _power_setting(argument, power) -> str:
     if callable(argument):
         return f"callable {getattr(argument, '__module__', '?')}.{getattr(argument, '__qualname__', type(argument).__qualname__)}"
     name = str(argument)
-    return _POWER_ALIASES.get(name, name)
-
-
-# The built-in spectra's other names (torchpm.cosmology.resolve_power), compared as one.
-_POWER_ALIASES = {"eh": "eisenstein_hu", "eisenstein_hu_wiggles": "eisenstein_hu", "eh_nowiggle": "eisenstein_hu_nowiggle"}
+    return builtin_power_name(name)
 
 
 def _gather_error(state) -> str | None:

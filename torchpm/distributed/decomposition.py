@@ -439,10 +439,7 @@ class PencilDecomposition:
         if fd4 is None:
             return None
         widths = tuple((a + c, b + d) for (a, b), (c, d) in zip(fd4, self.stencil_halo(order)))
-        for (lo, hi), sizes in zip(widths, (self.layout.real_x, self.layout.real_y)):
-            if max(lo, hi) > min(sizes):
-                return None
-        return widths
+        return None if self._too_thin(widths) else widths
 
     def _checked_halo(self, method, field, width):
         """The local checks of a halo exchange and the ranks' agreement on it; returns the widths."""
@@ -513,13 +510,38 @@ class PencilDecomposition:
                 f"halo `width` must be an int, a pair (lo, hi) or one pair per axis ((lo_x, hi_x), (lo_y, hi_y)), "
                 f"got {width!r}"
             ) from None
-        for (lo, hi), sizes, name in zip(widths, (self.layout.real_x, self.layout.real_y), "xy"):
-            if lo < 0 or hi < 0 or max(lo, hi) > min(sizes):
-                raise ValueError(
-                    f"halo `width` ({lo}, {hi}) along {name} must be non-negative and at most the smallest block "
-                    f"size {min(sizes)} along {name} (a halo must come from one neighbour)"
-                )
+        bad = next(((name, lo, hi, sizes) for (lo, hi), sizes, name in zip(widths, self._block_sizes(), "xy")
+                    if min(lo, hi) < 0), None) or self._too_thin(widths)
+        if bad:
+            name, lo, hi, sizes = bad
+            raise ValueError(
+                f"halo `width` ({lo}, {hi}) along {name} must be non-negative and at most the smallest block "
+                f"size {min(sizes)} along {name} (a halo must come from one neighbour)"
+            )
         return widths
+
+    def _block_sizes(self):
+        """The real blocks' plane counts along x and along y, one per rank of that grid axis."""
+        return self.layout.real_x, self.layout.real_y
+
+    def _too_thin(self, widths):
+        """The first axis whose thinnest block cannot supply the halo ``(lo, hi)`` of ``widths``
+        from one neighbour, as ``(axis name, lo, hi, block sizes)``; None when every axis can."""
+        return next(((name, lo, hi, sizes) for (lo, hi), sizes, name in zip(widths, self._block_sizes(), "xy")
+                     if max(lo, hi) > min(sizes)), None)
+
+    def check_paint_order(self, order, what: str = "the mesh") -> None:
+        """Refuse a mass-assignment ``order`` whose stencil reaches past one neighbour's block
+        on a split axis (its halo comes from one neighbour), naming ``paint_order``; ``what``
+        names the mesh in the message."""
+        thin = self._too_thin(self.stencil_halo(order))
+        if thin:
+            name, lo, hi, sizes = thin
+            raise ValueError(
+                f"{what} split over the {self.grid_shape} process grid leaves blocks of {min(sizes)} plane(s) "
+                f"along {name} ({list(sizes)}), fewer than the {max(lo, hi)} that the stencil of `paint_order` "
+                f"{order!r} reaches; use a larger mesh, fewer ranks along that axis or a lower `paint_order`"
+            )
 
     # ------------------------------------------------------ paint and readout
 
