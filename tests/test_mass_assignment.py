@@ -821,6 +821,19 @@ def test_fake_kernels_check_what_needs_no_values():
     assert ops.paint(x, torch.empty(2, 5, 2, device=m), [4, 5, 6], *geo).shape == (2, 2, 4, 5, 6)
 
 
+@pytest.mark.parametrize("positions", [torch.zeros(2, 5, 3, dtype=torch.float16), torch.zeros(2, 5, 2), torch.zeros(5, 3)])
+def test_fake_kernels_say_what_the_cpu_op_says(positions):
+    """A bad `positions` gets the same message from the fake kernel (meta tensors,
+    torch.compile) as from the C++ op."""
+    geo = ([0, 0, 0], [True] * 3, 3)
+    messages = []
+    for p in (positions, positions.to("meta")):
+        with pytest.raises(ValueError) as info:
+            torch.ops.torchpm.paint(p, None, [4, 4, 4], *geo)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1] and "`positions`" in messages[0]
+
+
 def test_fake_kernels_return_the_layout_of_the_kernels():
     # permuted positions (a transposed view): the kernels make them contiguous and
     # return fresh contiguous results; a fake with other strides would fail

@@ -265,15 +265,8 @@ def cic_readout(mesh, positions, *, offset=None, periodic=True, check_finite=Tru
 # argument checks, so meta tensors and torch.compile fail as eager does).
 
 
-def _floating(t, name, op):
-    if t.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"{op}: expected `{name}` to be float32 or float64, got {t.dtype}.")
-
-
 def _check_positions(positions, op):
-    if positions.dim() != 3 or positions.shape[2] != 3:
-        raise ValueError(f"{op}: expected `positions` of shape (B, N, 3), got {tuple(positions.shape)}.")
-    _floating(positions, "positions", op)
+    args.particle_positions(op, positions)  # the C++ check_positions, its message included
 
 
 def _check_same(t, name, positions, op):
