@@ -212,6 +212,7 @@ def test_leapfrog_option_runs_close_to_fastpm():
         (dict(gradient="sobel"), "gradient"),
         (dict(power_spectrum=3), "power_spectrum"),
         (dict(cosmology="Planck15"), "cosmology"),
+        (dict(particle_capacity=63), r"`particle_capacity` 63 is below the 64 particles"),
     ],
 )
 def test_bad_settings_raise(options, match):
@@ -220,6 +221,11 @@ def test_bad_settings_raise(options, match):
     with pytest.raises(ValueError, match=match):
         sim = torchpm.Simulation(**settings)
         sim(sim.white_noise())  # kernels (gradient option) are built on first use
+
+
+def test_particle_capacity_of_all_particles_runs_on_one_device():
+    sim = torchpm.Simulation(n_particles=4, box_size=40.0, a_start=0.1, steps=1, particle_capacity=64)
+    assert sim(sim.white_noise(seed=1)).positions.shape == (1, 64, 3)
 
 
 def test_bad_noise_raises():

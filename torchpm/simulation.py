@@ -166,7 +166,8 @@ class Simulation(nn.Module):
             pair of process groups ``(group_axis0, group_axis1)``.
         particle_capacity: most particle slots per batch member one rank may hold
             (None, the default: buffers grow as needed). Exceeding it raises on
-            every rank.
+            every rank; on one device (or a 1 x 1 grid), which holds every
+            particle, a bound below their number is refused here.
         sort_every: sort the particles into spatial order (:mod:`torchpm.ordering`)
             at the start of each integration and after the migration of every step
             whose number is a multiple of ``sort_every`` (0: never), so paint and
@@ -330,6 +331,13 @@ class Simulation(nn.Module):
                 ("`force_correction`", "None" if force_correction is None else type(force_correction).__qualname__),
             ])
             self._check_blocks()  # the same answer on every rank: they agree on its inputs
+        n_total = math.prod(self.particle_shape)
+        if self.force_mesh.is_local and particle_capacity is not None and particle_capacity < n_total:
+            # one device (or a 1x1 grid) holds every particle: a bound below that is exceeded at once
+            raise ValueError(
+                f"`particle_capacity` {particle_capacity} is below the {n_total} particles "
+                f"(n_particles {self.particle_shape}) that one device holds; raise it or set it to None"
+            )
         # Before any particle or mesh is allocated: refuse a run that cannot fit (the
         # module starts on the CPU; forward checks again on its device with its batch).
         self._memory_checked: set = set()
