@@ -1,5 +1,6 @@
 // Immediate or deferred reporting of bad particles (error_checking.h).
 #include "error_checking.h"
+#include "updates.h"  // kLeftOutNote
 
 #include <ATen/ATen.h>
 
@@ -79,7 +80,12 @@ bool diagnosis_current(const CallDiagnosis& d) {
   // comes from a CUDA graph replay): say what is known without pointing at a
   // particle.
   std::ostringstream msg;
-  msg << name << ": a call";
+  msg << name;
+  if (!own && op == kReadoutOp) {
+    // the fused step counts in the readout's slot too: either may have found them
+    msg << " (or torchpm._readout_kick_drift_, a Simulation step's readout with its kicks and drift)";
+  }
+  msg << ": a call";
   if (own && !d.device.empty()) {
     msg << " on " << d.device;
   }
@@ -94,7 +100,9 @@ bool diagnosis_current(const CallDiagnosis& d) {
   } else {
     msg << counts.values << " particles with NaN or Inf `" << value_name(op) << "`";
   }
-  if (outcome.empty()) {
+  if (!own && op == kReadoutOp) {
+    msg << "; the readout returned NaN in their place, the fused step left them out (" << kLeftOutNote << ") ";
+  } else if (outcome.empty()) {
     msg << "; it returned NaN in their place. ";
   } else {
     msg << ". " << outcome << " ";

@@ -269,6 +269,32 @@ def test_cuda_graph_capture_of_paint_and_readout(device, mode):
 
 
 @pytest.mark.parametrize("device", CUDA_ONLY, indirect=True)
+def test_cuda_graph_replay_of_the_fused_step_names_both_ops(device, mode):
+    """The fused readout + kicks + drift counts in the readout's slot: after a graph
+    replay, the error names both ops that count there and what the fused one did."""
+    mode("auto")
+    x, _ = graph_inputs(device)
+    field = torch.randn(1, 3, 16, 16, 16, generator=torch.Generator().manual_seed(4)).to(device)
+    geometry = ([0, 0, 0], [True] * 3, 2)
+    p = torch.zeros_like(x)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph asks
+        torch.ops.torchpm._readout_kick_drift_(field, x.clone(), p.clone(), *geometry, [0.1], 0.0)
+    torch.cuda.current_stream(device).wait_stream(side)
+    torchpm.check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.torchpm._readout_kick_drift_(field, x, p, *geometry, [0.1], 0.0)
+    x[0, 7, 2] = float("nan")
+    graph.replay()
+    with pytest.raises(ValueError, match=r"^torchpm.readout \(or torchpm._readout_kick_drift_.*inside a CUDA graph"
+                                         r".*Their momenta are NaN"):
+        torchpm.check()
+    assert torch.isnan(p[0, 7]).all() and torch.isfinite(p[0, 8]).all()
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY, indirect=True)
 def test_torch_compile_reduce_overhead(device, mode):
     mode("auto")
     torch._dynamo.reset()
