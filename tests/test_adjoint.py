@@ -203,6 +203,43 @@ def test_bad_inputs():
     )
     with pytest.raises(ValueError, match="nn.Module"):
         sim(sim.white_noise(seed=0).requires_grad_(True))
+    # ... and so would a module's tensor that is neither a parameter nor a buffer
+    class Unregistered(torch.nn.Module):
+        def forward(self, k, a):
+            return 1 + weight * k
+
+    sim.force_correction = Unregistered()
+    with pytest.raises(ValueError, match="unregistered"):
+        sim(sim.white_noise(seed=0).requires_grad_(True))
+    with pytest.raises(ValueError, match="`sources` must hold one tensor per parameter"):
+        adjoint_integrate(x0, p0, factors, sim.forces, parameters=[weight], sources=[weight, weight])
+
+
+@pytest.mark.usefixtures("reproducible")
+def test_adjoint_with_conditions_computed_from_other_tensors():
+    """A correction conditioned on tensors with a history (the cosmology's Omega_m, a
+    tensor of the user's times 2): the adjoint's gradients equal autograd's, each path
+    counted once (its pull-back reads detached copies of the conditions at every step;
+    walking their history at each step failed at the second, and through the cosmology's
+    parameters counted it twice)."""
+    results = []
+    for adjoint in (False, True):
+        torch.manual_seed(0)
+        module = NeuralSplineCorrection(k_max=2.0, knots=6, hidden=(8,), conditions=2, dtype=torch.float64)
+        with torch.no_grad():
+            for parameter in module.parameters():
+                parameter.add_(0.3 * torch.randn(parameter.shape, dtype=torch.float64))
+        omega_c = torch.tensor(0.26, dtype=torch.float64, requires_grad=True)
+        other = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+        cosmology = torchpm.Planck15(Omega_c=omega_c)
+        module.set_conditions(torch.stack([cosmology.Omega_m, other * 2]))
+        sim = torchpm.Simulation(8, 64.0, mesh_factor=1, a_start=0.1, steps=STEPS, dtype=torch.float64,
+                                 force_correction=module, cosmology=cosmology, adjoint=adjoint)
+        state = sim(sim.white_noise(seed=3))
+        results.append(torch.autograd.grad(_loss(state), [omega_c, other, module.network[0].weight]))
+    for name, a, b in zip(("Omega_c", "the user's tensor", "a network weight"), results[1], results[0]):
+        assert float(b.abs().max()) > 0, f"{name}: zero autograd gradient"
+        assert _relative(a, b) < 1e-8, f"{name}: adjoint vs autograd {_relative(a, b):.2e}"
 
 
 # ---------------------------------------------------------------- fused evaluation and pull-back

@@ -41,7 +41,7 @@ def case_ids(world_size):
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}",
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}"]
         if (p0, p1) == (2, 1):
-            ids.append(f"migration_placement-{grid}")
+            ids += [f"migration_placement-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}"]
     if world_size > 1:
         ids.append(f"failfast-{GRIDS[world_size][0][0]}x{GRIDS[world_size][0][1]}")  # last: breaks its groups
     return ids
@@ -235,6 +235,94 @@ def case_adjoint_fused_force_b2(grid, ctx):
     assert error <= 1e-13 * float(grad_x.abs().max()), f"position pull-back: {error:.3e}"
     # 1.5 Omega_m's adjoint is a sum over this rank's particles (summed over ranks by the caller)
     assert abs(float(fused_grads[0] - grads[0])) <= 1e-13 * abs(float(grads[0])) and float(grads[0]) != 0
+
+
+class _AmplifiedPower(torch.nn.Module):
+    """A power spectrum with a learnable amplitude (a parameter of the module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.amplitude = torch.nn.Parameter(torch.tensor(1.3, dtype=torch.float64))
+
+    def forward(self, k, cosmology):
+        from torchpm.cosmology import linear_power
+
+        return self.amplitude * linear_power(k, cosmology)
+
+
+def case_replicated_gradients(grid, ctx):
+    """Gradients that reach the run through a force correction's conditions (computed from
+    the cosmology, and from a tensor of the user's) and through a power-spectrum module's
+    parameter are summed over the ranks: grid autograd and grid adjoint equal the serial
+    run (each rank used to hold only its share of the conditions' and such paths)."""
+    import torchpm
+    from torchpm.nn import NeuralSplineCorrection
+
+    config = dict(CONFIG, steps=2)
+    field = global_random((1, *[n * config["mesh_factor"] for n in config["n_particles"]]), 5)
+    results = []
+    for mesh, adjoint in ((None, False), (ctx["groups"][grid], False), (ctx["groups"][grid], True)):
+        torch.manual_seed(1)
+        correction = NeuralSplineCorrection(k_max=2.0, knots=6, hidden=(8,), conditions=3, dtype=torch.float64)
+        with torch.no_grad():
+            for parameter in correction.parameters():
+                parameter.add_(0.3 * torch.randn(parameter.shape, dtype=parameter.dtype))
+        omega_c = torch.tensor(0.2589, dtype=torch.float64, requires_grad=True)
+        other = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+        cosmology = torchpm.Planck15(Omega_c=omega_c)
+        correction.set_conditions(torch.stack([cosmology.Omega_m, cosmology.sigma8, other * 2]))
+        power = _AmplifiedPower()
+        sim = torchpm.Simulation(**config, cosmology=cosmology, force_correction=correction, power_spectrum=power,
+                                 adjoint=adjoint, **({} if mesh is None else {"mesh": mesh}))
+        noise = sim.white_noise(seed=3)
+        loss = (sim.density(sim(noise)) * sim.force_mesh.local_real_part(field)).sum()
+        loss.backward()
+        results.append([omega_c.grad, other.grad, power.amplitude.grad, correction.network[0].weight.grad])
+    names = ("Omega_c", "the condition's tensor", "the power module's parameter", "a network weight")
+    for label, got in zip(("grid autograd", "grid adjoint"), results[1:]):
+        for name, expected, value in zip(names, results[0], got):
+            assert value is not None, f"{label}: no gradient for {name}"
+            error = float((value - expected).abs().max())
+            assert error <= 1e-8 * float(expected.abs().max()), f"{label}: d loss / d {name} off by {error:.3e}"
+
+
+def case_unsummed_gradients(grid, ctx):
+    """A gradient that would reach a tensor not summed over the ranks (a plain callable's,
+    or a module's unregistered tensor) is refused on every rank, naming the setting; the
+    same callables run when nothing needs their gradient."""
+    import torchpm
+
+    config = dict(CONFIG, steps=1)
+    scale = torch.tensor(1.1, dtype=torch.float64, requires_grad=True)
+
+    class Unregistered(torch.nn.Module):
+        def forward(self, k, a):
+            return scale * torch.ones_like(k)
+
+    from torchpm.cosmology import linear_power
+
+    cases = [
+        ("force_correction", lambda k, a: scale * torch.ones_like(k)),
+        ("force_correction", Unregistered()),
+        ("power_spectrum", lambda k, cosmology: scale * linear_power(k, cosmology)),
+    ]
+    for setting, value in cases:
+        sim = torchpm.Simulation(**config, mesh=ctx["groups"][grid], **{setting: value})
+        noise = sim.white_noise(seed=3)
+        expect_error_everywhere(lambda: sim(noise), f"`{setting}` computes with tensors that need gradients",
+                                "nn.Module")
+        with torch.no_grad():
+            assert sim(noise).positions.shape[0] == 1
+
+
+def expect_error_everywhere(function, *fragments):
+    try:
+        function()
+    except ValueError as error:
+        text = str(error)
+        assert all(fragment in text for fragment in fragments), text
+        return
+    raise AssertionError(f"no error; expected one with {fragments}")
 
 
 # ----------------------------------------------------------------------------

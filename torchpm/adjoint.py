@@ -583,6 +583,7 @@ def adjoint_integrate(
     migrate: Callable | None = None,
     restore: Callable | None = None,
     callback: Callable | None = None,
+    sources: Sequence[torch.Tensor] | None = None,
 ):
     """Integrate the kick-drift-kick loop with gradients by the adjoint method.
 
@@ -620,6 +621,11 @@ def adjoint_integrate(
             of the ``positions`` and ``momenta`` passed in, e.g. by matching particle ids.
             Required with ``migrate``.
         callback: called as ``callback(step, a)`` after each forward step.
+        sources: for each of ``parameters``, the tensor its gradient is passed on to
+            (default: the parameter itself). For a tensor with a history that would
+            otherwise be walked at every step of the backward pass (saved tensors are
+            freed after the first walk): the forces read a detached copy, given in
+            ``parameters``, and the tensor itself, given here, receives the total once.
 
     Returns:
         ``(positions, momenta, forces)`` after the last step, identical to looping
@@ -658,4 +664,14 @@ def adjoint_integrate(
         parameters=parameters,
         restore=restore or (lambda positions, adjoint_x, adjoint_p: (adjoint_x, adjoint_p)),
     )
-    return _AdjointKickDriftKick.apply(setup, positions, momenta, table, *parameters)
+    if sources is None:
+        sources = parameters
+    sources = list(sources)
+    if len(sources) != len(parameters) or any(
+        not isinstance(s, torch.Tensor) or s.shape != p.shape for s, p in zip(sources, parameters)
+    ):
+        raise ValueError(
+            "adjoint_integrate: `sources` must hold one tensor per parameter, of its shape, got "
+            f"{[tuple(getattr(s, 'shape', ())) for s in sources]} for {[tuple(p.shape) for p in parameters]}"
+        )
+    return _AdjointKickDriftKick.apply(setup, positions, momenta, table, *sources)

@@ -22,6 +22,7 @@ from .ic import (
     white_noise as make_white_noise,
 )
 from .distributed.decomposition import PencilDecomposition
+from .distributed.groups import unsummed_leaves
 from .distributed.layout import balanced_grid
 from .mesh import LocalMesh
 from .fourier import FourierKernels
@@ -486,9 +487,21 @@ class Simulation(nn.Module):
         noise = self._check_field(white_noise, "white_noise")
         cosmology = cosmology or self.cosmology
         kernels = self.kernels("particle")
-        amplitude = self._cached(
-            "power", cosmology, lambda: power_kernel(kernels, self.box_size, self.power, cosmology)
-        )
+        power = self._replicated_callable(self.power)
+        build = lambda: power_kernel(kernels, self.box_size, power, cosmology)  # noqa: E731
+        if self.force_mesh.is_local:
+            amplitude = self._cached("power", cosmology, build)
+        else:
+            # On a grid each rank evaluates P on its own block: an error there, or a
+            # gradient that could not be summed over the ranks, is raised on every rank.
+            amplitude, error = None, None
+            try:
+                amplitude = self._cached("power", cosmology, build)
+            except ValueError as exc:
+                error = str(exc)
+            else:
+                error = self._unsummed_error(amplitude, "`power_spectrum`")
+            self.force_mesh.raise_together(error)
         return linear_field(noise, amplitude, self.particle_mesh)
 
     def linear_power(self, k, cosmology: Cosmology | None = None) -> torch.Tensor:
@@ -529,6 +542,7 @@ class Simulation(nn.Module):
         field = white_noise if linear_field is None else linear_field
         if isinstance(field, torch.Tensor):
             self._check_memory(self.device, field.shape[0] if field.dim() == 4 else 1)
+        self._check_correction()
         cosmology = self._replicated(self.cosmology)
         table = self.growth_table(cosmology)
         if linear_field is None:
@@ -607,6 +621,7 @@ class Simulation(nn.Module):
             positions, ids, momenta, capacity=self.particle_capacity
         )
         if stop > start:
+            self._check_correction()
             cosmology = self._replicated(self.cosmology)
             positions, momenta, ids = self.evolve(
                 positions, momenta, self.growth_table(cosmology), callback=callback, ids=ids, start=start,
@@ -664,15 +679,58 @@ class Simulation(nn.Module):
 
     def _correction(self):
         """The force correction, with its parameters' gradients summed over the process grid."""
-        correction = self.force_correction
+        return self._replicated_callable(self.force_correction)
+
+    def _replicated_callable(self, function, stand_ins: dict | None = None):
+        """``function`` (a force correction or a power spectrum) whose gradients are summed
+        over the process grid: an nn.Module's parameters and its buffers that need
+        gradients (e.g. conditions computed from the cosmology) go through
+        ``grid.replicate``. Anything else reaches the gradient unsummed, which
+        :meth:`_unsummed_error` refuses. ``stand_ins`` (name -> tensor) replace some
+        of the module's buffers (the adjoint's detached copies)."""
+        if not isinstance(function, nn.Module):
+            return function
         grid = self.force_mesh.grid
-        if grid.size == 1 or not isinstance(correction, nn.Module):
-            return correction
-        named = dict(correction.named_parameters())
-        if not any(p.requires_grad for p in named.values()):
-            return correction
-        replicated = {name: grid.replicate(p) for name, p in named.items()}
-        return lambda k, a: torch.func.functional_call(correction, replicated, (k, a))
+        named = {}
+        if grid.size > 1:
+            named.update(function.named_parameters())
+            named.update((name, b) for name, b in function.named_buffers() if b.requires_grad)
+        named.update(stand_ins or {})
+        if not any(t.requires_grad for t in named.values()):
+            return function
+        if grid.size > 1:
+            named = {name: grid.replicate(t) for name, t in named.items()}
+        return lambda *args: torch.func.functional_call(function, named, args)
+
+    def _unsummed_error(self, tensor, setting: str) -> str | None:
+        """The error for a ``tensor`` computed from ``setting`` whose gradient would reach
+        tensors that are not summed over the grid (each rank would hold only its share)."""
+        leaves = unsummed_leaves(tensor)
+        if not leaves:
+            return None
+        found = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in leaves[:3])
+        return (
+            f"{setting} computes with tensors that need gradients ({found}{', ...' if len(leaves) > 3 else ''}) "
+            "that are neither the `cosmology`'s parameters nor parameters or buffers of an nn.Module given as "
+            f"{setting}: on a process grid each rank evaluates it on its own block, so their gradients would hold "
+            "only this rank's share. Make them parameters (or buffers) of an nn.Module passed as "
+            f"{setting}, or detach them"
+        )
+
+    def _check_correction(self) -> None:
+        """On a grid, before a run: one evaluation of the force correction, refused on every
+        rank when a gradient through it would reach tensors not summed over the ranks
+        (a plain callable's or a module's unregistered tensors)."""
+        if self.force_mesh.is_local or self.force_correction is None:
+            return
+        error = None
+        try:
+            a = torch.tensor(self.a_start, dtype=self.dtype, device=self.device)
+            error = self._unsummed_error(self._correction()(self.kernels("force").k_magnitude, a),
+                                         "`force_correction`")
+        except (ValueError, TypeError, RuntimeError) as exc:
+            error = f"`force_correction` failed on its first evaluation: {exc}"
+        self.force_mesh.raise_together(error)
 
     def forces(self, positions: torch.Tensor, a, ids: torch.Tensor | None = None,
                cosmology: Cosmology | None = None) -> torch.Tensor:
@@ -703,16 +761,17 @@ class Simulation(nn.Module):
             return (ids >= 0).to(dtype)
         return None
 
-    def _adjoint_force(self, function, cosmology, ids):
+    def _adjoint_force(self, function, cosmology, ids, stand_ins=None):
         """The PM force for :func:`torchpm.adjoint.adjoint_integrate`: ``function`` forward,
-        a hand-written pull-back backward. ``ids()`` gives the current particle ids."""
+        a hand-written pull-back backward. ``ids()`` gives the current particle ids;
+        ``stand_ins`` replace the correction's buffers (see :meth:`_adjoint_parameters`)."""
         cosmology = cosmology or self.cosmology
         return ParticleMeshForce(
             function,
             self.kernels("force"),
             particle_mass=self.particle_mass,
             force_scale=lambda: 1.5 * cosmology.Omega_m,
-            force_correction=self._correction(),
+            force_correction=self._replicated_callable(self.force_correction, stand_ins),
             weights=lambda: self._particle_weights(ids(), self.dtype),
             order=self.paint_order,
         )
@@ -850,14 +909,14 @@ class Simulation(nn.Module):
         """:meth:`evolve` with gradients by the adjoint method (:mod:`torchpm.adjoint`)."""
         mesh = self.force_mesh
         step_callback = None if callback is None else (lambda number, a: callback(number + start, a))
-        parameters = self._adjoint_parameters()
+        parameters, sources, stand_ins = self._adjoint_parameters()
         if mesh.is_local:
             def local_forces(x, a):
                 return self.forces(x, a, ids, cosmology)
 
-            force = self._adjoint_force(local_forces, cosmology, lambda: ids)
+            force = self._adjoint_force(local_forces, cosmology, lambda: ids, stand_ins)
             positions, momenta, _ = adjoint_integrate(
-                positions, momenta, factors, force, parameters, callback=step_callback
+                positions, momenta, factors, force, parameters, callback=step_callback, sources=sources
             )
             return positions, momenta, ids
         # On a grid the particles migrate after every drift, in the forward pass and
@@ -896,29 +955,53 @@ class Simulation(nn.Module):
             return out_x, out_p
 
         positions, momenta, _ = adjoint_integrate(
-            positions, momenta, factors, self._adjoint_force(grid_forces, cosmology, lambda: layout["ids"]), parameters,
-            migrate=migrate, restore=restore, callback=step_callback,
+            positions, momenta, factors, self._adjoint_force(grid_forces, cosmology, lambda: layout["ids"], stand_ins),
+            parameters, migrate=migrate, restore=restore, callback=step_callback, sources=sources,
         )
         return positions, momenta, layout["ids"]
 
-    def _adjoint_parameters(self) -> list:
-        """The tensors the forces depend on that need gradients (for :mod:`torchpm.adjoint`)."""
+    def _adjoint_parameters(self) -> tuple[list, list, dict]:
+        """The tensors the forces depend on that need gradients (for :mod:`torchpm.adjoint`):
+        ``(parameters, sources, stand_ins)``, as :func:`~torchpm.adjoint.adjoint_integrate`
+        takes its ``parameters`` and ``sources``; ``stand_ins`` (buffer name -> detached
+        copy) replace the correction's buffers that need gradients in the forces."""
         parameters = [t for t in self.cosmology.parameters().values() if t.requires_grad]
+        sources = list(parameters)
+        stand_ins: dict = {}
         correction = self.force_correction
+        if correction is None:
+            return parameters, sources, stand_ins
         if isinstance(correction, nn.Module):
-            parameters += [p for p in correction.parameters() if p.requires_grad]
-        elif correction is not None:
-            # A plain callable may close over tensors the adjoint cannot see: refuse
-            # rather than silently drop their gradients.
-            kernels = self.kernels("force")
-            probe = correction(kernels.k_magnitude, torch.tensor(self.a_start, dtype=self.dtype, device=self.device))
-            if isinstance(probe, torch.Tensor) and probe.requires_grad:
-                raise ValueError(
-                    "Simulation(adjoint=True): the `force_correction` callable returns a filter that requires "
-                    "grad, but only an nn.Module's parameters are visible to the adjoint; wrap the callable "
-                    "in an nn.Module holding its tensors as parameters"
-                )
-        return parameters
+            own = [p for p in correction.parameters() if p.requires_grad]
+            parameters += own
+            sources += own
+            # Buffers that need gradients (conditions computed from other tensors): the
+            # forces read detached copies (stand-ins), and the buffers receive their
+            # gradients once, at the end (adjoint_integrate's `sources`): the pull-back of
+            # every step then stops at the copies instead of walking the buffers' history
+            # (freed after one walk; through the cosmology's parameters too, which would
+            # count those paths twice).
+            for name, buffer in correction.named_buffers():
+                if buffer.requires_grad:
+                    stand_ins[name] = buffer.detach().requires_grad_(True)
+                    parameters.append(stand_ins[name])
+                    sources.append(buffer)
+        # Anything else the correction computes with that needs a gradient (a plain
+        # callable's tensors, a module's unregistered ones) is invisible to the adjoint:
+        # refuse rather than silently drop its gradient. (On a grid the replicated
+        # tensors stop the walk; _check_correction refuses the rest on every rank.)
+        kernels = self.kernels("force")
+        a = torch.tensor(self.a_start, dtype=self.dtype, device=self.device)
+        probe = self._replicated_callable(correction, stand_ins)(kernels.k_magnitude, a)
+        known = {id(t) for t in parameters}
+        if any(id(t) not in known for t in unsummed_leaves(probe)):
+            raise ValueError(
+                "Simulation(adjoint=True): the `force_correction` computes with tensors that need gradients but "
+                "are not parameters or buffers of an nn.Module (a plain callable's, or a module's unregistered "
+                "tensors), which the adjoint cannot see; make them parameters or buffers of an nn.Module "
+                "passed as `force_correction`"
+            )
+        return parameters, sources, stand_ins
 
     # ------------------------------------------------------------------------------
     def to_physical(self, positions, momenta, a, ids=None) -> SimulationState:

@@ -225,6 +225,31 @@ class _ReplicatedInput(torch.autograd.Function):
         return summed.to(grad.device), None
 
 
+def unsummed_leaves(tensor) -> list:
+    """The tensors requiring grad that ``tensor``'s autograd graph reaches other than through
+    :meth:`GridGroups.replicate` (its inputs' gradients are summed over the grid): on a
+    grid, a gradient that reaches them holds only this rank's share of the run. Empty
+    for a tensor that needs no gradient."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+        return []
+    if tensor.grad_fn is None:
+        return [tensor]
+    found, seen, stack = [], set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, _ReplicatedInput._backward_cls):
+            continue
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
+        if isinstance(variable, torch.Tensor):
+            found.append(variable)
+            continue
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
 class GridGroups:
     """The two axes of a process grid and the grid-wide operations built on them."""
 
