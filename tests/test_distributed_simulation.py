@@ -41,7 +41,8 @@ def case_ids(world_size):
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}",
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}"]
         if (p0, p1) == (2, 1):
-            ids += [f"migration_placement-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}"]
+            ids += [f"migration_placement-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
+                    f"whole_state_refused-{grid}"]
     if world_size > 1:
         ids.append(f"failfast-{GRIDS[world_size][0][0]}x{GRIDS[world_size][0][1]}")  # last: breaks its groups
     return ids
@@ -313,6 +314,28 @@ def case_unsummed_gradients(grid, ctx):
                                 "nn.Module")
         with torch.no_grad():
             assert sim(noise).positions.shape[0] == 1
+
+
+def case_whole_state_refused(grid, ctx):
+    """The whole state on every rank (gathered, or a snapshot read whole by each) would be
+    multiplied by the migration: resume and density refuse it on every rank; a share
+    given twice (duplicated ids) is refused by resume."""
+    import torchpm
+
+    _, sim = simulations(grid, ctx, steps=2)
+    state = sim(sim.white_noise(seed=3), until=sim.scale_factors[1])
+    whole = sim.gather(state)
+    expect_error_everywhere(lambda: sim.resume(whole), "resume: batch member 0 of the state holds 420 particles "
+                            "over the 2 ranks, the simulation has 210", "not the whole state on every rank")
+    expect_error_everywhere(lambda: sim.density(whole), "density: batch member 0 of the state holds 420", "has 210")
+    # each rank its own share, but rank 1's ids all 0: 210 particles, an id many times
+    ids = state.ids.clone()
+    if ctx["rank"] == 1:
+        ids[ids >= 0] = 0
+    twice = torchpm.SimulationState(state.positions, state.momenta, state.a, ids)
+    expect_error_everywhere(lambda: sim.resume(twice), "resume: the ids of batch member 0 are not each of 0 .. 209 once")
+    # the run's own state resumes
+    assert sim.gather(sim.resume(state)).positions.shape == (1, 210, 3)
 
 
 def expect_error_everywhere(function, *fragments):

@@ -224,6 +224,21 @@ def test_forward_until_and_resume_in_memory():
         sim(noise, until=0.55)
     with pytest.raises(ValueError, match="before"):
         sim.resume(state, until=0.5)
+    # a state of other particles: too few, too many, an id twice or out of range
+    n = state.positions.shape[1]
+    SimulationState = torchpm.SimulationState
+    early = sim(noise, until=0.5, return_mesh_units=True)
+    half = SimulationState(early.positions[:, : n // 2], early.momenta[:, : n // 2], early.a, None)
+    with pytest.raises(ValueError, match=rf"resume: batch member 0 of the state holds {n // 2} particles, the simulation has {n}"):
+        sim.resume(half, mesh_units=True)
+    double = SimulationState(early.positions.repeat(1, 2, 1), early.momenta.repeat(1, 2, 1), early.a, None)
+    with pytest.raises(ValueError, match=f"holds {2 * n} particles"):
+        sim.resume(double, mesh_units=True)
+    for bad in (0, n):
+        ids = torch.arange(n).unsqueeze(0).clone()
+        ids[0, 3] = bad
+        with pytest.raises(ValueError, match=rf"the ids of batch member 0 are not each of 0 \.\. {n - 1} once"):
+            sim.resume(SimulationState(early.positions, early.momenta, early.a, ids), mesh_units=True)
 
 
 @pytest.mark.parametrize(

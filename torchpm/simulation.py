@@ -620,6 +620,7 @@ class Simulation(nn.Module):
         _, positions, ids, momenta = self.force_mesh.migrate(
             positions, ids, momenta, capacity=self.particle_capacity
         )
+        self._check_particles(ids, "resume")
         if stop > start:
             self._check_correction()
             cosmology = self._replicated(self.cosmology)
@@ -628,6 +629,34 @@ class Simulation(nn.Module):
                 stop=stop, cosmology=cosmology,
             )
         return self._state(positions, momenta, ids, self.scale_factors[stop], return_mesh_units)
+
+    def _check_particles(self, ids, what: str, exact: bool = True) -> None:
+        """Particles (their ``(B, n)`` ids after a migration) that this run can hold: per
+        batch member, no more than its ``N`` particles over all ranks (``exact``: all of
+        them, each id in ``[0, N)`` once). Refuses, on every rank, a whole state given to
+        every rank, which the migration would otherwise multiply. Collective on a grid."""
+        mesh = self.force_mesh
+        n = math.prod(self.particle_shape)
+        counts = mesh.all_reduce((ids >= 0).sum(1).to(torch.int64)).tolist()
+        wrong = [(member, count) for member, count in enumerate(counts) if (count != n if exact else count > n)]
+        if wrong:  # the same sums on every rank: every rank raises
+            member, count = wrong[0]
+            where = "" if mesh.is_local else f" over the {mesh.grid.size} ranks"
+            raise ValueError(
+                f"{what}: batch member {member} of the state holds {count} particles{where}, the simulation has {n} "
+                f"(n_particles {self.particle_shape}){'' if mesh.is_local else ': give each rank its own share of the state (as a grid run returns it, or read_snapshot(..., share=...)), not the whole state on every rank'}"
+            )
+        if not exact:
+            return
+        error = None
+        for member, row in enumerate(ids):
+            valid = row[row >= 0]
+            if valid.numel() and (int(valid.max()) >= n or torch.unique(valid).numel() != valid.numel()):
+                rank = "" if mesh.is_local else f" (after the migration, on grid coordinates {mesh.grid_coords})"
+                error = (f"{what}: the ids of batch member {member} are not each of 0 .. {n - 1} once{rank}: "
+                         "a state of another run, or a share given twice")
+                break
+        mesh.raise_together(error)
 
     def _step_index(self, a, name) -> int:
         """Index of scale factor ``a`` in :attr:`scale_factors` (None: the last)."""
@@ -1048,6 +1077,8 @@ class Simulation(nn.Module):
         ids = ids.to(device=positions.device, dtype=torch.int64)
         cell = torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
         _, cells, ids = self.force_mesh.migrate(positions / cell, ids, capacity=self.particle_capacity)
+        if not self.force_mesh.is_local:
+            self._check_particles(ids, "density", exact=False)
         weights = (ids >= 0).to(cells.dtype) if bool((ids < 0).any()) else None
         return self.force_mesh.paint(cells, weights) * self.particle_mass
 
