@@ -38,7 +38,7 @@ def case_ids(world_size):
                 f"adjoint_b2-{grid}", f"adjoint_fused_force_b2-{grid}"]
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
-                    f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}",
+                    f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}",
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}"]
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
@@ -106,6 +106,7 @@ def global_random(shape, seed):
 
 def _compare_runs(grid, ctx, batch):
     from torchpm.analysis import power_spectrum
+    from torchpm.nn import PowerSpectrum
 
     serial, distributed = simulations(grid, ctx)
     noise = serial.white_noise(batch=batch, seed=11)
@@ -157,6 +158,10 @@ def _compare_runs(grid, ctx, batch):
     assert_small(float((spectrum.power - expected_spectrum.power).abs().max()),
                  float(expected_spectrum.power.abs().max()), "P(k)")
     assert_small(float((spectrum.k - expected_spectrum.k).abs().max()), float(expected_spectrum.k.max()), "k")
+    # The layer form on the grid (README, hybrid physics + neural networks).
+    layer = PowerSpectrum(distributed.force_mesh.global_shape, box, dtype=torch.float64, mesh=distributed.force_mesh)
+    assert_small(float((layer(density - 1.0) - expected_spectrum.power).detach().abs().max()),
+                 float(expected_spectrum.power.abs().max()), "PowerSpectrum layer")
 
 
 def case_simulation_b1(grid, ctx):
@@ -760,6 +765,55 @@ def case_interlaced_tsc(grid, ctx):
     spectrum = power_spectrum(local, box, window="tsc", mesh=mesh)
     reference = power_spectrum(serial, box, window="tsc")
     assert_small(float((spectrum.power - reference.power).abs().max()), float(reference.power.abs().max()), "P(k)")
+
+
+def case_power_layer(grid, ctx):
+    """torchpm.nn.PowerSpectrum with mesh= on an uneven grid: the one-device layer's spectrum of
+    the global field on every rank, the same bins, k and modes on every rank (a bin empty
+    everywhere dropped, one empty on most ranks kept), and each rank's gradient the block of
+    the one-device gradient; a mesh of another shape, or one rank's bad field, raises on all."""
+    from torchpm.distributed import PencilDecomposition
+    from torchpm.nn import PowerSpectrum
+
+    shape, box = (10, 9, 8), (50.0, 45.0, 40.0)
+    mesh = PencilDecomposition(shape, ctx["groups"][grid])
+    whole, other = global_random((2, *shape), 21), global_random((2, *shape), 22)
+    # [0.01, 0.05] holds no mode; [0.15, 0.16] only k = (0, 0, +-2 pi / 40), on one rank's block.
+    for options in (dict(), dict(bins=4), dict(compensate_cic=True), dict(bins=[0.01, 0.05, 0.15, 0.16, 0.5])):
+        serial = PowerSpectrum(shape, box, dtype=torch.float64, **options)
+        layer = PowerSpectrum(shape, box, dtype=torch.float64, mesh=mesh, **options)
+        assert layer.n_bins == serial.n_bins and torch.equal(layer.modes, serial.modes), (options, layer.modes)
+        assert_small(float((layer.k - serial.k).abs().max()), float(serial.k.max()), f"k {options}")
+        for buffer in (layer.k, layer.modes, layer._mode_scale.new_tensor([layer.n_bins])):
+            assert torch.equal(mesh.all_reduce(buffer, "max"), mesh.all_reduce(buffer, "min")), "ranks' buffers"
+        for pair in ((whole,), (whole, other)):
+            global_fields = [f.clone().requires_grad_() for f in pair]
+            local_fields = [mesh.local_real_part(f).clone().requires_grad_() for f in pair]
+            expected, power = serial(*global_fields), layer(*local_fields)
+            assert power.shape == expected.shape, (power.shape, expected.shape)
+            assert_small(float((power - expected).detach().abs().max()), float(expected.detach().abs().max()),
+                         f"P(k) {options}")
+            cotangent = global_random(expected.shape, 23)
+            expected_grads = torch.autograd.grad(expected, global_fields, cotangent)
+            # Every rank computes the same loss from the replicated spectrum.
+            grads = torch.autograd.grad(power, local_fields, cotangent)
+            for grad, expected_grad in zip(grads, expected_grads):
+                expected_grad = mesh.local_real_part(expected_grad)
+                assert_small(float((grad - expected_grad).abs().max()), float(expected_grad.abs().max()),
+                             f"gradient {options} {len(pair)} fields")
+    try:
+        PowerSpectrum((10, 9, 9), box, mesh=mesh)
+    except ValueError as error:
+        assert "`mesh`" in str(error) and "(10, 9, 8)" in str(error), str(error)
+    else:
+        raise AssertionError("a mesh of another shape was accepted")
+    layer = PowerSpectrum(shape, box, dtype=torch.float64, mesh=mesh)
+    try:
+        layer(whole if ctx["rank"] == 0 else mesh.local_real_part(whole))  # rank 0 passes the whole field
+    except ValueError as error:
+        assert "`field`" in str(error) and "rank 0" in str(error), str(error)
+    else:
+        raise AssertionError("rank 0's whole field (not its block) did not raise on every rank")
 
 
 def case_disagreement(grid, ctx):

@@ -144,6 +144,22 @@ def test_power_spectrum_layer_matches_the_analysis_estimator(dtype, device):
         layer(a[0])
 
 
+def test_power_spectrum_layer_takes_the_mesh_of_its_shape():
+    """``mesh=`` a LocalMesh of the layer's shape is the one-device layer (the grid cases are in
+    test_distributed_simulation.py); a mesh of another shape or another kind of object is refused."""
+    field = torch.randn(2, 8, 10, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    box = (80.0, 100.0, 60.0)
+    for options in (dict(), dict(bins=5), dict(compensate_cic=True)):
+        plain = PowerSpectrum((8, 10, 6), box, dtype=torch.float64, **options)
+        on_mesh = PowerSpectrum((8, 10, 6), box, dtype=torch.float64, mesh=torchpm.LocalMesh((8, 10, 6)), **options)
+        assert torch.equal(on_mesh(field), plain(field)) and torch.equal(on_mesh.k, plain.k)
+        assert torch.equal(on_mesh.modes, plain.modes)
+    with pytest.raises(ValueError, match=r"`mesh` has the global shape \(8, 10, 7\)"):
+        PowerSpectrum((8, 10, 6), box, mesh=torchpm.LocalMesh((8, 10, 7)))
+    with pytest.raises(TypeError, match="`mesh` must be"):
+        PowerSpectrum((8, 10, 6), box, mesh=(8, 10, 6))
+
+
 def test_power_spectrum_layer_gradcheck():
     layer = PowerSpectrum(4, 40.0, dtype=torch.float64)
     field = torch.randn(1, 4, 4, 4, dtype=torch.float64, requires_grad=True)

@@ -38,6 +38,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from .analysis import _bins_key
+from .distributed import PencilDecomposition
 from .mesh import LocalMesh, as_box_size, as_shape
 from .ops import cic_paint, cic_readout
 
@@ -95,17 +97,29 @@ class PowerSpectrum(nn.Module):
     is an FFT, a product and one ``index_add`` (no data-dependent shapes: it compiles).
 
     Args:
-        shape: mesh cells per side (int) or ``(nx, ny, nz)``.
+        shape: mesh cells per side (int) or ``(nx, ny, nz)``: the global mesh.
         box_size: box side(s) in Mpc/h.
         bins: None (shells of width ``2 pi / L`` centred on its multiples, up to the
             smallest Nyquist frequency), a number of equal-width bins up to the
             largest |k|, or increasing bin edges in h/Mpc. Empty bins are dropped.
         compensate_cic: divide each field by the CIC window ``prod sinc^2(w/2pi)``.
         dtype: of the computation and of the ``k`` / ``modes`` buffers.
+        mesh: the mesh the fields live on, of global shape ``shape``: None (the whole
+            mesh on this device) or a :class:`~torchpm.distributed.PencilDecomposition`
+            (e.g. ``sim.force_mesh``). On a process grid each rank passes its block
+            ``(B, *mesh.local_real_shape)``; construction then precomputes the shells of
+            the rank's Fourier block and all-reduces their mode counts (collective: every
+            rank builds the layer with the same arguments), and the forward pass
+            all-reduces the shell sums as :func:`~torchpm.analysis.cross_power` does, so
+            every rank gets the global ``(B, n_bins)`` spectrum (and the same ``k`` and
+            ``modes``). Differentiable there with the same convention: every rank computes
+            the same loss from it and calls backward, and each rank's field receives its
+            block of the global gradient.
 
-    ``forward(field, other=None)``: ``(B, nx, ny, nz)`` real fields; returns
-    ``(B, n_bins)`` power in (Mpc/h)^3 (the cross power with ``other`` when given).
-    Attributes ``k`` (mean |k| of each bin, h/Mpc) and ``modes`` are buffers.
+    ``forward(field, other=None)``: ``(B, nx, ny, nz)`` real fields (this rank's
+    block on a grid); returns ``(B, n_bins)`` power in (Mpc/h)^3 (the cross power
+    with ``other`` when given). Attributes ``k`` (mean |k| of each bin, h/Mpc) and
+    ``modes`` are buffers.
     """
 
     def __init__(
@@ -117,12 +131,31 @@ class PowerSpectrum(nn.Module):
         compensate_cic: bool = False,
         dtype: torch.dtype = torch.float32,
         device=None,
+        mesh: PencilDecomposition | None = None,
     ):
         super().__init__()
         self.shape = as_shape(shape, "shape")
         self.box_size = as_box_size(box_size)
         self.compensate_cic = bool(compensate_cic)
-        mesh = LocalMesh(self.shape)
+        if mesh is None:
+            mesh = LocalMesh(self.shape)
+        elif not isinstance(mesh, PencilDecomposition):
+            raise TypeError(
+                "PowerSpectrum: `mesh` must be None or a torchpm.distributed.PencilDecomposition "
+                f"(e.g. sim.force_mesh) or a torchpm.LocalMesh, got {type(mesh).__name__}"
+            )
+        error = None
+        if tuple(mesh.global_shape) != self.shape:
+            error = (
+                f"PowerSpectrum: `mesh` has the global shape {tuple(mesh.global_shape)} but `shape` is "
+                f"{self.shape}; pass the shape of the mesh the fields live on (mesh.global_shape)"
+            )
+        # The shells' mode counts are all-reduced below, as many as there are bins: the
+        # ranks agree on what sets them first (one rank's error raises on every rank).
+        mesh.agree("PowerSpectrum", [("`shape`", self.shape), ("`box_size`", self.box_size),
+                                     ("`bins`", _bins_key(bins)), ("`compensate_cic`", self.compensate_cic)], error)
+        # On one device the forward pass calls torch.fft directly, as before.
+        self._mesh = None if mesh.is_local else mesh
         w = mesh.wavevectors(dtype=torch.float64)
         k_axes = [wi * n / b for wi, n, b in zip(w, self.shape, self.box_size)]
         k = torch.sqrt(sum(ki**2 for ki in k_axes)).expand(*mesh.local_fourier_shape).reshape(-1)
@@ -135,7 +168,9 @@ class PowerSpectrum(nn.Module):
         elif isinstance(bins, int) and not isinstance(bins, bool):
             if bins < 1:
                 raise ValueError(f"PowerSpectrum: `bins` must be a positive number of bins, got {bins}")
-            edges = torch.linspace(0.5 * k_fundamental, float(k.max()) * (1 + 1e-12), bins + 1, dtype=torch.float64)
+            local_max = k.max().reshape(1) if k.numel() else torch.zeros(1, dtype=torch.float64)
+            k_max = float(mesh.all_reduce(local_max, "max")[0])
+            edges = torch.linspace(0.5 * k_fundamental, k_max * (1 + 1e-12), bins + 1, dtype=torch.float64)
         else:
             edges = torch.as_tensor(bins, dtype=torch.float64)
             if edges.dim() != 1 or edges.numel() < 2 or bool((edges[1:] <= edges[:-1]).any()):
@@ -145,6 +180,8 @@ class PowerSpectrum(nn.Module):
         valid = (index >= 0) & (index < n_bins) & (k > 0)
         modes = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index[valid], weight[valid])
         k_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index[valid], (weight * k)[valid])
+        # Every rank's shells count: the same global bins (and buffers) on every rank.
+        modes, k_sum = mesh.all_reduce(torch.stack([modes, k_sum]))
         keep = modes > 0
         # Renumber the non-empty bins 0..n-1; modes outside every bin go to a last,
         # dropped slot, so the forward pass needs no boolean indexing.
@@ -159,37 +196,54 @@ class PowerSpectrum(nn.Module):
             scale = scale / (window**2).expand(*mesh.local_fourier_shape).reshape(-1)
         scale = scale / torch.cat([modes[keep], torch.ones(1, dtype=torch.float64)])[index]
         self.n_bins = int(keep.sum())
+        self._local_shape = tuple(mesh.local_real_shape)
         self.register_buffer("k", (k_sum[keep] / modes[keep]).to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("modes", modes[keep].to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("_bin_index", index.to(device=device), persistent=False)
         self.register_buffer("_mode_scale", scale.to(dtype=dtype, device=device), persistent=False)
 
-    def _check(self, field, name):
-        if not isinstance(field, torch.Tensor) or field.dim() != 4 or tuple(field.shape[1:]) != self.shape:
-            raise ValueError(
-                f"PowerSpectrum: `{name}` must be a real tensor of shape (B, {', '.join(map(str, self.shape))}), got "
-                f"{tuple(field.shape) if isinstance(field, torch.Tensor) else type(field).__name__}"
+    def _field_error(self, field, name):
+        """What is wrong with ``field`` (None if nothing)."""
+        if not isinstance(field, torch.Tensor) or field.dim() != 4 or tuple(field.shape[1:]) != self._local_shape:
+            block = "" if self._mesh is None else f" (this rank's block of the {self.shape} mesh)"
+            return (
+                f"PowerSpectrum: `{name}` must be a real tensor of shape (B, {', '.join(map(str, self._local_shape))})"
+                f"{block}, got {tuple(field.shape) if isinstance(field, torch.Tensor) else type(field).__name__}"
             )
         if field.is_complex() or not field.is_floating_point():
-            raise ValueError(f"PowerSpectrum: `{name}` must be real floating point, got {field.dtype}")
+            return f"PowerSpectrum: `{name}` must be real floating point, got {field.dtype}"
+        return None
+
+    def _rfftn(self, field):
+        if self._mesh is None:
+            return torch.fft.rfftn(field, dim=(-3, -2, -1))
+        return self._mesh.rfftn(field)
 
     def forward(self, field: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
-        self._check(field, "field")
-        field_k = torch.fft.rfftn(field, dim=(-3, -2, -1)).reshape(field.shape[0], -1)
+        error = self._field_error(field, "field") or (None if other is None else self._field_error(other, "other"))
+        if self._mesh is not None:
+            # A rank with a bad field raises on every rank, not leaving the others in the FFT.
+            self._mesh.raise_together(error)
+        elif error:
+            raise ValueError(error)
+        field_k = self._rfftn(field).reshape(field.shape[0], -1)
         if other is None:
             product = field_k.real**2 + field_k.imag**2
         else:
-            self._check(other, "other")
-            other_k = torch.fft.rfftn(other, dim=(-3, -2, -1)).reshape(field.shape[0], -1)
+            other_k = self._rfftn(other).reshape(field.shape[0], -1)
             product = field_k.real * other_k.real + field_k.imag * other_k.imag
         values = product * self._mode_scale.to(product.dtype)
         sums = values.new_zeros(field.shape[0], self.n_bins + 1).index_add(1, self._bin_index, values)
-        return sums[:, : self.n_bins]
+        if self._mesh is None:
+            return sums[:, : self.n_bins]
+        # The global shell sums on every rank (cross_power's reduction and its autograd convention).
+        return self._mesh.all_reduce(sums[:, : self.n_bins])
 
     def extra_repr(self) -> str:
+        grid = "" if self._mesh is None else f", grid={self._mesh.grid_shape}"
         return (
             f"shape={self.shape}, box_size={self.box_size}, n_bins={self.n_bins}, "
-            f"compensate_cic={self.compensate_cic}"
+            f"compensate_cic={self.compensate_cic}{grid}"
         )
 
 
