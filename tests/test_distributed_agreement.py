@@ -27,7 +27,7 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
             "simulation_integrator", "simulation_cosmology", "simulation_power_alias", "gather_batch", "gather_no_ids", "density_ids",
-            "thin_blocks", "resume_no_ids", "resume_step"]
+            "thin_blocks", "resume_no_ids", "resume_step", "run_agreement"]
 PER_WORLD = ["grid_axis"]
 
 
@@ -267,6 +267,35 @@ def case_simulation_integrator(grid, ctx):
     integrator = "leapfrog" if ctx["odd"] else "fastpm"
     expect_error(lambda: simulation(grid, ctx, integrator=integrator), ctx, "disagree", "`integrator`",
                  "leapfrog", "fastpm", "Simulation")
+
+
+def case_run_agreement(grid, ctx):
+    """What one rank changes after construction, or asks differently of a run, raises on
+    every rank at the run's start (it used to run two configurations mixed, raise on one
+    rank alone, or abort gloo in the backward pass)."""
+    import torchpm
+    from torchpm.nn import PGDCorrection
+
+    sim = simulation(grid, ctx)
+    noise = sim.white_noise(seed=1)
+    if ctx["odd"]:
+        sim.cosmology = torchpm.Planck15(Omega_c=0.3)
+    expect_error(lambda: sim(noise), ctx, "Simulation.forward", "`cosmology` (its parameters now)", "'Omega_c': 0.3,")
+    sim.cosmology = torchpm.Planck15()
+    expect_error(lambda: sim(noise, until=0.55 if ctx["odd"] else None), ctx, "Simulation.forward",
+                 "`until` = 0.55 is not one of the simulation's scale factors")
+    expect_error(lambda: sim(noise.clone().requires_grad_(ctx["odd"])), ctx, "gradients needed")
+    omega_c = torch.tensor(0.2589, dtype=torch.float64, requires_grad=ctx["odd"])
+    sim.cosmology = torchpm.Planck15(Omega_c=omega_c)
+    expect_error(lambda: sim(noise), ctx, "gradients needed")
+    sim.cosmology = torchpm.Planck15()
+    sim.force_correction = PGDCorrection(k_long=0.1, k_short=0.8, alpha=0.3 if ctx["odd"] else 0.2, dtype=torch.float64)
+    expect_error(lambda: sim(noise), ctx, "`force_correction` weights (now)")
+    sim.force_correction = None
+    state = sim(noise, until=sim.scale_factors[0], return_mesh_units=True)
+    if ctx["odd"]:
+        sim.cosmology = torchpm.Planck15(Omega_c=0.3)
+    expect_error(lambda: sim.resume(state, mesh_units=True), ctx, "Simulation.resume", "`cosmology` (its parameters now)")
 
 
 def case_simulation_power_alias(grid, ctx):

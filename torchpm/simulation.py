@@ -536,10 +536,21 @@ class Simulation(nn.Module):
         Returns:
             :class:`SimulationState` at ``until`` (default: the last scale factor).
         """
-        if (white_noise is None) == (linear_field is None):
-            raise ValueError("pass exactly one of `white_noise` and `linear_field`")
-        stop = self._step_index(until, "until")
+        error, stop = None, None
+        try:
+            if (white_noise is None) == (linear_field is None):
+                raise ValueError("pass exactly one of `white_noise` and `linear_field`")
+            stop = self._step_index(until, "until")
+        except (TypeError, ValueError) as exc:
+            if self.force_mesh.is_local:
+                raise
+            error = exc
         field = white_noise if linear_field is None else linear_field
+        if not self.force_mesh.is_local:
+            # One rank's bad argument raises on every rank; so do settings changed on one
+            # rank since construction, and other gradient needs (other backward collectives).
+            self.force_mesh.agree("Simulation.forward", [("the last step (`until`)", stop), *self._run_values(field)],
+                                  None if error is None else str(error))
         if isinstance(field, torch.Tensor):
             self._check_memory(self.device, field.shape[0] if field.dim() == 4 else 1)
         self._check_correction()
@@ -605,7 +616,8 @@ class Simulation(nn.Module):
             # One rank's bad state raises on every rank, and ranks resuming from other
             # steps (they would run other numbers of steps) are named.
             self.force_mesh.agree("Simulation.resume", [("the state's step (`state.a`)", start),
-                                                        ("the last step (`until`)", stop)],
+                                                        ("the last step (`until`)", stop),
+                                                        *self._run_values(getattr(state, "positions", None))],
                                   None if error is None else str(error))
         positions, momenta = state.positions, state.momenta
         if not mesh_units:
@@ -629,6 +641,35 @@ class Simulation(nn.Module):
                 stop=stop, cosmology=cosmology,
             )
         return self._state(positions, momenta, ids, self.scale_factors[stop], return_mesh_units)
+
+    def _run_values(self, inputs) -> list:
+        """What the ranks of a grid run must agree on at its start beyond the construction's
+        settings: those a user may change afterwards (the cosmology, the precision, the
+        correction's and the spectrum's weights) and which tensors need gradients (the
+        backward pass runs collectives only where they do)."""
+        def weights(module):
+            if not isinstance(module, nn.Module):
+                return "none"
+            tensors = [t.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+                       for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()]
+            return f"crc {zlib.crc32(torch.cat(tensors).numpy().tobytes()) if tensors else 0:08x}"
+
+        grad = torch.is_grad_enabled()
+        needs = (grad,
+                 grad and isinstance(inputs, torch.Tensor) and inputs.requires_grad,
+                 *(grad and bool(t.requires_grad) for t in self.cosmology.parameters().values()),
+                 grad and isinstance(self.force_correction, nn.Module)
+                 and any(t.requires_grad for t in [*self.force_correction.parameters(), *self.force_correction.buffers()]),
+                 grad and isinstance(self.power, nn.Module) and any(t.requires_grad for t in self.power.parameters()))
+        return [
+            ("`cosmology` (its parameters now)",
+             repr({key: float(value.detach()) for key, value in self.cosmology.parameters().items()})),
+            ("`dtype` (now)", str(self.dtype)),
+            ("`force_correction` weights (now)", weights(self.force_correction)),
+            ("`power_spectrum` weights (now)", weights(self.power)),
+            ("gradients needed (grad mode; the input; each cosmological parameter; the correction; the spectrum)",
+             tuple(int(n) for n in needs)),
+        ]
 
     def _check_particles(self, ids, what: str, exact: bool = True) -> None:
         """Particles (their ``(B, n)`` ids after a migration) that this run can hold: per
