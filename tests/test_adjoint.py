@@ -215,6 +215,34 @@ def test_bad_inputs():
         adjoint_integrate(x0, p0, factors, sim.forces, parameters=[weight], sources=[weight, weight])
 
 
+class _CosmologyScaled(torch.nn.Module):
+    """A correction that reads the cosmology it was given (a plain attribute)."""
+
+    def __init__(self, cosmology):
+        super().__init__()
+        self.cosmology = cosmology
+        self.alpha = torch.nn.Parameter(torch.tensor(0.3, dtype=torch.float64))
+
+    def forward(self, k, a):
+        return 1.0 + self.alpha * self.cosmology.Omega_m.to(k.dtype) * torch.exp(-k**2)
+
+
+@pytest.mark.usefixtures("reproducible")
+def test_adjoint_with_a_correction_reading_the_cosmology():
+    """The adjoint differentiates by the cosmology's parameters: a correction reading them
+    is accepted (not taken for a closure) and its gradient counted."""
+    results = []
+    for adjoint in (False, True):
+        omega_c = torch.tensor(0.2589, dtype=torch.float64, requires_grad=True)
+        cosmology = torchpm.Planck15(Omega_c=omega_c)
+        correction = _CosmologyScaled(cosmology)
+        sim = torchpm.Simulation(8, 64.0, mesh_factor=1, a_start=0.1, steps=STEPS, dtype=torch.float64,
+                                 cosmology=cosmology, force_correction=correction, adjoint=adjoint)
+        results.append(torch.autograd.grad(_loss(sim(sim.white_noise(seed=1))), [omega_c, correction.alpha]))
+    for name, a, b in zip(("Omega_c", "alpha"), results[1], results[0]):
+        assert float(b.abs()) > 0 and _relative(a, b) < 1e-8, f"{name}: adjoint {float(a)} vs autograd {float(b)}"
+
+
 @pytest.mark.usefixtures("reproducible")
 def test_adjoint_with_conditions_computed_from_other_tensors():
     """A correction conditioned on tensors with a history (the cosmology's Omega_m, a

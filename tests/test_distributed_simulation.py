@@ -266,6 +266,7 @@ def case_replicated_gradients(grid, ctx):
 
     config = dict(CONFIG, steps=2)
     field = global_random((1, *[n * config["mesh_factor"] for n in config["n_particles"]]), 5)
+    noise_weights = global_random((1, *config["n_particles"]), 6)
     results = []
     for mesh, adjoint in ((None, False), (ctx["groups"][grid], False), (ctx["groups"][grid], True)):
         torch.manual_seed(1)
@@ -284,7 +285,12 @@ def case_replicated_gradients(grid, ctx):
         loss = (sim.density(sim(noise)) * sim.force_mesh.local_real_part(field)).sum()
         loss.backward()
         results.append([omega_c.grad, other.grad, power.amplitude.grad, correction.network[0].weight.grad])
-    names = ("Omega_c", "the condition's tensor", "the power module's parameter", "a network weight")
+        # the public linear_field on its own (the simulation's cosmology, replicated there too)
+        omega_c.grad = None
+        (sim.linear_field(noise) * sim.particle_mesh.local_real_part(noise_weights)).sum().backward()
+        results[-1].append(omega_c.grad)
+    names = ("Omega_c", "the condition's tensor", "the power module's parameter", "a network weight",
+             "Omega_c through linear_field alone")
     for label, got in zip(("grid autograd", "grid adjoint"), results[1:]):
         for name, expected, value in zip(names, results[0], got):
             assert value is not None, f"{label}: no gradient for {name}"
@@ -319,6 +325,19 @@ def case_unsummed_gradients(grid, ctx):
                                 "nn.Module")
         with torch.no_grad():
             assert sim(noise).positions.shape[0] == 1
+    # a buffer that differs per rank by design (a filter on the rank's own k block) runs
+    filtered = torchpm.Simulation(**config, mesh=ctx["groups"][grid])
+
+    class OwnBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("filter", 1 + 0.1 * torch.exp(-filtered.kernels("force").k_magnitude))
+
+        def forward(self, k, a):
+            return self.filter
+
+    filtered.force_correction = OwnBlock()
+    assert filtered(filtered.white_noise(seed=3)).positions.shape[0] == 1
 
 
 def case_whole_state_refused(grid, ctx):

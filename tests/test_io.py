@@ -237,8 +237,17 @@ def test_forward_until_and_resume_in_memory():
     for bad in (0, n):
         ids = torch.arange(n).unsqueeze(0).clone()
         ids[0, 3] = bad
-        with pytest.raises(ValueError, match=rf"the ids of batch member 0 are not each of 0 \.\. {n - 1} once"):
+        with pytest.raises(ValueError, match=rf"(are not each of 0 \.\. {n - 1} once|the id {n}, outside 0 \.\. {n - 1})"):
             sim.resume(SimulationState(early.positions, early.momenta, early.a, ids), mesh_units=True)
+    # one device gives every slot mass: an empty slot (id -1) besides the N particles is refused
+    padded = SimulationState(torch.cat([early.positions, early.positions[:, :1]], 1),
+                             torch.cat([early.momenta, early.momenta[:, :1]], 1), early.a,
+                             torch.cat([torch.arange(n), torch.tensor([-1])]).unsqueeze(0))
+    with pytest.raises(ValueError, match="empty slots"):
+        sim.resume(padded, mesh_units=True)
+    # density: more particles than the run has is refused on one device as on a grid
+    with pytest.raises(ValueError, match=f"density: batch member 0 of the state holds {2 * n} particles"):
+        sim.density(double.positions)
 
 
 @pytest.mark.parametrize(

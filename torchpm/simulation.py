@@ -478,27 +478,29 @@ class Simulation(nn.Module):
 
     def growth_table(self, cosmology: Cosmology | None = None):
         """The :class:`~torchpm.cosmology.GrowthTable` of a run (built once per cosmology)."""
-        cosmology = cosmology or self.cosmology
+        cosmology = self._replicated(cosmology or self.cosmology)
         a_min = min(1e-3, 0.5 * self.a_start)
         return self._cached("growth", cosmology, lambda: growth_table(cosmology, a_min=a_min))
 
     def linear_field(self, white_noise: torch.Tensor, cosmology: Cosmology | None = None) -> torch.Tensor:
         """The linear overdensity at ``a = 1`` on the particle grid, ``(B, *n_particles)``."""
         noise = self._check_field(white_noise, "white_noise")
-        cosmology = cosmology or self.cosmology
+        cosmology = self._replicated(cosmology or self.cosmology)
         kernels = self.kernels("particle")
         power = self._replicated_callable(self.power)
         build = lambda: power_kernel(kernels, self.box_size, power, cosmology)  # noqa: E731
+        # A spectrum module's values follow its weights, not only the cosmology: not cached.
+        evaluate = build if isinstance(self.power, nn.Module) else (lambda: self._cached("power", cosmology, build))
         if self.force_mesh.is_local:
-            amplitude = self._cached("power", cosmology, build)
+            amplitude = evaluate()
         else:
             # On a grid each rank evaluates P on its own block: an error there, or a
             # gradient that could not be summed over the ranks, is raised on every rank.
             amplitude, error = None, None
             try:
-                amplitude = self._cached("power", cosmology, build)
-            except ValueError as exc:
-                error = str(exc)
+                amplitude = evaluate()
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = f"{type(exc).__name__}: {exc}"
             else:
                 error = self._unsummed_error(amplitude, "`power_spectrum`")
             self.force_mesh.raise_together(error)
@@ -647,20 +649,26 @@ class Simulation(nn.Module):
         settings: those a user may change afterwards (the cosmology, the precision, the
         correction's and the spectrum's weights) and which tensors need gradients (the
         backward pass runs collectives only where they do)."""
+        def learned(module):
+            # parameters and the buffers that need gradients (conditions): the same on every
+            # rank; other buffers may be per-rank by design (e.g. a filter on the rank's k block)
+            if not isinstance(module, nn.Module):
+                return []
+            return [*module.parameters(), *(b for b in module.buffers() if b.requires_grad)]
+
         def weights(module):
             if not isinstance(module, nn.Module):
                 return "none"
             tensors = [t.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
-                       for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()]
+                       for t in learned(module) if t.is_floating_point()]
             return f"crc {zlib.crc32(torch.cat(tensors).numpy().tobytes()) if tensors else 0:08x}"
 
         grad = torch.is_grad_enabled()
         needs = (grad,
                  grad and isinstance(inputs, torch.Tensor) and inputs.requires_grad,
                  *(grad and bool(t.requires_grad) for t in self.cosmology.parameters().values()),
-                 grad and isinstance(self.force_correction, nn.Module)
-                 and any(t.requires_grad for t in [*self.force_correction.parameters(), *self.force_correction.buffers()]),
-                 grad and isinstance(self.power, nn.Module) and any(t.requires_grad for t in self.power.parameters()))
+                 grad and any(t.requires_grad for t in learned(self.force_correction)),
+                 grad and any(t.requires_grad for t in learned(self.power)))
         return [
             ("`cosmology` (its parameters now)",
              repr({key: float(value.detach()) for key, value in self.cosmology.parameters().items()})),
@@ -674,25 +682,40 @@ class Simulation(nn.Module):
     def _check_particles(self, ids, what: str, exact: bool = True) -> None:
         """Particles (their ``(B, n)`` ids after a migration) that this run can hold: per
         batch member, no more than its ``N`` particles over all ranks (``exact``: all of
-        them, each id in ``[0, N)`` once). Refuses, on every rank, a whole state given to
-        every rank, which the migration would otherwise multiply. Collective on a grid."""
+        them, each id in ``[0, N)`` once; on one device, which gives every slot mass, no
+        empty slot). Refuses, on every rank, a whole state given to every rank, which the
+        migration would otherwise multiply. Collective on a grid."""
         mesh = self.force_mesh
         n = math.prod(self.particle_shape)
         counts = mesh.all_reduce((ids >= 0).sum(1).to(torch.int64)).tolist()
+        slots = ids.shape[1]
         wrong = [(member, count) for member, count in enumerate(counts) if (count != n if exact else count > n)]
         if wrong:  # the same sums on every rank: every rank raises
             member, count = wrong[0]
             where = "" if mesh.is_local else f" over the {mesh.grid.size} ranks"
-            raise ValueError(
-                f"{what}: batch member {member} of the state holds {count} particles{where}, the simulation has {n} "
-                f"(n_particles {self.particle_shape}){'' if mesh.is_local else ': give each rank its own share of the state (as a grid run returns it, or read_snapshot(..., share=...)), not the whole state on every rank'}"
-            )
+            hint = ("" if mesh.is_local else
+                    ": give each rank its own share of the state (as a grid run returns it, or "
+                    "read_snapshot(..., share=...)), not the whole state on every rank")
+            if not exact:
+                hint += ("; a grid state's positions include its empty slots: pass the state, or its "
+                         "positions with `ids=state.ids`")
+            raise ValueError(f"{what}: batch member {member} of the state holds {count} particles{where}, the "
+                             f"simulation has {n} (n_particles {self.particle_shape}){hint}")
         if not exact:
             return
+        if mesh.is_local and any(count != slots for count in counts):
+            raise ValueError(f"{what}: the state holds empty slots (id -1), which one device would give mass: "
+                             f"pass the {n} particles alone")
         error = None
+        seen = torch.zeros(n, dtype=torch.bool, device=ids.device)  # one flag per particle: O(N), no sort
         for member, row in enumerate(ids):
             valid = row[row >= 0]
-            if valid.numel() and (int(valid.max()) >= n or torch.unique(valid).numel() != valid.numel()):
+            if valid.numel() and int(valid.max()) >= n:
+                error = f"{what}: batch member {member} holds the id {int(valid.max())}, outside 0 .. {n - 1}"
+                break
+            seen.zero_()
+            seen[valid] = True
+            if int(seen.sum()) != valid.numel():
                 rank = "" if mesh.is_local else f" (after the migration, on grid coordinates {mesh.grid_coords})"
                 error = (f"{what}: the ids of batch member {member} are not each of 0 .. {n - 1} once{rank}: "
                          "a state of another run, or a share given twice")
@@ -743,9 +766,12 @@ class Simulation(nn.Module):
         grid in the backward pass, so every rank gets the gradient of the whole run."""
         grid = self.force_mesh.grid
         parameters = cosmology.parameters()
-        if grid.size == 1 or not any(p.requires_grad for p in parameters.values()):
-            return cosmology
-        return Cosmology(**{k: grid.replicate(v) for k, v in parameters.items()}, name=cosmology.name)
+        if grid.size == 1 or getattr(cosmology, "_replicated_over", None) is grid \
+                or not any(p.requires_grad for p in parameters.values()):
+            return cosmology  # (replicating twice would sum twice)
+        replicated = Cosmology(**{k: grid.replicate(v) for k, v in parameters.items()}, name=cosmology.name)
+        replicated._replicated_over = grid
+        return replicated
 
     def _correction(self):
         """The force correction, with its parameters' gradients summed over the process grid."""
@@ -798,8 +824,8 @@ class Simulation(nn.Module):
             a = torch.tensor(self.a_start, dtype=self.dtype, device=self.device)
             error = self._unsummed_error(self._correction()(self.kernels("force").k_magnitude, a),
                                          "`force_correction`")
-        except (ValueError, TypeError, RuntimeError) as exc:
-            error = f"`force_correction` failed on its first evaluation: {exc}"
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = f"`force_correction` failed on its first evaluation: {type(exc).__name__}: {exc}"
         self.force_mesh.raise_together(error)
 
     def forces(self, positions: torch.Tensor, a, ids: torch.Tensor | None = None,
@@ -812,7 +838,7 @@ class Simulation(nn.Module):
         """``function`` (:func:`compute_forces` or :func:`force_field`) with this simulation's
         kernels, mass, cosmology, force correction and weights (from ``ids`` unless given:
         ``None`` for unit masses)."""
-        cosmology = cosmology or self.cosmology
+        cosmology = self._replicated(cosmology or self.cosmology)
         return function(
             positions,
             self.kernels("force"),
@@ -835,7 +861,7 @@ class Simulation(nn.Module):
         """The PM force for :func:`torchpm.adjoint.adjoint_integrate`: ``function`` forward,
         a hand-written pull-back backward. ``ids()`` gives the current particle ids;
         ``stand_ins`` replace the correction's buffers (see :meth:`_adjoint_parameters`)."""
-        cosmology = cosmology or self.cosmology
+        cosmology = self._replicated(cosmology or self.cosmology)
         return ParticleMeshForce(
             function,
             self.kernels("force"),
@@ -1063,8 +1089,7 @@ class Simulation(nn.Module):
         kernels = self.kernels("force")
         a = torch.tensor(self.a_start, dtype=self.dtype, device=self.device)
         probe = self._replicated_callable(correction, stand_ins)(kernels.k_magnitude, a)
-        known = {id(t) for t in parameters}
-        if any(id(t) not in known for t in unsummed_leaves(probe)):
+        if unsummed_leaves(probe, stop=parameters):
             raise ValueError(
                 "Simulation(adjoint=True): the `force_correction` computes with tensors that need gradients but "
                 "are not parameters or buffers of an nn.Module (a plain callable's, or a module's unregistered "
@@ -1093,9 +1118,10 @@ class Simulation(nn.Module):
 
         Accepts a :class:`SimulationState` or positions ``(B, N, 3)`` in Mpc/h. On a
         process grid the particles are first moved to the ranks owning them, so any
-        distribution of particles over the ranks is accepted. A grid state holds empty
-        slots (id ``-1``), which carry no mass: pass the state, or its positions with
-        ``ids=state.ids`` (positions alone count every slot as a particle).
+        distribution of particles over the ranks is accepted, up to the run's ``N`` per
+        batch member (more is refused: a whole state given to every rank). A grid state
+        holds empty slots (id ``-1``), which carry no mass: pass the state, or its
+        positions with ``ids=state.ids`` (positions alone count every slot as a particle).
         """
         positions = state.positions if isinstance(state, SimulationState) else state
         error = None
@@ -1118,8 +1144,7 @@ class Simulation(nn.Module):
         ids = ids.to(device=positions.device, dtype=torch.int64)
         cell = torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
         _, cells, ids = self.force_mesh.migrate(positions / cell, ids, capacity=self.particle_capacity)
-        if not self.force_mesh.is_local:
-            self._check_particles(ids, "density", exact=False)
+        self._check_particles(ids, "density", exact=False)
         weights = (ids >= 0).to(cells.dtype) if bool((ids < 0).any()) else None
         return self.force_mesh.paint(cells, weights) * self.particle_mass
 

@@ -225,26 +225,32 @@ class _ReplicatedInput(torch.autograd.Function):
         return summed.to(grad.device), None
 
 
-def unsummed_leaves(tensor) -> list:
+def unsummed_leaves(tensor, stop: Sequence[torch.Tensor] = ()) -> list:
     """The tensors requiring grad that ``tensor``'s autograd graph reaches other than through
-    :meth:`GridGroups.replicate` (its inputs' gradients are summed over the grid): on a
-    grid, a gradient that reaches them holds only this rank's share of the run. Empty
+    :meth:`GridGroups.replicate` (its inputs' gradients are summed over the grid) or one of
+    the ``stop`` tensors (known inputs, e.g. the parameters an adjoint differentiates by):
+    on a grid, a gradient that reaches them holds only this rank's share of the run. Empty
     for a tensor that needs no gradient."""
     if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
         return []
+    if any(tensor is t for t in stop):
+        return []
     if tensor.grad_fn is None:
         return [tensor]
+    stop_nodes = {t.grad_fn for t in stop if t.grad_fn is not None}
+    stop_leaves = {id(t) for t in stop if t.grad_fn is None}
     found, seen, stack = [], set(), [tensor.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, _ReplicatedInput._backward_cls):
+        if isinstance(node, _ReplicatedInput._backward_cls) or node in stop_nodes:
             continue
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
         if isinstance(variable, torch.Tensor):
-            found.append(variable)
+            if id(variable) not in stop_leaves:
+                found.append(variable)
             continue
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
