@@ -239,7 +239,7 @@ def case_adjoint_fused_force_b2(grid, ctx):
     assert torch.equal(value, plain) and torch.equal(fused, plain)
     error = float((fused_x - grad_x).abs().max())
     assert error <= 1e-13 * float(grad_x.abs().max()), f"position pull-back: {error:.3e}"
-    # 1.5 Omega_m's adjoint is a sum over this rank's particles (summed over ranks by the caller)
+    # 1.5 Omega_m's adjoint (the simulation's cosmology is replicated: summed over the ranks)
     assert abs(float(fused_grads[0] - grads[0])) <= 1e-13 * abs(float(grads[0])) and float(grads[0]) != 0
 
 
