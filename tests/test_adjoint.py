@@ -15,6 +15,8 @@ from torchpm.adjoint import AutogradForce, ParticleMeshForce, adjoint_integrate
 from torchpm.nn import NeuralSplineCorrection, PGDCorrection
 from torchpm.pm import kick_drift_kick
 
+from _models import perturbed_spline
+
 STEPS = 10
 
 
@@ -252,11 +254,7 @@ def test_adjoint_with_conditions_computed_from_other_tensors():
     parameters counted it twice)."""
     results = []
     for adjoint in (False, True):
-        torch.manual_seed(0)
-        module = NeuralSplineCorrection(k_max=2.0, knots=6, hidden=(8,), conditions=2, dtype=torch.float64)
-        with torch.no_grad():
-            for parameter in module.parameters():
-                parameter.add_(0.3 * torch.randn(parameter.shape, dtype=torch.float64))
+        module = perturbed_spline(conditions=2, seed=0)
         omega_c = torch.tensor(0.26, dtype=torch.float64, requires_grad=True)
         other = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
         cosmology = torchpm.Planck15(Omega_c=omega_c)

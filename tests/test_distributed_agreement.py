@@ -269,24 +269,12 @@ def case_simulation_integrator(grid, ctx):
                  "leapfrog", "fastpm", "Simulation")
 
 
-class _Power(torch.nn.Module):
-    """A power spectrum with a learnable amplitude."""
-
-    def __init__(self):
-        super().__init__()
-        self.amplitude = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float64))
-
-    def forward(self, k, cosmology):
-        from torchpm.cosmology import linear_power
-
-        return self.amplitude * linear_power(k, cosmology)
-
-
 def case_run_agreement(grid, ctx):
     """What one rank changes after construction, or asks differently of a run, raises on
     every rank at the run's start (it used to run two configurations mixed, raise on one
     rank alone, or abort gloo in the backward pass)."""
     import torchpm
+    from _models import AmplifiedPower
     from torchpm.nn import PGDCorrection
 
     sim = simulation(grid, ctx)
@@ -312,13 +300,13 @@ def case_run_agreement(grid, ctx):
         sim.float()
     expect_error(lambda: sim(noise), ctx, "`dtype` (now)", "torch.float32", "torch.float64")
     sim.double()
-    power = _Power()
+    power = AmplifiedPower()
     if ctx["odd"]:
         with torch.no_grad():
             power.amplitude.fill_(1.2)
     sim.power = power
     expect_error(lambda: sim(noise), ctx, "`power_spectrum` weights (now)")
-    sim.power = _Power()
+    sim.power = AmplifiedPower()
     assert sim(noise).positions.shape[0] == 1  # agreed again: runs
     sim.force_correction = None
     state = sim(noise, until=sim.scale_factors[0], return_mesh_units=True)

@@ -243,42 +243,25 @@ def case_adjoint_fused_force_b2(grid, ctx):
     assert abs(float(fused_grads[0] - grads[0])) <= 1e-13 * abs(float(grads[0])) and float(grads[0]) != 0
 
 
-class _AmplifiedPower(torch.nn.Module):
-    """A power spectrum with a learnable amplitude (a parameter of the module)."""
-
-    def __init__(self):
-        super().__init__()
-        self.amplitude = torch.nn.Parameter(torch.tensor(1.3, dtype=torch.float64))
-
-    def forward(self, k, cosmology):
-        from torchpm.cosmology import linear_power
-
-        return self.amplitude * linear_power(k, cosmology)
-
-
 def case_replicated_gradients(grid, ctx):
     """Gradients that reach the run through a force correction's conditions (computed from
     the cosmology, and from a tensor of the user's) and through a power-spectrum module's
     parameter are summed over the ranks: grid autograd and grid adjoint equal the serial
     run (each rank used to hold only its share of the conditions' and such paths)."""
     import torchpm
-    from torchpm.nn import NeuralSplineCorrection
+    from _models import AmplifiedPower, perturbed_spline
 
     config = dict(CONFIG, steps=2)
     field = global_random((1, *[n * config["mesh_factor"] for n in config["n_particles"]]), 5)
     noise_weights = global_random((1, *config["n_particles"]), 6)
     results = []
     for mesh, adjoint in ((None, False), (ctx["groups"][grid], False), (ctx["groups"][grid], True)):
-        torch.manual_seed(1)
-        correction = NeuralSplineCorrection(k_max=2.0, knots=6, hidden=(8,), conditions=3, dtype=torch.float64)
-        with torch.no_grad():
-            for parameter in correction.parameters():
-                parameter.add_(0.3 * torch.randn(parameter.shape, dtype=parameter.dtype))
+        correction = perturbed_spline(conditions=3, seed=1)
         omega_c = torch.tensor(0.2589, dtype=torch.float64, requires_grad=True)
         other = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
         cosmology = torchpm.Planck15(Omega_c=omega_c)
         correction.set_conditions(torch.stack([cosmology.Omega_m, cosmology.sigma8, other * 2]))
-        power = _AmplifiedPower()
+        power = AmplifiedPower(1.3)
         sim = torchpm.Simulation(**config, cosmology=cosmology, force_correction=correction, power_spectrum=power,
                                  adjoint=adjoint, **({} if mesh is None else {"mesh": mesh}))
         noise = sim.white_noise(seed=3)
