@@ -27,7 +27,7 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
             "simulation_integrator", "simulation_cosmology", "simulation_power_alias", "gather_batch", "gather_no_ids", "density_ids",
-            "thin_blocks", "resume_no_ids", "resume_step", "run_agreement"]
+            "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks"]
 PER_WORLD = ["grid_axis"]
 
 
@@ -396,7 +396,9 @@ def case_paint_not_owned(grid, ctx):
     (lx, ly, _), (ox, oy, _) = mesh.local_real_shape, mesh.local_real_offset
     inside = torch.tensor([[[ox + 0.5, oy + 0.5, 0.5]]], dtype=torch.float64)
     far = torch.tensor([[[(ox + lx + 2.5) % SHAPE[0], (oy + ly + 2.5) % SHAPE[1], 0.5]]], dtype=torch.float64)
-    expect_error(lambda: mesh.paint(far if ctx["odd"] else inside), ctx, "cannot be deposited", "paint")
+    text = expect_error(lambda: mesh.paint(far if ctx["odd"] else inside), ctx, "cannot be deposited", "paint")
+    # the failing rank's own error leads (its other descriptor values are placeholders)
+    assert text.startswith(f"PencilDecomposition.paint: rank {ctx['world'] - 1} (grid"), text
 
 
 def case_paint_not_owned_deferred(grid, ctx):
@@ -430,6 +432,32 @@ def case_readout_bad_field(grid, ctx):
                              dtype=torch.float64)
     value = torch.ones(1, 2, 2, 2, dtype=torch.float64) if ctx["odd"] else field(mesh)
     expect_error(lambda: mesh.readout(value, positions), ctx, "`field`", "(1, 2, 2, 2)", "readout")
+
+
+def case_readout_not_owned(grid, ctx):
+    """A readout (collective: it fills the halo) of a particle one rank does not own raises
+    on every rank, not on that rank alone (the others returned)."""
+    mesh = decomposition(grid, ctx)
+    (lx, ly, _), (ox, oy, _) = mesh.local_real_shape, mesh.local_real_offset
+    inside = torch.tensor([[[ox + 0.5, oy + 0.5, 0.5]]], dtype=torch.float64)
+    far = torch.tensor([[[(ox + lx + 2.5) % SHAPE[0], (oy + ly + 2.5) % SHAPE[1], 0.5]]], dtype=torch.float64)
+    expect_error(lambda: mesh.readout(field(mesh), far if ctx["odd"] else inside), ctx, "torchpm.readout",
+                 "cannot be deposited", ranks=[ctx["world"] - 1])
+
+
+def case_different_checks(grid, ctx):
+    """One rank in a check raised together (a simulation's density) while the other is in a
+    collective's agreement (an FFT): one error naming both calls on every rank, not a gloo
+    abort (the two all-reduces used to differ in size)."""
+    sim = simulation(grid, ctx)
+    mesh = sim.force_mesh
+    state = sim(sim.white_noise(seed=1))
+    if ctx["odd"]:
+        call = lambda: sim.density(state)  # noqa: E731
+    else:
+        call = lambda: mesh.rfftn(torch.ones(1, *mesh.local_real_shape, dtype=torch.float64))  # noqa: E731
+    expect_error(call, ctx, "the ranks called different collective operations", "Simulation.density",
+                 "PencilDecomposition.rfftn")
 
 
 def case_setting(grid, ctx):

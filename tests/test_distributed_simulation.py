@@ -225,9 +225,10 @@ def case_adjoint_fused_force_b2(grid, ctx):
     start_ids = torch.arange(x0.shape[1]).expand(2, -1) + 1000 * ctx["rank"]
     _, x, ids = sim.force_mesh.migrate(x0, start_ids)
     # Empty slots (ids -1) as a migration leaves them, at owned positions: painted with
-    # zero mass on a grid (one device never pads: all weights 1 there).
-    x = torch.cat([x, x[:, :3]], dim=1)
-    ids = torch.cat([ids, torch.full((2, 3), -1, dtype=ids.dtype)], dim=1)
+    # zero mass on a grid (one device never pads: its runs hold none).
+    if grid != (1, 1):
+        x = torch.cat([x, x[:, :3]], dim=1)
+        ids = torch.cat([ids, torch.full((2, 3), -1, dtype=ids.dtype)], dim=1)
     force = sim._adjoint_force(lambda positions, a: sim.forces(positions, a, ids), None, lambda: ids)
     a = torch.tensor(0.4, dtype=torch.float64)
     cotangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(ctx["rank"]), dtype=torch.float64)
@@ -308,6 +309,17 @@ def case_unsummed_gradients(grid, ctx):
                                 "nn.Module")
         with torch.no_grad():
             assert sim(noise).positions.shape[0] == 1
+    # the public forces and evolve, as a hand-written loop uses them, refuse it too
+    sim = torchpm.Simulation(**config, mesh=ctx["groups"][grid], force_correction=cases[0][1])
+    with torch.no_grad():
+        x, p, ids = sim.lpt(sim.linear_field(sim.white_noise(seed=3)))
+    a = torch.tensor(0.1, dtype=torch.float64)
+    expect_error_everywhere(lambda: sim.forces(x, a, ids), "`force_correction` computes with tensors")
+    expect_error_everywhere(lambda: sim.evolve(x, p, sim.growth_table(), ids=ids), "`force_correction` computes")
+    # on a grid they need the ids (the empty slots have none of the mass)
+    sim.force_correction = None
+    expect_error_everywhere(lambda: sim.forces(x, a), "forces: `ids` is required on a process grid")
+    expect_error_everywhere(lambda: sim.evolve(x, p, sim.growth_table()), "evolve: `ids` is required")
     # a buffer that differs per rank by design (a filter on the rank's own k block) runs
     filtered = torchpm.Simulation(**config, mesh=ctx["groups"][grid])
 

@@ -228,6 +228,20 @@ def test_particle_capacity_of_all_particles_runs_on_one_device():
     assert sim(sim.white_noise(seed=1)).positions.shape == (1, 64, 3)
 
 
+def test_one_device_forces_honour_empty_slots_and_evolve_refuses_them():
+    sim = torchpm.Simulation(n_particles=4, box_size=40.0, a_start=0.1, steps=2, dtype=torch.float64)
+    x, p, ids = sim.lpt(sim.linear_field(sim.white_noise(seed=1)))
+    a = torch.tensor(0.1, dtype=torch.float64)
+    padded = torch.cat([x, x[:, :5]], dim=1)
+    padded_ids = torch.cat([ids, torch.full((1, 5), -1, dtype=ids.dtype)], dim=1)
+    # the empty slots get no mass: the particles' forces are those without them
+    assert torch.equal(sim.forces(padded, a, padded_ids)[:, : x.shape[1]], sim.forces(x, a, ids))
+    with pytest.raises(ValueError, match=r"evolve: `ids` holds empty slots \(id -1\)"):
+        sim.evolve(padded, torch.cat([p, p[:, :5]], dim=1), sim.growth_table(), ids=padded_ids)
+    with pytest.raises(ValueError, match="`which` must be 'particle' or 'force'"):
+        sim.kernels("bogus")
+
+
 def test_bad_noise_raises():
     sim = _tiny()
     noise = torch.zeros(1, 4, 4, 4, dtype=torch.float64)

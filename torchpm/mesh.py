@@ -121,7 +121,7 @@ class Mesh(Protocol):
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce a tensor over every rank of the grid."""
 
-    def raise_together(self, error: str | None, exception=ValueError) -> None:
+    def raise_together(self, error: str | None, exception=ValueError, operation: str = "") -> None:
         """Raise on every rank when any rank reports an error."""
 
 

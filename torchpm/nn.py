@@ -223,7 +223,7 @@ class PowerSpectrum(nn.Module):
         error = self._field_error(field, "field") or (None if other is None else self._field_error(other, "other"))
         if self._mesh is not None:
             # A rank with a bad field raises on every rank, not leaving the others in the FFT.
-            self._mesh.raise_together(error)
+            self._mesh.raise_together(error, operation="torchpm.nn.PowerSpectrum")
         elif error:
             raise ValueError(error)
         field_k = self._rfftn(field).reshape(field.shape[0], -1)

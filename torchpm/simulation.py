@@ -402,6 +402,8 @@ class Simulation(nn.Module):
 
     def kernels(self, which: str) -> FourierKernels:
         """The cached :class:`FourierKernels` of the ``"particle"`` grid or the ``"force"`` mesh."""
+        if which not in ("particle", "force"):
+            raise ValueError(f"kernels: `which` must be 'particle' or 'force', got {which!r}")
         key = (which, self.device, self.dtype)
         if key not in self._kernels:
             if which == "particle":
@@ -451,7 +453,7 @@ class Simulation(nn.Module):
         elif not bool(torch.isfinite(field).all()):
             bad = int((~torch.isfinite(field)).sum())
             error = f"`{name}` contains {bad} NaN or infinite values; expected finite numbers"
-        mesh.raise_together(error)
+        mesh.raise_together(error, operation="Simulation.check_field")
         if field.dim() == 3:
             field = field.unsqueeze(0)
         if tuple(field.shape[-3:]) != local:
@@ -503,7 +505,7 @@ class Simulation(nn.Module):
                 error = f"{type(exc).__name__}: {exc}"
             else:
                 error = self._unsummed_error(amplitude, "`power_spectrum`")
-            self.force_mesh.raise_together(error)
+            self.force_mesh.raise_together(error, operation="Simulation.linear_field")
         return linear_field(noise, amplitude, self.particle_mesh)
 
     def linear_power(self, k, cosmology: Cosmology | None = None) -> torch.Tensor:
@@ -568,12 +570,12 @@ class Simulation(nn.Module):
             None if finite else
             "the LPT initial conditions are not finite: the linear power (`power_spectrum`, "
             f"`box_size` = {self.box_size}) is too large for {self.dtype}; check the power table's units "
-            "((Mpc/h)^3) and the box size (Mpc/h)"
+            "((Mpc/h)^3) and the box size (Mpc/h)", operation="Simulation.forward"
         )
         if callback is not None:
             callback(0, self.a_start)
         if stop:
-            positions, momenta, ids = self.evolve(
+            positions, momenta, ids = self._evolve(
                 positions, momenta, table, callback=callback, ids=ids, stop=stop, cosmology=cosmology
             )
         return self._state(positions, momenta, ids, self.scale_factors[stop], return_mesh_units)
@@ -638,7 +640,7 @@ class Simulation(nn.Module):
         if stop > start:
             self._check_correction()
             cosmology = self._replicated(self.cosmology)
-            positions, momenta, ids = self.evolve(
+            positions, momenta, ids = self._evolve(
                 positions, momenta, self.growth_table(cosmology), callback=callback, ids=ids, start=start,
                 stop=stop, cosmology=cosmology,
             )
@@ -720,7 +722,7 @@ class Simulation(nn.Module):
                 error = (f"{what}: the ids of batch member {member} are not each of 0 .. {n - 1} once{rank}: "
                          "a state of another run, or a share given twice")
                 break
-        mesh.raise_together(error)
+        mesh.raise_together(error, operation="Simulation.check_particles")
 
     def _step_index(self, a, name) -> int:
         """Index of scale factor ``a`` in :attr:`scale_factors` (None: the last)."""
@@ -826,12 +828,26 @@ class Simulation(nn.Module):
                                          "`force_correction`")
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             error = f"`force_correction` failed on its first evaluation: {type(exc).__name__}: {exc}"
-        self.force_mesh.raise_together(error)
+        self.force_mesh.raise_together(error, operation="Simulation.check_correction")
 
     def forces(self, positions: torch.Tensor, a, ids: torch.Tensor | None = None,
                cosmology: Cosmology | None = None) -> torch.Tensor:
         """PM forces ``(B, n, 3)`` in mesh units at owned positions in force-mesh cells
-        (``ids`` marks empty slots, which get no mass)."""
+        (``ids`` marks empty slots, which get no mass). On a grid each call first checks
+        the force correction (:meth:`_check_correction`: one evaluation and one small
+        all-reduce); runs use the unchecked :meth:`_forces`, checked once per run."""
+        if not self.force_mesh.is_local:
+            self.force_mesh.raise_together(
+                "forces: `ids` is required on a process grid (the state's empty slots have id -1 and no mass)"
+                if ids is None else None, operation="Simulation.forces")
+        self._check_correction()
+        weights = False
+        if self.force_mesh.is_local and ids is not None and bool((ids < 0).any()):
+            weights = (ids >= 0).to(positions.dtype)  # (a run on one device has no empty slot)
+        return self._force(compute_forces, positions, a, ids, cosmology, weights=weights)
+
+    def _forces(self, positions, a, ids=None, cosmology=None):
+        """:meth:`forces` inside a run (its checks made at the run's start)."""
         return self._force(compute_forces, positions, a, ids, cosmology)
 
     def _force(self, function, positions, a, ids, cosmology, weights=False):
@@ -884,14 +900,32 @@ class Simulation(nn.Module):
         )
         if sort:
             positions, ids, momenta = sort_particles(self.force_mesh, positions, ids, momenta)
-        forces = self.forces(positions, factor.a_end, ids, cosmology)
+        forces = self._forces(positions, factor.a_end, ids, cosmology)
         momenta = add_scaled(momenta, forces, factor.second_kick)
         return positions, momenta, forces, ids
 
     def evolve(self, positions, momenta, table, callback=None, *, ids=None, start: int = 0, stop: int | None = None,
                cosmology: Cosmology | None = None):
         """Integrate from ``scale_factors[start]`` to ``scale_factors[stop]`` (mesh units in
-        and out). Returns ``(positions, momenta, ids)``."""
+        and out). Returns ``(positions, momenta, ids)``. On a grid ``ids`` is required (the
+        LPT and the migrations leave empty slots, id -1); on one device, which gives every
+        slot mass, it may hold no empty slot."""
+        error = None
+        if ids is None and not self.force_mesh.is_local:
+            error = "evolve: `ids` is required on a process grid (the state's empty slots have id -1)"
+        elif ids is not None and self.force_mesh.is_local and bool((ids < 0).any()):
+            error = "evolve: `ids` holds empty slots (id -1), which one device would give mass: pass the particles alone"
+        if self.force_mesh.is_local:
+            if error:
+                raise ValueError(error)
+        else:
+            self.force_mesh.raise_together(error, operation="Simulation.evolve")
+        self._check_correction()
+        return self._evolve(positions, momenta, table, callback, ids=ids, start=start, stop=stop, cosmology=cosmology)
+
+    def _evolve(self, positions, momenta, table, callback=None, *, ids=None, start: int = 0, stop: int | None = None,
+                cosmology: Cosmology | None = None):
+        """:meth:`evolve` inside a run (its checks made at the run's start)."""
         stop = self.steps if stop is None else stop
         if ids is None:
             ids = torch.arange(positions.shape[1], device=positions.device).expand(positions.shape[0], -1)
@@ -910,7 +944,7 @@ class Simulation(nn.Module):
         if self.adjoint and torch.is_grad_enabled():
             positions, momenta, ids = self._evolve_adjoint(positions, momenta, ids, factors, cosmology, callback, start)
             return self._id_order(positions, momenta, ids, sort_every)
-        forces = self.forces(positions, factors[0].a_start, ids, cosmology)
+        forces = self._forces(positions, factors[0].a_start, ids, cosmology)
         checkpoint = self.checkpoint and torch.is_grad_enabled()
         if not checkpoint and not (torch.is_grad_enabled() and any(
                 tensor.requires_grad for tensor in (positions, momenta, forces))):
@@ -1005,10 +1039,14 @@ class Simulation(nn.Module):
         """:meth:`evolve` with gradients by the adjoint method (:mod:`torchpm.adjoint`)."""
         mesh = self.force_mesh
         step_callback = None if callback is None else (lambda number, a: callback(number + start, a))
-        parameters, sources, stand_ins = self._adjoint_parameters()
+        # The cosmology the forces read (an explicit one, or the simulation's; replicated on
+        # a grid, so the adjoint's gradients are this rank's share until they pass back
+        # through the replication once).
+        cosmology = self._replicated(cosmology or self.cosmology)
+        parameters, sources, stand_ins = self._adjoint_parameters(cosmology)
         if mesh.is_local:
             def local_forces(x, a):
-                return self.forces(x, a, ids, cosmology)
+                return self._forces(x, a, ids, cosmology)
 
             force = self._adjoint_force(local_forces, cosmology, lambda: ids, stand_ins)
             positions, momenta, _ = adjoint_integrate(
@@ -1035,7 +1073,7 @@ class Simulation(nn.Module):
             return (x, *payload)
 
         def grid_forces(x, a):
-            return self.forces(x, a, layout["ids"], cosmology)
+            return self._forces(x, a, layout["ids"], cosmology)
 
         def restore(x0, adjoint_x, adjoint_p):
             _, _, home_ids, slot, adjoint_x, adjoint_p = mesh.migrate(
@@ -1056,12 +1094,12 @@ class Simulation(nn.Module):
         )
         return positions, momenta, layout["ids"]
 
-    def _adjoint_parameters(self) -> tuple[list, list, dict]:
+    def _adjoint_parameters(self, cosmology: Cosmology | None = None) -> tuple[list, list, dict]:
         """The tensors the forces depend on that need gradients (for :mod:`torchpm.adjoint`):
         ``(parameters, sources, stand_ins)``, as :func:`~torchpm.adjoint.adjoint_integrate`
         takes its ``parameters`` and ``sources``; ``stand_ins`` (buffer name -> detached
         copy) replace the correction's buffers that need gradients in the forces."""
-        parameters = [t for t in self.cosmology.parameters().values() if t.requires_grad]
+        parameters = [t for t in (cosmology or self.cosmology).parameters().values() if t.requires_grad]
         sources = list(parameters)
         stand_ins: dict = {}
         correction = self.force_correction
@@ -1136,7 +1174,7 @@ class Simulation(nn.Module):
             error = (f"density: expected integer `ids` of shape {tuple(positions.shape[:2])} like the positions, "
                      f"got {getattr(ids, 'shape', ids)!r}")
         if not self.force_mesh.is_local:
-            self.force_mesh.raise_together(error)  # every rank raises, none waits in the migration
+            self.force_mesh.raise_together(error, operation="Simulation.density")  # every rank raises, none waits in the migration
         elif error:
             raise ValueError(error)
         if ids is None:

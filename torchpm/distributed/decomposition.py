@@ -619,7 +619,15 @@ class PencilDecomposition:
                                  ("halo widths of `order`", lambda: prepared[0][0] if prepared else str(order)))
         widths, offset, periodic, padded = prepared[0]
         field = _halo.fill_halo(padded, widths, self._axes, inplace=True)
-        return _readout(field, positions, order=order, offset=offset, periodic=periodic)
+        # A collective call: one rank's bad particle raises on every rank (one small
+        # all-reduce; the run's own readouts take a haloed field and stay local).
+        values, error = None, None
+        try:
+            values = _readout(field, positions, order=order, offset=offset, periodic=periodic)
+        except (ValueError, TypeError) as exc:
+            error = str(exc)
+        self.raise_together(error, operation="PencilDecomposition.readout")
+        return values
 
     def readout_kick_drift_(self, field: torch.Tensor, positions: torch.Tensor, momenta: torch.Tensor,
                             kicks: Sequence[float], drift: float | None = None, *, order: str = "cic") -> None:
@@ -743,7 +751,7 @@ class PencilDecomposition:
                 if torch.unique(valid).numel() != valid.numel():
                     error = f"particle migration duplicated ids of batch member {member} on this rank"
                     break
-        self.raise_together(error, RuntimeError)
+        self.raise_together(error, RuntimeError, operation="PencilDecomposition.check_conservation")
 
     # ------------------------------------------------------------ reductions
 
@@ -751,9 +759,10 @@ class PencilDecomposition:
         """Reduce over every rank of the grid (``"sum"`` differentiable; ``"max"``, ``"min"``)."""
         return self.grid.all_reduce(tensor, op)
 
-    def raise_together(self, error: str | None, exception=ValueError) -> None:
-        """Raise ``exception`` on every rank when any rank has an ``error`` (collective)."""
-        self.grid.raise_together(error, exception)
+    def raise_together(self, error: str | None, exception=ValueError, operation: str = "a check raised together") -> None:
+        """Raise ``exception`` on every rank when any rank has an ``error`` (collective;
+        ``operation`` names the call when ranks are found in different ones)."""
+        self.grid.raise_together(error, exception, operation=operation)
 
     def agree(self, operation: str, values, error: str | None = None) -> None:
         """Raise the same ValueError on every rank when any rank has an ``error`` or the ranks'

@@ -335,7 +335,7 @@ class GridGroups:
         return items
 
     def agree(self, operation: str, values: Sequence[tuple[str, object]], error: str | BaseException | None = None,
-              exception=ValueError, *, device=None) -> None:
+              exception=ValueError, *, device=None, _together: bool = False) -> None:
         """Check that every rank of the grid calls ``operation`` with the same ``values``,
         before a collective whose message sizes depend on them.
 
@@ -380,9 +380,9 @@ class GridGroups:
             ) from failure
         if reduced[:AGREEMENT_SLOTS] == [-d for d in reduced[AGREEMENT_SLOTS:]] and reduced[1] == 0:
             return
-        self._raise_disagreement(operation, values, error, exception)
+        self._raise_disagreement(operation, values, error, exception, together=_together)
 
-    def _raise_disagreement(self, operation, values, error, exception):
+    def _raise_disagreement(self, operation, values, error, exception, together=False):
         kind = type(error).__name__ if isinstance(error, BaseException) else exception.__name__
         mine = (self.rank, operation, [(name, str(value)) for name, value in values], str(error) if error else None,
                 kind)
@@ -393,6 +393,9 @@ class GridGroups:
             return f"rank {rank} (grid {divmod(rank, p1)})"
 
         parts = []
+        failures = [(report[0], report[3], report[4]) for report in reports if report[3]]
+        # The ranks' own errors first: a failing rank's other values may be placeholders.
+        parts += [f"{where(rank)}: {message}" for rank, message, _ in failures]
         operations = {report[1] for report in reports}
         if len(operations) > 1:
             calls = ", ".join(f"{where(report[0])}: {report[1]}" for report in reports)
@@ -405,38 +408,27 @@ class GridGroups:
                 if len(set(seen)) > 1:
                     ranks = ", ".join(f"{where(report[0])}: {value}" for report, value in zip(reports, seen))
                     parts.append(f"the ranks disagree on {name} ({ranks})")
-            if parts:
+            if len(parts) > len(failures):
                 parts[-1] += "; every rank must pass the same values"
-        failures = [(report[0], report[3], report[4]) for report in reports if report[3]]
-        parts += [f"{where(rank)}: {message}" for rank, message, _ in failures]
         if failures and all(kind == "TypeError" for _, _, kind in failures):
             exception = TypeError
         text = "; ".join(parts) or "the ranks' descriptors differ"
-        raise exception(f"{operation}: {text} [every rank of the {p0} x {p1} grid raises this error together]")
+        prefix = "" if together and len(operations) == 1 else f"{operation}: "
+        raise exception(f"{prefix}{text} [every rank of the {p0} x {p1} grid raises this error together]")
 
-    def raise_together(self, error: str | None, exception=ValueError, *, device=None) -> None:
+    def raise_together(self, error: str | None, exception=ValueError, *, device=None,
+                       operation: str = "a check raised together") -> None:
         """Raise ``exception`` on every rank when any rank passes a non-empty ``error``.
 
-        Collective: each rank reports whether it failed (one small all-reduce), so a
-        rank whose input is bad cannot leave the others waiting in a collective. On
+        Collective: each rank reports whether it failed, in the fixed-length descriptor
+        all-reduce of :meth:`agree` (with no values), so a rank whose input is bad cannot
+        leave the others waiting in a collective, and a rank in another collective's check
+        meets a matching message (an error naming both calls, not a gloo abort). On
         failure the ranks exchange their messages, and every rank raises with all of
         them, each naming its rank.
         """
-        groups = self._groups()
-        if not groups:
+        if not self._groups():
             if error:
                 raise exception(error)
             return
-        failed = self.all_gather_counts([1 if error else 0], device=device).reshape(-1)
-        if not bool(failed.any()):
-            return
-        import torch.distributed as dist
-
-        messages = [(self.rank, error)] if error else []
-        for group in groups:
-            parts = [None] * dist.get_world_size(group)
-            dist.all_gather_object(parts, messages, group=group)
-            messages = [item for part in parts for item in part]
-        p0, p1 = self.shape
-        text = "; ".join(f"rank {rank} (grid {divmod(rank, p1)}): {message}" for rank, message in sorted(messages))
-        raise exception(f"{text} [every rank of the {p0} x {p1} grid raises this error together]")
+        self.agree(operation, [], error, exception, device=device, _together=True)
