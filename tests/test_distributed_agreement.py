@@ -27,7 +27,8 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
             "simulation_integrator", "simulation_cosmology", "simulation_power_alias", "gather_batch", "gather_no_ids", "density_ids",
-            "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks"]
+            "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks",
+            "different_labels"]
 PER_WORLD = ["grid_axis"]
 
 
@@ -443,6 +444,20 @@ def case_readout_not_owned(grid, ctx):
     far = torch.tensor([[[(ox + lx + 2.5) % SHAPE[0], (oy + ly + 2.5) % SHAPE[1], 0.5]]], dtype=torch.float64)
     expect_error(lambda: mesh.readout(field(mesh), far if ctx["odd"] else inside), ctx, "torchpm.readout",
                  "cannot be deposited", ranks=[ctx["world"] - 1])
+    # the same with deferred error checking (the CUDA default): the count is taken before
+    # the ranks compare, so it is not left to raise later on that rank alone
+    import torchpm
+
+    previous = torchpm.set_error_checking("deferred")
+    try:
+        expect_error(lambda: mesh.readout(field(mesh), far if ctx["odd"] else inside), ctx, "torchpm.readout",
+                     "cannot be deposited", ranks=[ctx["world"] - 1])
+    finally:
+        torchpm.set_error_checking(previous)
+    torchpm.check()  # raised once: nothing left behind
+    # a TypeError on one rank stays a TypeError on every rank
+    expect_error(lambda: mesh.readout(field(mesh), [[0.5, 0.5, 0.5]] if ctx["odd"] else inside), ctx,
+                 "`positions`", exception=TypeError, ranks=[ctx["world"] - 1])
 
 
 def case_different_checks(grid, ctx):
@@ -458,6 +473,18 @@ def case_different_checks(grid, ctx):
         call = lambda: mesh.rfftn(torch.ones(1, *mesh.local_real_shape, dtype=torch.float64))  # noqa: E731
     expect_error(call, ctx, "the ranks called different collective operations", "Simulation.density",
                  "PencilDecomposition.rfftn")
+
+
+def case_different_labels(grid, ctx):
+    """Two different checks raised together do not pass each other (they used to: a flag
+    each), with the agreement on or off."""
+    mesh = decomposition(grid, ctx)
+    label = "the odd rank's check" if ctx["odd"] else "the other ranks' check"
+    expect_error(lambda: mesh.raise_together(None, operation=label), ctx,
+                 "the ranks called different collective operations", "the odd rank's check", "the other ranks' check")
+    off = decomposition(grid, ctx, check_agreement=False)
+    expect_error(lambda: off.agree("cross_power" if ctx["odd"] else "paint_density", [], None), ctx,
+                 "the ranks called different collective operations", "cross_power", "paint_density")
 
 
 def case_setting(grid, ctx):

@@ -149,3 +149,8 @@ def test_forces_trace_into_one_graph_for_every_scale_factor():
         torch.testing.assert_close(compiled(positions, a), sim.forces(positions, a), rtol=1e-6, atol=1e-7)
     # one graph, and at most one more once the value is seen to change (automatic dynamic)
     assert counters["stats"]["unique_graphs"] <= 2
+    # with the ids a hand-written loop passes: still one graph (no host sync on their values)
+    ids = torch.arange(512).unsqueeze(0)
+    with_ids = torch.compile(lambda x, a: sim.forces(x, a, ids), fullgraph=True, backend="aot_eager")
+    a = torch.tensor(0.4, dtype=torch.float64)
+    torch.testing.assert_close(with_ids(positions, a), sim.forces(positions, a), rtol=1e-6, atol=1e-7)

@@ -289,7 +289,7 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
             problem = str(error)
         # Each rank reads its own file: one rank's refusal is raised by every rank (before
         # the output folder is touched), not by that rank alone with the others waiting.
-        simulation.force_mesh.raise_together(problem, UserError)
+        simulation.force_mesh.raise_together(problem, UserError, operation="torchpm run --resume")
     if check:
         if main_rank:
             print(describe(config, simulation), flush=True)

@@ -570,7 +570,7 @@ class Simulation(nn.Module):
             None if finite else
             "the LPT initial conditions are not finite: the linear power (`power_spectrum`, "
             f"`box_size` = {self.box_size}) is too large for {self.dtype}; check the power table's units "
-            "((Mpc/h)^3) and the box size (Mpc/h)", operation="Simulation.forward"
+            "((Mpc/h)^3) and the box size (Mpc/h)", operation="Simulation.forward (initial conditions)"
         )
         if callback is not None:
             callback(0, self.a_start)
@@ -815,20 +815,27 @@ class Simulation(nn.Module):
             f"{setting}, or detach them"
         )
 
-    def _check_correction(self) -> None:
+    def _check_correction(self, error: str | None = None, *, operation: str = "Simulation.check_correction",
+                          always: bool = False) -> None:
         """On a grid, before a run: one evaluation of the force correction, refused on every
         rank when a gradient through it would reach tensors not summed over the ranks
-        (a plain callable's or a module's unregistered tensors)."""
-        if self.force_mesh.is_local or self.force_correction is None:
+        (a plain callable's or a module's unregistered tensors). ``error``: the caller's
+        own argument error, raised with it in one all-reduce; ``always`` makes that
+        all-reduce even without a correction (the public methods' checks)."""
+        if self.force_mesh.is_local:
+            if error:
+                raise ValueError(error)
             return
-        error = None
-        try:
-            a = torch.tensor(self.a_start, dtype=self.dtype, device=self.device)
-            error = self._unsummed_error(self._correction()(self.kernels("force").k_magnitude, a),
-                                         "`force_correction`")
-        except Exception as exc:  # noqa: BLE001 - raised on every rank below
-            error = f"`force_correction` failed on its first evaluation: {type(exc).__name__}: {exc}"
-        self.force_mesh.raise_together(error, operation="Simulation.check_correction")
+        if self.force_correction is None and not always:
+            return
+        if error is None and self.force_correction is not None:
+            try:
+                a = torch.tensor(self.a_start, dtype=self.dtype, device=self.device)
+                error = self._unsummed_error(self._correction()(self.kernels("force").k_magnitude, a),
+                                             "`force_correction`")
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                error = f"`force_correction` failed on its first evaluation: {type(exc).__name__}: {exc}"
+        self.force_mesh.raise_together(error, operation=operation)
 
     def forces(self, positions: torch.Tensor, a, ids: torch.Tensor | None = None,
                cosmology: Cosmology | None = None) -> torch.Tensor:
@@ -836,14 +843,14 @@ class Simulation(nn.Module):
         (``ids`` marks empty slots, which get no mass). On a grid each call first checks
         the force correction (:meth:`_check_correction`: one evaluation and one small
         all-reduce); runs use the unchecked :meth:`_forces`, checked once per run."""
-        if not self.force_mesh.is_local:
-            self.force_mesh.raise_together(
-                "forces: `ids` is required on a process grid (the state's empty slots have id -1 and no mass)"
-                if ids is None else None, operation="Simulation.forces")
-        self._check_correction()
+        self._check_correction(
+            "forces: `ids` is required on a process grid (the state's empty slots have id -1 and no mass)"
+            if ids is None and not self.force_mesh.is_local else None, operation="Simulation.forces", always=True)
         weights = False
-        if self.force_mesh.is_local and ids is not None and bool((ids < 0).any()):
-            weights = (ids >= 0).to(positions.dtype)  # (a run on one device has no empty slot)
+        if self.force_mesh.is_local and ids is not None:
+            # (no host sync, so a compiled loop stays one graph; a run on one device has no
+            # empty slot and paints without weights)
+            weights = (ids >= 0).to(positions.dtype)
         return self._force(compute_forces, positions, a, ids, cosmology, weights=weights)
 
     def _forces(self, positions, a, ids=None, cosmology=None):
@@ -915,12 +922,7 @@ class Simulation(nn.Module):
             error = "evolve: `ids` is required on a process grid (the state's empty slots have id -1)"
         elif ids is not None and self.force_mesh.is_local and bool((ids < 0).any()):
             error = "evolve: `ids` holds empty slots (id -1), which one device would give mass: pass the particles alone"
-        if self.force_mesh.is_local:
-            if error:
-                raise ValueError(error)
-        else:
-            self.force_mesh.raise_together(error, operation="Simulation.evolve")
-        self._check_correction()
+        self._check_correction(error, operation="Simulation.evolve", always=True)
         return self._evolve(positions, momenta, table, callback, ids=ids, start=start, stop=stop, cosmology=cosmology)
 
     def _evolve(self, positions, momenta, table, callback=None, *, ids=None, start: int = 0, stop: int | None = None,

@@ -624,9 +624,10 @@ class PencilDecomposition:
         values, error = None, None
         try:
             values = _readout(field, positions, order=order, offset=offset, periodic=periodic)
+            _check_deferred_errors()  # (deferred checking, the CUDA default: its count now)
         except (ValueError, TypeError) as exc:
-            error = str(exc)
-        self.raise_together(error, operation="PencilDecomposition.readout")
+            error = exc
+        self.raise_together(error, operation="PencilDecomposition.readout (after the halo fill)")
         return values
 
     def readout_kick_drift_(self, field: torch.Tensor, positions: torch.Tensor, momenta: torch.Tensor,
@@ -759,7 +760,8 @@ class PencilDecomposition:
         """Reduce over every rank of the grid (``"sum"`` differentiable; ``"max"``, ``"min"``)."""
         return self.grid.all_reduce(tensor, op)
 
-    def raise_together(self, error: str | None, exception=ValueError, operation: str = "a check raised together") -> None:
+    def raise_together(self, error: str | BaseException | None, exception=ValueError,
+                       operation: str = "a check raised together") -> None:
         """Raise ``exception`` on every rank when any rank has an ``error`` (collective;
         ``operation`` names the call when ranks are found in different ones)."""
         self.grid.raise_together(error, exception, operation=operation)
@@ -772,7 +774,7 @@ class PencilDecomposition:
         if self.check_agreement:
             self.grid.agree(operation, values, error)
         else:
-            self.grid.raise_together(error)
+            self.grid.raise_together(error, operation=operation)
 
     # ------------------------------------------------------------------ misc
 

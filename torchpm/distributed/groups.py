@@ -385,7 +385,7 @@ class GridGroups:
     def _raise_disagreement(self, operation, values, error, exception, together=False):
         kind = type(error).__name__ if isinstance(error, BaseException) else exception.__name__
         mine = (self.rank, operation, [(name, str(value)) for name, value in values], str(error) if error else None,
-                kind)
+                kind, together)
         reports = sorted(self._gather_objects([mine]))
         p0, p1 = self.shape
 
@@ -413,12 +413,16 @@ class GridGroups:
         if failures and all(kind == "TypeError" for _, _, kind in failures):
             exception = TypeError
         text = "; ".join(parts) or "the ranks' descriptors differ"
-        prefix = "" if together and len(operations) == 1 else f"{operation}: "
+        # (a check raised together names no operation when every rank is in it: the same
+        # text on every rank)
+        prefix = "" if len(operations) == 1 and all(report[5] for report in reports) else f"{operation}: "
         raise exception(f"{prefix}{text} [every rank of the {p0} x {p1} grid raises this error together]")
 
-    def raise_together(self, error: str | None, exception=ValueError, *, device=None,
+    def raise_together(self, error: str | BaseException | None, exception=ValueError, *, device=None,
                        operation: str = "a check raised together") -> None:
-        """Raise ``exception`` on every rank when any rank passes a non-empty ``error``.
+        """Raise ``exception`` on every rank when any rank passes a non-empty ``error`` (a
+        message, or an exception whose type is kept: ``TypeError`` when every failing
+        rank's was one).
 
         Collective: each rank reports whether it failed, in the fixed-length descriptor
         all-reduce of :meth:`agree` (with no values), so a rank whose input is bad cannot
@@ -428,6 +432,8 @@ class GridGroups:
         them, each naming its rank.
         """
         if not self._groups():
+            if isinstance(error, BaseException):
+                raise error
             if error:
                 raise exception(error)
             return
