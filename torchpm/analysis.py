@@ -215,7 +215,7 @@ def cross_power(
         # so the ranks must agree on those before any collective.
         mesh.agree("cross_power", [("`box_size`", box), ("`bins`", _bins_key(bins)), ("`window`", window)], error)
     elif mesh is not None:
-        mesh.raise_together(error)
+        mesh.raise_together(error, operation="cross_power")
     elif error:
         raise ValueError(error)
     a, single = _fields(field_a, "field_a")
