@@ -830,12 +830,17 @@ class Simulation(nn.Module):
             return
         if error is None and self.force_correction is not None:
             try:
-                a = torch.tensor(self.a_start, dtype=self.dtype, device=self.device)
-                error = self._unsummed_error(self._correction()(self.kernels("force").k_magnitude, a),
-                                             "`force_correction`")
+                error = self._unsummed_error(self._probe_correction(), "`force_correction`")
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = f"`force_correction` failed on its first evaluation: {type(exc).__name__}: {exc}"
         self.force_mesh.raise_together(error, operation=operation)
+
+    def _probe_correction(self, stand_ins: dict | None = None) -> torch.Tensor:
+        """The force correction (as a run calls it: replicated on a grid, with ``stand_ins``)
+        evaluated once on the force mesh's |k| at ``a_start``, for the walks of its
+        autograd graph that check where its gradients go."""
+        a = torch.tensor(self.a_start, dtype=self.dtype, device=self.device)
+        return self._replicated_callable(self.force_correction, stand_ins)(self.kernels("force").k_magnitude, a)
 
     def forces(self, positions: torch.Tensor, a, ids: torch.Tensor | None = None,
                cosmology: Cosmology | None = None) -> torch.Tensor:
@@ -1126,10 +1131,7 @@ class Simulation(nn.Module):
         # callable's tensors, a module's unregistered ones) is invisible to the adjoint:
         # refuse rather than silently drop its gradient. (On a grid the replicated
         # tensors stop the walk; _check_correction refuses the rest on every rank.)
-        kernels = self.kernels("force")
-        a = torch.tensor(self.a_start, dtype=self.dtype, device=self.device)
-        probe = self._replicated_callable(correction, stand_ins)(kernels.k_magnitude, a)
-        if unsummed_leaves(probe, stop=parameters):
+        if unsummed_leaves(self._probe_correction(stand_ins), stop=parameters):
             raise ValueError(
                 "Simulation(adjoint=True): the `force_correction` computes with tensors that need gradients but "
                 "are not parameters or buffers of an nn.Module (a plain callable's, or a module's unregistered "
