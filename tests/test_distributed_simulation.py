@@ -38,7 +38,7 @@ def case_ids(world_size):
                 f"adjoint_b2-{grid}", f"adjoint_fused_force_b2-{grid}"]
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
-                    f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}",
+                    f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}", f"paint_layers-{grid}",
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}"]
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
@@ -852,6 +852,73 @@ def case_power_layer(grid, ctx):
         assert "`field`" in str(error) and "rank 0" in str(error), str(error)
     else:
         raise AssertionError("rank 0's whole field (not its block) did not raise on every rank")
+
+
+def case_paint_layers(grid, ctx):
+    """torchpm.nn.CICPaint / CICReadout with mesh= on an uneven grid: each rank paints the
+    particles it owns into its block of the one-device painted mesh (mass conserved over the
+    ranks) and reads its block at them, with the one-device values and gradients (positions,
+    weights, the field's block); a mesh of another shape, or one rank's particle it does not
+    own, raises on every rank."""
+    from torchpm.distributed import PencilDecomposition
+    from torchpm.nn import CICPaint, CICReadout
+
+    shape = (10, 9, 8)
+    mesh = PencilDecomposition(shape, ctx["groups"][grid])
+    generator = torch.Generator().manual_seed(31)
+    positions = torch.rand(1, 300, 3, generator=generator, dtype=torch.float64) * torch.tensor(shape, dtype=torch.float64)
+    positions = positions.expand(2, -1, -1)
+    (lx, ly, _), (ox, oy, _) = mesh.local_real_shape, mesh.local_real_offset
+    cell = positions[0].floor()
+    owned = (cell[:, 0] >= ox) & (cell[:, 0] < ox + lx) & (cell[:, 1] >= oy) & (cell[:, 1] < oy + ly)
+    assert int(mesh.all_reduce(owned.sum().reshape(1))[0]) == 300, "the test's ownership rule"
+    serial_paint, layer = CICPaint(shape), CICPaint(shape, mesh=mesh)
+    for weights in (None, global_random((2, 300), 32), global_random((2, 300, 3), 33)):
+        global_inputs = [positions.clone().requires_grad_()] + ([] if weights is None else [weights.clone().requires_grad_()])
+        local_inputs = [t[:, owned].detach().clone().requires_grad_() for t in global_inputs]
+        expected, block = serial_paint(*global_inputs), layer(*local_inputs)
+        expected_block = mesh.local_real_part(expected)
+        assert block.shape == expected_block.shape, (block.shape, expected_block.shape)
+        assert_small(float((block - expected_block).detach().abs().max()), float(expected.detach().abs().max()),
+                     f"painted block, weights {None if weights is None else tuple(weights.shape)}")
+        mass = mesh.all_reduce(block.detach().sum(dim=(-3, -2, -1)))
+        assert_small(float((mass - expected.detach().sum(dim=(-3, -2, -1))).abs().max()), 300.0, "mass")
+        cotangent = global_random(expected.shape, 34)
+        expected_grads = torch.autograd.grad(expected, global_inputs, cotangent)
+        grads = torch.autograd.grad(block, local_inputs, mesh.local_real_part(cotangent))
+        for grad, expected_grad in zip(grads, expected_grads):
+            assert_small(float((grad - expected_grad[:, owned]).abs().max()), float(expected_grad.abs().max()),
+                         "paint gradient")
+    serial_readout, layer = CICReadout(), CICReadout(mesh=mesh)
+    for field in (global_random((2, *shape), 35), global_random((2, 3, *shape), 36)):
+        global_inputs = [field.clone().requires_grad_(), positions.clone().requires_grad_()]
+        local_inputs = [mesh.local_real_part(field).clone().requires_grad_(), positions[:, owned].clone().requires_grad_()]
+        expected, values = serial_readout(*global_inputs), layer(*local_inputs)
+        assert_small(float((values - expected[:, owned]).detach().abs().max()), float(expected.detach().abs().max()),
+                     f"readout, field {tuple(field.shape)}")
+        cotangent = global_random(expected.shape, 37)
+        expected_field_grad, expected_position_grad = torch.autograd.grad(expected, global_inputs, cotangent)
+        field_grad, position_grad = torch.autograd.grad(values, local_inputs, cotangent[:, owned])
+        assert_small(float((field_grad - mesh.local_real_part(expected_field_grad)).abs().max()),
+                     float(expected_field_grad.abs().max()), "readout gradient of the field's block")
+        assert_small(float((position_grad - expected_position_grad[:, owned]).abs().max()),
+                     float(expected_position_grad.abs().max()), "readout gradient of the positions")
+    try:
+        CICPaint((10, 9, 9), mesh=mesh)
+    except ValueError as error:
+        assert "CICPaint" in str(error) and "`mesh`" in str(error) and "(10, 9, 8)" in str(error), str(error)
+    else:
+        raise AssertionError("a mesh of another shape was accepted")
+    # Rank 0 paints every particle, most of which it does not own.
+    mine = positions if ctx["rank"] == 0 else positions[:, owned]
+    for call in (lambda: CICPaint(shape, mesh=mesh)(mine),
+                 lambda: CICReadout(mesh=mesh)(mesh.local_real_part(global_random((2, *shape), 38)), mine)):
+        try:
+            call()
+        except ValueError as error:
+            assert "rank 0" in str(error), str(error)
+        else:
+            raise AssertionError("rank 0's particles it does not own did not raise on every rank")
 
 
 def case_disagreement(grid, ctx):

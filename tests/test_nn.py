@@ -180,6 +180,16 @@ def test_cic_layers(dtype, device):
     rhs = (weights * readout(mesh[:, 0], positions)).sum()
     torch.testing.assert_close(lhs, rhs, rtol=1e-4 if dtype == torch.float32 else 1e-12, atol=0)
     assert "shape=(6, 6, 6)" in repr(paint)
+    # mesh= a LocalMesh is the one-device layer (the grid cases are in
+    # test_distributed_simulation.py, case_paint_layers).
+    local = torchpm.LocalMesh(6)
+    assert torch.equal(CICPaint(6, mesh=local)(positions, weights), paint(positions, weights))
+    assert torch.equal(CICReadout(mesh=local)(mesh, positions), readout(mesh, positions))
+    with pytest.raises(ValueError, match=r"CICPaint: `mesh` has the global shape \(6, 6, 6\) but `shape` is \(6, 6, 7\)"):
+        CICPaint((6, 6, 7), mesh=local)
+    for make in (lambda: CICPaint(6, mesh=(6, 6, 6)), lambda: CICReadout(mesh="cic")):
+        with pytest.raises(TypeError, match="`mesh` must be"):
+            make()
 
 
 def test_module_conventions():

@@ -54,37 +54,96 @@ __all__ = [
 ]
 
 
+def _layer_mesh(layer: str, mesh, shape=None):
+    """The :class:`~torchpm.distributed.PencilDecomposition` a layer's ``mesh`` names, or
+    None for one device (``None``, a :class:`~torchpm.LocalMesh` or a 1 x 1 grid)."""
+    if mesh is None:
+        return None
+    _check_mesh_type(layer, mesh)
+    if shape is not None:
+        mesh.agree(layer, [("`shape`", shape)], _mesh_shape_error(layer, mesh, shape, "the particles are painted on"))
+    return None if mesh.is_local else mesh
+
+
+def _check_mesh_type(layer: str, mesh) -> None:
+    if not isinstance(mesh, PencilDecomposition):
+        raise TypeError(
+            f"{layer}: `mesh` must be None or a torchpm.distributed.PencilDecomposition "
+            f"(e.g. sim.force_mesh) or a torchpm.LocalMesh, got {type(mesh).__name__}"
+        )
+
+
+def _mesh_shape_error(layer: str, mesh, shape, what: str) -> str | None:
+    if tuple(mesh.global_shape) == shape:
+        return None
+    return (
+        f"{layer}: `mesh` has the global shape {tuple(mesh.global_shape)} but `shape` is "
+        f"{shape}; pass the shape of the mesh {what} (mesh.global_shape)"
+    )
+
+
 class CICPaint(nn.Module):
     """Cloud-in-cell paint onto a periodic mesh (:func:`torchpm.cic_paint`).
 
     Args:
-        shape: mesh cells per side (int) or ``(nx, ny, nz)``.
+        shape: mesh cells per side (int) or ``(nx, ny, nz)``: the global mesh.
+        mesh: None (the whole mesh on this device) or a
+            :class:`~torchpm.distributed.PencilDecomposition` of global shape ``shape``
+            (e.g. ``sim.force_mesh``). On a process grid each rank passes the particles
+            it owns (their wrapped position lies in its block: a simulation state's
+            particles are) and gets its block ``(B, *mesh.local_real_shape)`` of the
+            global painted mesh (:meth:`~torchpm.distributed.PencilDecomposition.paint`:
+            the stencil's halo is added into the neighbours; collective, every rank calls
+            it). A particle this rank does not own, or a non-finite one, raises on every
+            rank. Differentiable: each rank's particles receive their gradient from the
+            blocks' cotangents of every rank.
 
     ``forward(positions, weights=None)``: positions ``(B, N, 3)`` in mesh-cell units,
     weights ``(B, N)`` / ``(B, N, C)`` or None (unit mass); returns ``(B, nx, ny, nz)``
-    (or ``(B, C, nx, ny, nz)``).
+    (or ``(B, C, nx, ny, nz)``), this rank's block of it on a grid.
     """
 
-    def __init__(self, shape: int | Sequence[int]):
+    def __init__(self, shape: int | Sequence[int], *, mesh: PencilDecomposition | None = None):
         super().__init__()
         self.shape = as_shape(shape, "shape")
+        self._mesh = _layer_mesh("CICPaint", mesh, self.shape)
 
     def forward(self, positions: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        if self._mesh is not None:
+            return self._mesh.paint(positions, weights, order="cic")
         return cic_paint(positions, weights, self.shape, periodic=True)
 
     def extra_repr(self) -> str:
-        return f"shape={self.shape}"
+        grid = "" if self._mesh is None else f", grid={self._mesh.grid_shape}"
+        return f"shape={self.shape}{grid}"
 
 
 class CICReadout(nn.Module):
     """Cloud-in-cell readout of a periodic mesh at particle positions (:func:`torchpm.cic_readout`).
 
+    Args:
+        mesh: None (the whole mesh on this device) or a
+            :class:`~torchpm.distributed.PencilDecomposition` (e.g. ``sim.force_mesh``).
+            On a process grid each rank passes its block ``(B, [C,] *mesh.local_real_shape)``
+            and the particles it owns; the block's halo is filled from the neighbours
+            first (:meth:`~torchpm.distributed.PencilDecomposition.readout`; collective,
+            every rank calls it). A particle this rank does not own raises on every rank.
+
     ``forward(mesh, positions)``: mesh ``(B, nx, ny, nz)`` or ``(B, C, nx, ny, nz)``,
     positions ``(B, N, 3)`` in mesh-cell units; returns ``(B, N)`` or ``(B, N, C)``.
     """
 
+    def __init__(self, *, mesh: PencilDecomposition | None = None):
+        super().__init__()
+        self._mesh = _layer_mesh("CICReadout", mesh)
+
     def forward(self, mesh: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self._mesh is not None:
+            return self._mesh.readout(mesh, positions, order="cic")
         return cic_readout(mesh, positions, periodic=True)
+
+    def extra_repr(self) -> str:
+        return "" if self._mesh is None else f"grid={self._mesh.grid_shape}"
 
 
 class PowerSpectrum(nn.Module):
@@ -139,17 +198,8 @@ class PowerSpectrum(nn.Module):
         self.compensate_cic = bool(compensate_cic)
         if mesh is None:
             mesh = LocalMesh(self.shape)
-        elif not isinstance(mesh, PencilDecomposition):
-            raise TypeError(
-                "PowerSpectrum: `mesh` must be None or a torchpm.distributed.PencilDecomposition "
-                f"(e.g. sim.force_mesh) or a torchpm.LocalMesh, got {type(mesh).__name__}"
-            )
-        error = None
-        if tuple(mesh.global_shape) != self.shape:
-            error = (
-                f"PowerSpectrum: `mesh` has the global shape {tuple(mesh.global_shape)} but `shape` is "
-                f"{self.shape}; pass the shape of the mesh the fields live on (mesh.global_shape)"
-            )
+        _check_mesh_type("PowerSpectrum", mesh)
+        error = _mesh_shape_error("PowerSpectrum", mesh, self.shape, "the fields live on")
         # The shells' mode counts are all-reduced below, as many as there are bins: the
         # ranks agree on what sets them first (one rank's error raises on every rank).
         mesh.agree("PowerSpectrum", [("`shape`", self.shape), ("`box_size`", self.box_size),
