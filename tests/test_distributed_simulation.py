@@ -344,6 +344,9 @@ def case_unsummed_gradients(grid, ctx):
     sim.force_correction = None
     expect_error_everywhere(lambda: sim.forces(x, a), "forces: `ids` is required on a process grid")
     expect_error_everywhere(lambda: sim.evolve(x, p, sim.growth_table()), "evolve: `ids` is required")
+    # one rank's float32 positions (a float64 simulation) raise on every rank, naming them
+    mine = x.float() if ctx["rank"] == 0 else x
+    expect_error_everywhere(lambda: sim.forces(mine, a, ids), "forces: `positions` must be a (B, n, 3) torch.float64")
     # a buffer that differs per rank by design (a filter on the rank's own k block) runs
     filtered = torchpm.Simulation(**config, mesh=ctx["groups"][grid])
 

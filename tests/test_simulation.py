@@ -242,6 +242,25 @@ def test_one_device_forces_honour_empty_slots_and_evolve_refuses_them():
         sim.kernels("bogus")
 
 
+def test_public_forces_and_evolve_name_bad_particle_arrays():
+    sim = torchpm.Simulation(n_particles=4, box_size=40.0, a_start=0.1, steps=2, dtype=torch.float64)
+    x, p, ids = sim.lpt(sim.linear_field(sim.white_noise(seed=1)))
+    a, table = torch.tensor(0.1, dtype=torch.float64), sim.growth_table()
+    cases = [
+        (lambda: sim.forces(x.float(), a), r"forces: `positions` must be a \(B, n, 3\) torch.float64 tensor .* got "
+                                           r"\(1, 64, 3\) torch.float32 on cpu \(use .to\(sim.dtype\)"),
+        (lambda: sim.forces(x[..., :2], a), r"forces: `positions` must be .* got \(1, 64, 2\)"),
+        (lambda: sim.forces(x.numpy(), a), r"forces: `positions` must be .* got ndarray"),
+        (lambda: sim.forces(x, a, ids.int()), r"forces: `ids` must be a \(B, n\) = \(1, 64\) int64 tensor, got .*int32"),
+        (lambda: sim.evolve(x, p.float(), table), r"evolve: `momenta` must be .* torch.float32"),
+        (lambda: sim.evolve(x, p[:, :10], table), r"evolve: `momenta` must have the shape of `positions` \(1, 64, 3\)"),
+        (lambda: sim.evolve(x, p, table, ids=ids[:, :10]), r"evolve: `ids` must be a \(B, n\) = \(1, 64\)"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
 def test_bad_noise_raises():
     sim = _tiny()
     noise = torch.zeros(1, 4, 4, 4, dtype=torch.float64)

@@ -848,15 +848,39 @@ class Simulation(nn.Module):
         (``ids`` marks empty slots, which get no mass). On a grid each call first checks
         the force correction (:meth:`_check_correction`: one evaluation and one small
         all-reduce); runs use the unchecked :meth:`_forces`, checked once per run."""
-        self._check_correction(
-            "forces: `ids` is required on a process grid (the state's empty slots have id -1 and no mass)"
-            if ids is None and not self.force_mesh.is_local else None, operation="Simulation.forces", always=True)
+        error = self._arrays_error("forces", positions, ids=ids)
+        if error is None and ids is None and not self.force_mesh.is_local:
+            error = "forces: `ids` is required on a process grid (the state's empty slots have id -1 and no mass)"
+        self._check_correction(error, operation="Simulation.forces", always=True)
         weights = False
         if self.force_mesh.is_local and ids is not None:
             # (no host sync, so a compiled loop stays one graph; a run on one device has no
             # empty slot and paints without weights)
             weights = (ids >= 0).to(positions.dtype)
         return self._force(compute_forces, positions, a, ids, cosmology, weights=weights)
+
+    def _arrays_error(self, operation: str, positions, momenta=None, ids=None) -> str | None:
+        """What is wrong with the particle arrays a public method was given (None if nothing):
+        ``positions`` (and ``momenta``) ``(B, n, 3)`` of this simulation's dtype and device,
+        ``ids`` ``(B, n)`` int64."""
+        expected = f"a (B, n, 3) {self.dtype} tensor on {self.device.type} (this simulation's dtype and device)"
+        for name, tensor in (("positions", positions), ("momenta", momenta)):
+            if tensor is None and name == "momenta":
+                continue
+            if not isinstance(tensor, torch.Tensor):
+                return f"{operation}: `{name}` must be {expected}, got {type(tensor).__name__}"
+            if (tensor.dim() != 3 or tensor.shape[-1] != 3 or tensor.dtype != self.dtype
+                    or tensor.device.type != self.device.type):
+                return (f"{operation}: `{name}` must be {expected}, got {tuple(tensor.shape)} {tensor.dtype} "
+                        f"on {tensor.device.type}" + (" (use .to(sim.dtype) or sim.to(...))" if
+                                                       tensor.dtype != self.dtype else ""))
+            if name == "momenta" and tensor.shape != positions.shape:
+                return f"{operation}: `momenta` must have the shape of `positions` {tuple(positions.shape)}, got {tuple(tensor.shape)}"
+        if ids is not None and (not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64
+                                or tuple(ids.shape) != tuple(positions.shape[:2])):
+            got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+            return f"{operation}: `ids` must be a (B, n) = {tuple(positions.shape[:2])} int64 tensor, got {got}"
+        return None
 
     def _forces(self, positions, a, ids=None, cosmology=None):
         """:meth:`forces` inside a run (its checks made at the run's start)."""
@@ -922,10 +946,10 @@ class Simulation(nn.Module):
         and out). Returns ``(positions, momenta, ids)``. On a grid ``ids`` is required (the
         LPT and the migrations leave empty slots, id -1); on one device, which gives every
         slot mass, it may hold no empty slot."""
-        error = None
-        if ids is None and not self.force_mesh.is_local:
+        error = self._arrays_error("evolve", positions, momenta, ids)
+        if error is None and ids is None and not self.force_mesh.is_local:
             error = "evolve: `ids` is required on a process grid (the state's empty slots have id -1)"
-        elif ids is not None and self.force_mesh.is_local and bool((ids < 0).any()):
+        elif error is None and ids is not None and self.force_mesh.is_local and bool((ids < 0).any()):
             error = "evolve: `ids` holds empty slots (id -1), which one device would give mass: pass the particles alone"
         self._check_correction(error, operation="Simulation.evolve", always=True)
         return self._evolve(positions, momenta, table, callback, ids=ids, start=start, stop=stop, cosmology=cosmology)
