@@ -229,7 +229,10 @@ void throw_bad_particles(
   auto nonfinite = at::logical_not(finite);
   const int64_t n_nonfinite = nonfinite.sum().item<int64_t>();
   std::ostringstream msg;
-  msg << op << ": " << bad << " of " << total << " particles cannot be deposited; "
+  // (a readout reads, a paint deposits)
+  const bool reads = std::string(op).find("readout") != std::string::npos;
+  msg << op << ": " << bad << " of " << total << " particles cannot be "
+      << (reads ? "read" : "deposited") << "; "
       << (late.empty() ? "nothing was painted or read. "
                        : "the call returned NaN in place of their contributions. ");
   if (n_nonfinite > 0) {

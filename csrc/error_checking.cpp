@@ -96,7 +96,8 @@ bool diagnosis_current(const CallDiagnosis& d) {
   if (counts.positions > 0) {
     msg << counts.positions
         << " particles whose `positions` are non-finite or outside the mesh block (they "
-           "cannot be deposited)";
+           "cannot be "
+        << (op == kReadoutOp ? "read" : "deposited") << ")";
   } else {
     msg << counts.values << " particles with NaN or Inf `" << value_name(op) << "`";
   }

@@ -443,7 +443,7 @@ def case_readout_not_owned(grid, ctx):
     inside = torch.tensor([[[ox + 0.5, oy + 0.5, 0.5]]], dtype=torch.float64)
     far = torch.tensor([[[(ox + lx + 2.5) % SHAPE[0], (oy + ly + 2.5) % SHAPE[1], 0.5]]], dtype=torch.float64)
     expect_error(lambda: mesh.readout(field(mesh), far if ctx["odd"] else inside), ctx, "torchpm.readout",
-                 "cannot be deposited", ranks=[ctx["world"] - 1])
+                 "cannot be read", ranks=[ctx["world"] - 1])
     # the same with deferred error checking (the CUDA default): the count is taken before
     # the ranks compare, so it is not left to raise later on that rank alone
     import torchpm
@@ -451,7 +451,7 @@ def case_readout_not_owned(grid, ctx):
     previous = torchpm.set_error_checking("deferred")
     try:
         expect_error(lambda: mesh.readout(field(mesh), far if ctx["odd"] else inside), ctx, "torchpm.readout",
-                     "cannot be deposited", ranks=[ctx["world"] - 1])
+                     "cannot be read", ranks=[ctx["world"] - 1])
     finally:
         torchpm.set_error_checking(previous)
     torchpm.check()  # raised once: nothing left behind

@@ -1,7 +1,7 @@
 """When the mass-assignment ops report bad particles: inside the call, or later.
 
 A bad particle is one whose position is non-finite or outside the mesh block (it
-cannot be deposited), or, with ``check_finite=True``, whose weights (paint) or
+cannot be deposited or read), or, with ``check_finite=True``, whose weights (paint) or
 mesh values read (readout) are NaN or Inf. The kernels count them as they go; an
 op never drops one silently. What differs is *when* the error is raised:
 
