@@ -6,7 +6,8 @@
 #   .whl/                     JaxPM 0.1.6, jax-cosmo 0.1.0 and jaxdecomp 0.3.4 wheels for
 #                             Python 3.12 (the GPU machine has jax 0.11 but not these).
 # Both folders are added to .git/info/exclude. Then, per device call:
-#   carry [".gpuso", ".whl"], command `bash tools/gpu_session.sh PHASE`.
+#   carry [".gpuso", ".whl"], command `bash tools/gpu_session.sh PHASE` (64 MiB in all;
+#   `first` runs without JaxPM: carry [".gpuso"] alone).
 #
 #   bash tools/gpu_prepare.sh [WORKDIR]     # make gpu-prepare
 set -u -o pipefail
@@ -28,6 +29,14 @@ fi
 COMPAT_BUILD_ONLY=1 bash tools/compat_build.sh 2.11.0 "$work" || exit 1
 mkdir -p .gpuso
 cp "$work/src/torchpm/libtorchpm_ops.so" .gpuso/ || exit 1
+# A device call carries at most 64 MiB: the build's debug sections (Python's -g) make
+# the library about 66 MiB, 16 MiB without them (the CUDA fatbin is kept).
+strip --strip-debug .gpuso/libtorchpm_ops.so || exit 1
+size=$(stat -c %s .gpuso/libtorchpm_ops.so)
+if [ "$size" -gt $((48 * 1024 * 1024)) ]; then
+    echo "gpu_prepare: .gpuso/libtorchpm_ops.so is $size bytes; a device call carries 64 MiB in all"
+    exit 1
+fi
 # The sources it was built from: gpu_session.sh takes the library only while they match.
 (cd "$work/src" && bash tools/source_hash.sh) >.gpuso/SOURCE || exit 1
 echo "library: .gpuso/libtorchpm_ops.so ($(git -C "$work/src" rev-parse --short HEAD), sources $(cat .gpuso/SOURCE))"
