@@ -31,15 +31,17 @@ namespace {
 constexpr int64_t kChunk = 1 << 16;
 
 // Occupied slots of `n` particles at `p` (xyz interleaved) whose position has
-// a NaN or infinite coordinate. A chunk without any such coordinate (the usual
-// case) costs one vectorised pass over its contiguous coordinates; only a
-// chunk holding one pays for the per-particle count.
+// a NaN or infinite coordinate, or one beyond +-2^40 cells (kMaxAbsPosition: what
+// the paint refuses; the migration wraps a split axis, which would hide it). A
+// chunk without any such coordinate (the usual case) costs one vectorised pass
+// over its contiguous coordinates; only a chunk holding one pays for the
+// per-particle count.
 template <typename scalar_t>
 int64_t count_non_finite(const scalar_t* p, const int64_t* id, int64_t n) {
-  constexpr scalar_t largest = std::numeric_limits<scalar_t>::max();
+  constexpr scalar_t largest = static_cast<scalar_t>(kMaxAbsPosition);
   uint32_t any = 0;
   for (int64_t j = 0; j < 3 * n; ++j) {
-    // False for a finite value, true for +-Inf and (unordered) NaN.
+    // False for a value within +-2^40, true beyond, for +-Inf and (unordered) NaN.
     any |= static_cast<uint32_t>(!(std::fabs(p[j]) <= largest));
   }
   if (!any) {

@@ -406,12 +406,12 @@ def migration_holes_reference(positions: torch.Tensor, ids: torch.Tensor, axis: 
     the kernel on CUDA, where each of its passes is one fast kernel): the flat indices,
     increasing, of the empty slots and of the occupied ones whose coordinate ``axis``
     is outside ``[low, high)`` (NaN stays), and the number of occupied slots with a
-    non-finite coordinate (0-d int64)."""
+    non-finite coordinate or one beyond +-2^40 cells (0-d int64)."""
     valid = ids >= 0
     column = positions[..., axis].detach()
     leave = valid & ((column < low) | (column >= high))
     holes = torch.nonzero((leave | ~valid).reshape(-1)).reshape(-1)
-    non_finite = (valid & ~torch.isfinite(positions.detach()).all(-1)).sum()
+    non_finite = (valid & ~_within_reach(positions.detach()).all(-1)).sum()
     return holes, non_finite
 
 
@@ -457,7 +457,8 @@ def _status_error(table, grid: GridGroups, capacity, what):
     for rank, (bad, member, count) in enumerate(table.tolist()):
         coords = divmod(rank, grid.shape[1])
         if bad:
-            lines.append(f"rank {rank} (grid {coords}) holds {bad} particle(s) with NaN or infinite positions")
+            lines.append(f"rank {rank} (grid {coords}) holds {bad} particle(s) with NaN or infinite positions, "
+                         "or beyond +-2^40 cells")
         elif member >= 0:
             lines.append(
                 f"rank {rank} (grid {coords}) would hold {count} particles of batch member {member}, more "
@@ -466,7 +467,8 @@ def _status_error(table, grid: GridGroups, capacity, what):
     advice = (
         " Raise `particle_capacity` (or set it to None to let buffers grow as needed)."
         if any(row[1] >= 0 for row in table.tolist()) else
-        " The simulation has diverged or was given non-finite input; check the time steps and the initial conditions."
+        " Either the input was bad (the initial conditions, or a state or snapshot resumed: check it), or the"
+        " simulation diverged (check the time steps)."
     )
     return f"particle migration ({what}) failed: " + "; ".join(lines) + "." + advice
 
@@ -710,18 +712,28 @@ def _empty_slot_rows(flat: torch.Tensor, count: int, empty: torch.Tensor, corner
     return torch.where(occupied.unsqueeze(1), rows, corner)
 
 
-def _count_non_finite(positions: torch.Tensor, ids: torch.Tensor) -> int:
-    """Occupied slots (``ids >= 0``) whose position has a NaN or infinite coordinate.
+# Beyond this many cells from the origin a coordinate is refused (the paint's limit,
+# csrc/torchpm.h kMaxAbsPosition): wrapping a split axis would hide it.
+MAX_ABS_POSITION = 2.0**40
 
-    A NaN or infinity anywhere makes the sum of the whole tensor non-finite, so one
-    contiguous reduction (about 0.2 ms for a million particles on one CPU core) settles
-    the usual case; only a non-finite sum (a bad particle, an empty slot holding one,
-    or finite values so large that their sum overflows) pays for the per-particle
-    count (about 10 ms: a reduction over the 3 coordinates is slow)."""
+
+def _within_reach(positions: torch.Tensor) -> torch.Tensor:
+    """Finite coordinates within +-2^40 cells (NaN compares false)."""
+    return positions.abs() <= MAX_ABS_POSITION
+
+
+def _count_non_finite(positions: torch.Tensor, ids: torch.Tensor) -> int:
+    """Occupied slots (``ids >= 0``) whose position has a NaN or infinite coordinate, or
+    one beyond +-2^40 cells.
+
+    One contiguous reduction (the largest |coordinate|, NaN if any is) settles the usual
+    case; only a tensor holding such a coordinate (a bad particle, or an empty slot
+    holding one) pays for the per-particle count (about 10 ms for a million particles:
+    a reduction over the 3 coordinates is slow)."""
     detached = positions.detach()
-    if bool(torch.isfinite(detached.sum())):
+    if detached.numel() == 0 or bool(detached.abs().amax() <= MAX_ABS_POSITION):
         return 0
-    return int(((ids >= 0) & ~torch.isfinite(detached).all(-1)).sum())
+    return int(((ids >= 0) & ~_within_reach(detached).all(-1)).sum())
 
 
 def _reduce_status(table, grid: GridGroups):
