@@ -233,6 +233,36 @@ def test_snapshots_resume_and_overwrite(tmp_path, capsys, monkeypatch):
     assert "box_size" in capsys.readouterr().err
 
 
+def test_overwrite_removes_the_earlier_runs_snapshots_and_resume_refuses_another_runs(tmp_path, capsys, monkeypatch):
+    """--overwrite leaves no snapshot of the earlier run beside the new outputs (one it
+    does not write would stay, and --resume from it continued the other run under this
+    one's name); a resumed run keeps the snapshots it continues; a snapshot written with
+    another seed, a_start, LPT or power spectrum is refused by --resume, naming them."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.toml"
+    base = 'n_particles = 8\nbox_size = 64.0\nsteps = [0.3, 0.5, 0.7, 1.0]\noutput = "out"\n'
+    config.write_text(base + "snapshots = [0.5, 0.7]\nseed = 0\n")
+    assert main(["run", str(config)]) == 0
+    out = tmp_path / "out"
+    (out / "snap_000.0.hdf5").write_bytes((out / "snap_000.hdf5").read_bytes())  # a stale set's file
+    other = tmp_path / "other.toml"
+    other.write_text(base + "snapshots = [0.5]\nseed = 7\n")
+    assert main(["run", str(other), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.glob("snap_*")) == ["snap_000.hdf5"]
+    # seed 7's snapshot resumed under seed 0's configuration: refused, naming the seed
+    capsys.readouterr()
+    assert main(["run", str(config), "--resume", str(out / "snap_000.hdf5"), "--output", "again"]) == 2
+    error = capsys.readouterr().err
+    assert "seed 7 (this configuration: 0)" in error and "snap_000.hdf5" in error, error
+    config.write_text(base + "snapshots = [0.5]\nseed = 7\nlpt_order = 1\n")
+    assert main(["run", str(config), "--check", "--resume", str(out / "snap_000.hdf5")]) == 2
+    assert "lpt_order 2 (this configuration: 1)" in capsys.readouterr().err
+    # resuming into the same folder keeps the snapshot it continues from
+    other.write_text(base + "snapshots = [0.5, 1.0]\nseed = 7\n")
+    assert main(["run", str(other), "--resume", str(out / "snap_000.hdf5"), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.glob("snap_*")) == ["snap_000.hdf5", "snap_001.hdf5"]
+
+
 def test_batch_run_resumes_every_member_bit_for_bit(tmp_path, capsys, monkeypatch):
     """A batch of 2 writes one snapshot per member; --resume with either member's file
     finds the other and continues both, bit for bit; a name without the member, or a

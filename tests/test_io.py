@@ -186,6 +186,13 @@ def test_explicit_multifile_set_without_distributed(tmp_path):
     with pytest.raises(ValueError, match="ids"):
         write_snapshot(str(tmp_path / "other.hdf5"), whole._replace(ids=None), sim, file_index=0, num_files=2,
                        num_part_total=n)
+    # a single file beside a multi-file set of its name (one left by another run): refused
+    os.rename(tmp_path / "moved.hdf5", tmp_path / "snap_003.1.hdf5")
+    write_snapshot(str(tmp_path / "snap_003.hdf5"), whole, sim, mesh_units=True)
+    for name in ("snap_003.hdf5", "snap_003"):
+        with pytest.raises(ValueError, match=r"single-file snapshot, but the multi-file set .*snap_003\.0\.hdf5"):
+            read_snapshot(str(tmp_path / name))
+    assert read_snapshot(str(tmp_path / "snap_003.0.hdf5")).files[-1].endswith("snap_003.2.hdf5")
 
 
 # ----------------------------------------------------------------------------------

@@ -117,8 +117,16 @@ def build_simulation(config: dict):
     return simulation.to(device)
 
 
-def prepare_output(folder: str, overwrite: bool) -> None:
-    """Create ``folder``, prove it writable, and refuse to replace outputs without ``overwrite``."""
+_SNAPSHOT_FILE = re.compile(r"^snap_\d{3,}(_member\d+)?(\.\d+)?\.hdf5$")
+
+
+def prepare_output(folder: str, overwrite: bool, keep_snapshots: bool = False) -> None:
+    """Create ``folder``, prove it writable, and refuse to replace outputs without ``overwrite``.
+
+    With ``overwrite`` the previous run's snapshots are removed (a snapshot this run does
+    not write would otherwise stay beside this run's outputs, and ``--resume`` from it
+    would continue the other run), unless ``keep_snapshots``: a resumed run continues
+    the history those snapshots hold (its ``--resume`` checked that they are its own)."""
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise UserError(f"output {folder!r} exists and is not a folder")
     try:
@@ -131,13 +139,22 @@ def prepare_output(folder: str, overwrite: bool) -> None:
     except OSError as error:
         raise UserError(f"output folder {folder!r} is not writable: {error.strerror}") from None
     existing = [name for name in OUTPUT_NAMES if os.path.exists(os.path.join(folder, name))]
-    existing += sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "snap_*.hdf5")))
+    snapshots = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "snap_*.hdf5")))
+    existing += snapshots
     if existing and not overwrite:
         shown = ", ".join(existing[:4]) + (", ..." if len(existing) > 4 else "")
         raise UserError(
             f"output folder {folder!r} already holds outputs ({shown}); choose another folder "
             "(--output) or pass --overwrite to replace them"
         )
+    if overwrite and not keep_snapshots:
+        for name in snapshots:
+            if _SNAPSHOT_FILE.match(name):
+                try:
+                    os.remove(os.path.join(folder, name))
+                except OSError as error:
+                    raise UserError(f"--overwrite: cannot remove the earlier run's snapshot "
+                                    f"{os.path.join(folder, name)!r}: {error.strerror}") from None
 
 
 _MEMBER_NAME = re.compile(r"^(?P<head>.*_member)(?P<member>\d+)(?P<tail>(\.\d+)?(\.hdf5)?)$")
@@ -245,7 +262,23 @@ def _agree(context, error: str | None) -> None:
         raise UserError(error)
 
 
-def _resume_state(resume, batch, context, simulation, read_snapshot, restart_state):
+# The settings that made a snapshot's particles before it was written, beyond those
+# torchpm.io.check_restart compares with the simulation (box, mesh, cosmology, ...).
+_HISTORY = ("seed", "a_start", "lpt_order", "lpt_normalisation", "power_spectrum")
+
+
+def _check_history(written: dict, config: dict) -> None:
+    """ValueError naming each of :data:`_HISTORY` in which the run that wrote a snapshot
+    (its stored config ``written``) differs from ``config``: resuming it would continue
+    another run under this one's name."""
+    differences = [f"{key} {written[key]!r} (this configuration: {config[key]!r})"
+                   for key in _HISTORY if key in written and written[key] != config[key]]
+    if differences:
+        raise ValueError("it was written by a run with " + ", ".join(differences)
+                         + "; resume with the configuration of the run that wrote it")
+
+
+def _resume_state(resume, batch, context, simulation, read_snapshot, restart_state, config):
     """This rank's state to resume from (every batch member's snapshot); UserError naming
     the file that cannot be resumed from."""
     states = []
@@ -254,6 +287,7 @@ def _resume_state(resume, batch, context, simulation, read_snapshot, restart_sta
             snapshot = _read_for_resume(path, context, read_snapshot)
             if batch > 1 and int(snapshot.attributes.get("member", member)) != member:
                 raise ValueError(f"it holds batch member {snapshot.attributes['member']}, not {member}")
+            _check_history(snapshot.config, config)
             states.append(restart_state(snapshot, simulation))
         except (OSError, ValueError, KeyError) as error:
             raise UserError(f"cannot resume from {path!r}: {error}") from None
@@ -284,7 +318,7 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     if resume is not None:
         problem = None
         try:
-            start_state = _resume_state(resume, batch, context, simulation, read_snapshot, restart_state)
+            start_state = _resume_state(resume, batch, context, simulation, read_snapshot, restart_state, config)
         except UserError as error:
             problem = str(error)
         # Each rank reads its own file: one rank's refusal is raised by every rank (before
@@ -301,7 +335,7 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     problem = None
     if main_rank:
         try:
-            prepare_output(output, overwrite)
+            prepare_output(output, overwrite, keep_snapshots=resume is not None)
             with open(os.path.join(output, "config.toml"), "w", encoding="utf-8") as handle:
                 handle.write(to_toml(config))
         except UserError as error:

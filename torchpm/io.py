@@ -494,6 +494,13 @@ def _resolve_files(path) -> list[str]:
                 raise ValueError(f"{path!r} is not a Gadget HDF5 snapshot (no Header group)")
             num_files = int(_python(handle["Header"].attrs.get("NumFilesPerSnapshot", 1)))
         if num_files == 1:
+            if path.endswith(".hdf5") and os.path.isfile(path[: -len(".hdf5")] + ".0.hdf5"):
+                # (a single file and a multi-file set of one name: one of them another run's)
+                raise ValueError(
+                    f"{path!r} is a single-file snapshot, but the multi-file set "
+                    f"{path[: -len('.hdf5')] + '.0.hdf5'!r}, ... of the same name is beside it: one of them "
+                    "was left by another run; remove it, or name a file of the set to read the set"
+                )
             return [path]
         match = re.fullmatch(r"(.*)\.(\d+)\.hdf5", path)
         if not match:
