@@ -367,6 +367,23 @@ def run_case(case_id, ctx):
         share = read_snapshot(path, share=(rank, world_size))
         n = sim.n_total
         assert torch.equal(share.ids, torch.arange(n * rank // world_size, n * (rank + 1) // world_size))
+        # the whole state on every rank (a gathered one) would write each particle twice:
+        # refused on every rank, nothing written; from one rank alone, with
+        # file_index=0, num_files=1, it is one whole file
+        gathered = os.path.join(folder, "gathered.hdf5")
+        try:
+            write_snapshot(gathered, whole, sim, mesh_units=True)
+        except ValueError as error:
+            assert f"would hold {2 * n} particles, but the simulation has {n}" in str(error), str(error)
+            assert "file_index=0, num_files=1" in str(error), str(error)
+        else:
+            raise AssertionError("the whole state written by every rank was not refused")
+        dist.barrier()
+        assert not [name for name in os.listdir(folder) if name.startswith("gathered")]
+        if rank == 0:
+            write_snapshot(gathered, whole, sim, mesh_units=True, file_index=0, num_files=1)
+            assert torch.equal(read_snapshot(gathered).mesh_positions, whole.positions[0])
+        dist.barrier()
     elif kind == "fail":
         # rank 1's file exists already: it refuses, and rank 0 must not leave its own file behind
         if rank == 1:

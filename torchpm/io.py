@@ -216,6 +216,10 @@ def write_snapshot(
         config: the run's configuration, stored as TOML (default: :func:`simulation_config`).
         file_index, num_files: this file's place in a multi-file snapshot (default:
             the rank and world size of an initialised ``torch.distributed``, else 0 and 1).
+            With that default on several ranks the call is collective: every rank
+            calls it with its own particles (a rank calling alone waits for the others
+            until the process group's timeout). To write a whole state from one rank
+            (e.g. ``sim.gather(state)`` on rank 0), pass ``file_index=0, num_files=1``.
         num_part_total: particles in all files (default: all-reduced over the ranks,
             or this file's count for a single file).
         overwrite: replace an existing file (default: refuse).
@@ -281,6 +285,15 @@ def write_snapshot(
             num_part_total = valid
         else:
             raise ValueError("`num_part_total` is needed for a multi-file snapshot written without torch.distributed")
+    if num_part_total > sim.n_total:
+        # (the same total on every rank of a set: every rank raises)
+        raise ValueError(
+            f"snapshot {path!r}: {'the files would hold' if num_files > 1 else 'it would hold'} {num_part_total} "
+            f"particles, but the simulation has {sim.n_total}"
+            + (": does every rank hold the whole state (e.g. sim.gather(state))? Give each rank its own "
+               "particles, or write the whole state from one rank with file_index=0, num_files=1"
+               if num_files > 1 else "")
+        )
     final = snapshot_files(path, num_files)[file_index]
     directory = os.path.dirname(os.path.abspath(final))
     temporary = os.path.join(directory, f".{os.path.basename(final)}.{os.getpid()}.tmp")
