@@ -90,3 +90,29 @@ def test_torchrun_resume_refused_by_one_rank_is_one_error_on_every_rank(tmp_path
     assert "cosmology_h: snapshot 0.5" in output, output[-3000:]
     assert "[rank0]: Traceback" not in output and "Connection closed" not in output, output[-3000:]
     assert not (tmp_path / "second" / "config.toml").exists()
+
+
+def test_torchrun_ranks_with_different_configs_stop_with_one_error(tmp_path):
+    """Each rank reads its own config file: a rank whose seed differs (it would make its
+    block of another field: the run mixed two, exit 0) stops every rank with one line
+    naming the key and each rank's value, before any output is written."""
+    first, second = tmp_path / "a.toml", tmp_path / "b.toml"
+    first.write_text(CONFIG)
+    second.write_text(CONFIG.replace("seed = 4", "seed = 5"))
+    launcher = tmp_path / "per_rank.py"
+    launcher.write_text(
+        "import os, sys\n"
+        "from torchpm.__main__ import main\n"
+        "configs = sys.argv[1].split(',')\n"
+        "sys.exit(main(['run', configs[int(os.environ['RANK'])], *sys.argv[2:]]))\n"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(launcher),
+               f"{first},{second}", "--output", str(tmp_path / "out")]
+    result = subprocess.run(command, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                            capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    line = "the ranks disagree on `seed` (rank 0 (grid (0, 0)): 4, rank 1 (grid (1, 0)): 5)"
+    assert output.count(line) == 2, output[-3000:]
+    assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output, output[-3000:]
+    assert not (tmp_path / "out").exists()

@@ -28,7 +28,7 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
             "simulation_integrator", "simulation_cosmology", "simulation_power_alias", "gather_batch", "gather_no_ids", "density_ids",
             "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks",
-            "different_labels"]
+            "different_labels", "noise_agreement"]
 PER_WORLD = ["grid_axis"]
 
 
@@ -268,6 +268,23 @@ def case_simulation_integrator(grid, ctx):
     integrator = "leapfrog" if ctx["odd"] else "fastpm"
     expect_error(lambda: simulation(grid, ctx, integrator=integrator), ctx, "disagree", "`integrator`",
                  "leapfrog", "fastpm", "Simulation")
+
+
+def case_noise_agreement(grid, ctx):
+    """Ranks asking for the white noise of different seeds (each rank makes its block of the
+    field of its seed: the run would mix fields), or passing different whole fields (each
+    its own unseeded draw), raise on every rank; the same whole field on every rank runs,
+    as its blocks do."""
+    sim = simulation(grid, ctx)
+    expect_error(lambda: sim.white_noise(seed=ctx["rank"]), ctx, "Simulation.white_noise", "`seed`")
+    expect_error(lambda: sim.white_noise(batch=2 if ctx["odd"] else 1), ctx, "Simulation.white_noise", "`batch`")
+    shape = sim.particle_shape
+    own = torch.randn(1, *shape, generator=torch.Generator().manual_seed(ctx["rank"]), dtype=torch.float64)
+    expect_error(lambda: sim(own), ctx, "the whole `white_noise` each rank passed (CRC-32")
+    same = torch.randn(1, *shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    whole_run = sim(same)
+    block_run = sim(sim.particle_mesh.local_real_part(same))
+    assert torch.equal(whole_run.positions, block_run.positions)
 
 
 def case_run_agreement(grid, ctx):

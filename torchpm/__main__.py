@@ -302,9 +302,16 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     import numpy as np
 
     main_rank = context.is_main
+    # Every rank reads its own config: the ranks agree on every key before the run
+    # (a rank with another seed would paint its block of another field).
+    agreed = [(f"`{key}`", repr(config[key])) for key in sorted(config)]
     if context.device.type == "cuda":
         config = dict(config, device=str(context.device))
     simulation = build_simulation(config)
+    try:
+        simulation.force_mesh.agree("torchpm run (the configuration)", agreed)
+    except ValueError as error:
+        raise UserError(str(error)) from None
     device = simulation.device
     batch = config["batch"]
     snapshots = [simulation.scale_factors[scale_factor_index(simulation, a)] for a in config["snapshots"]]

@@ -424,9 +424,13 @@ class Simulation(nn.Module):
 
     def white_noise(self, batch: int = 1, seed: int = 0) -> torch.Tensor:
         """Seeded white noise ``(batch, *local block of the particle grid)`` on this module's
-        device and dtype; the global field is the same on every process grid."""
+        device and dtype; the global field is the same on every process grid. Collective on
+        a grid: the ranks check that they agree on ``seed`` and ``batch``."""
         batch = as_int("batch", batch, 1)
         seed = as_int("seed", seed, 0, 2**63 - 1)
+        # On a grid each rank makes its block of the field of `seed`: ranks with other
+        # seeds would make blocks of other fields (collective there).
+        self.particle_mesh.agree("Simulation.white_noise", [("`seed`", seed), ("`batch`", batch)])
         self._check_memory(self.device, batch)
         return make_white_noise(
             self.particle_shape, batch=batch, seed=seed, dtype=self.dtype, device=self.device, mesh=self.particle_mesh
@@ -453,7 +457,16 @@ class Simulation(nn.Module):
         elif not bool(torch.isfinite(field).all()):
             bad = int((~torch.isfinite(field)).sum())
             error = f"`{name}` contains {bad} NaN or infinite values; expected finite numbers"
-        mesh.raise_together(error, operation="Simulation.check_field")
+        if mesh.is_local:
+            mesh.raise_together(error, operation="Simulation.check_field")
+        else:
+            # A whole field given on every rank must be the same field: each rank takes its
+            # block of it (a rank with its own unseeded draw would paint a block of another).
+            whole = error is None and tuple(field.shape[-3:]) != local
+            mesh.agree("Simulation.check_field", [(
+                f"the whole `{name}` each rank passed (CRC-32 of its values; pass the same field, or each rank's block)",
+                zlib.crc32(field.detach().cpu().contiguous().numpy().tobytes()) if whole else "this rank's block")],
+                error)
         if field.dim() == 3:
             field = field.unsqueeze(0)
         if tuple(field.shape[-3:]) != local:
