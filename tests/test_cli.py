@@ -281,6 +281,19 @@ def test_batch_run_resumes_every_member_bit_for_bit(tmp_path, capsys, monkeypatc
         "snap_000_member0.hdf5", "snap_000_member1.hdf5", "snap_001_member0.hdf5", "snap_001_member1.hdf5"]
     with h5py.File(first / "snap_001_member0.hdf5", "r") as a, h5py.File(first / "snap_001_member1.hdf5", "r") as b:
         assert not np.array_equal(a["torchpm/MeshPositions"][:], b["torchpm/MeshPositions"][:]), "members differ"
+    # The P(k) table holds every member's column (it held member 0's alone): each equals the
+    # spectrum of that member's final snapshot.
+    from torchpm.io import read_snapshot, restart_state
+
+    table = np.loadtxt(first / "power_spectrum.txt")
+    assert table.shape[1] == 5, table.shape  # k, P of members 0 and 1, modes, P_linear
+    sim = torchpm.Simulation(8, 64.0, mesh_factor=2, a_start=0.1, steps=[0.3, 0.5, 0.7, 1.0])
+    for member in range(2):
+        final = restart_state(read_snapshot(first / f"snap_001_member{member}.hdf5"), sim)
+        density = sim.density(sim.to_physical(final.positions, final.momenta, final.a, final.ids))
+        expected = torchpm.analysis.power_spectrum(density - 1.0, 64.0, compensate_cic=True, n_particles=512)
+        np.testing.assert_allclose(table[:, 1 + member], expected.power[0].numpy(), rtol=2e-6)
+    assert not np.allclose(table[:, 1], table[:, 2])
     assert main(["run", str(config), "--resume", str(first / "snap_000_member1.hdf5"), "--output", "second"]) == 0
     second = tmp_path / "second"
     for member in range(2):

@@ -6,7 +6,8 @@ progress bar over the steps, and writes into the run's output folder (default ``
 
 * ``config.toml``: the resolved settings of the run;
 * ``power_spectrum.txt``: k [h/Mpc], P(k) [(Mpc/h)^3] (CIC-compensated, shot noise
-  subtracted), the number of modes, and the linear P(k) at the final a;
+  subtracted; a batch run: one column per member), the number of modes, and the
+  linear P(k) at the final a;
 * ``power_spectrum.png``: P(k) against linear theory, and a slice of the density;
 * ``snap_000.hdf5``, ...: Gadget-4 HDF5 snapshots at the scale factors listed in
   ``snapshots`` (numbered in that order; see :mod:`torchpm.io`).
@@ -406,7 +407,9 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     n_particles = simulation.n_total
     cosmology = simulation.cosmology
     mesh = simulation.force_mesh
-    spectrum = power_spectrum(density[0] - 1.0, box, compensate_cic=True, n_particles=n_particles, mesh=mesh)
+    # Every member's spectrum (B, bins); the figure shows member 0's.
+    members = power_spectrum(density - 1.0, box, compensate_cic=True, n_particles=n_particles, mesh=mesh)
+    spectrum = members._replace(power=members.power[0])
     growth = cosmology.growth(state.a)
     linear = simulation.linear_power(spectrum.k) * growth.D1**2
     # Statistics of the whole mesh, and a slab a few cells thick for the figure (z is whole on every rank).
@@ -429,13 +432,15 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         f"{simulation.steps} {simulation.integrator} steps from a = {simulation.a_start}, "
         f"{cosmology!r}, seed {config['seed']}" + (f", resumed from {resume}" if resume else "") + "\n"
         "P(k): CIC-compensated, Poisson shot noise V/N_particles subtracted\n"
-        "columns: k [h/Mpc]  P(k) [(Mpc/h)^3]  modes  P_linear(k) [(Mpc/h)^3]"
+        + ("columns: k [h/Mpc]  P(k) [(Mpc/h)^3]  modes  P_linear(k) [(Mpc/h)^3]" if batch == 1 else
+           f"columns: k [h/Mpc]  P(k) [(Mpc/h)^3] of batch member 0, ..., of member {batch - 1} (one column "
+           "each)  modes  P_linear(k) [(Mpc/h)^3]")
     )
     np.savetxt(
         table_path,
-        np.column_stack([spectrum.k.cpu(), spectrum.power.cpu(), spectrum.modes.cpu(), linear.detach().cpu()]),
+        np.column_stack([spectrum.k.cpu(), *members.power.cpu(), spectrum.modes.cpu(), linear.detach().cpu()]),
         header=header,
-        fmt=["%.6e", "%.6e", "%d", "%.6e"],
+        fmt=["%.6e"] * (1 + batch) + ["%d", "%.6e"],
     )
     figure_path = os.path.join(output, "power_spectrum.png")
     plot(spectrum, linear, slab, thickness, simulation, state.a, figure_path)
