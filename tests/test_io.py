@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import torchpm
-from torchpm.io import check_restart, read_snapshot, restart_state, write_snapshot
+from torchpm.io import check_restart, read_snapshot, restart_state, simulation_config, write_snapshot
 
 from _spawn import run_world
 
@@ -286,6 +286,43 @@ def test_restart_needs_the_exact_fields(tmp_path):
     write_snapshot(path, state, sim)
     with pytest.raises(ValueError, match="no exact restart data"):
         restart_state(read_snapshot(path), sim)
+
+
+def test_damaged_or_mixed_snapshots_are_refused_naming_the_file(tmp_path):
+    """A particle with a NaN momentum or an absurd position is refused when the snapshot is
+    restored (not by the run's first paint, or silently moved by a grid's wrap); a truncated
+    file of a set is named; a set whose files come from two runs is refused."""
+    import h5py
+
+    sim = _sim(torch.float64)
+    state = sim(sim.white_noise(seed=1), until=0.5, return_mesh_units=True)
+    for field, row, value in (("MeshPositions", 5, 1e30), ("MeshMomenta", 7, float("nan")),
+                              ("MeshPositions", 2, float("-inf"))):
+        path = str(tmp_path / f"damaged_{field}_{row}.hdf5")
+        write_snapshot(path, state, sim, mesh_units=True)
+        with h5py.File(path, "r+") as handle:
+            handle["torchpm"][field][row, 0] = value
+        with pytest.raises(ValueError, match=rf"1 particles have a non-finite .* the first is id {row} .*damaged"):
+            restart_state(read_snapshot(path), sim)
+    n = sim.n_total
+    for seed, folder in ((1, "one"), (2, "two")):
+        (tmp_path / folder).mkdir()
+        config = dict(simulation_config(sim), seed=seed)
+        run = sim(sim.white_noise(seed=seed), until=0.5, return_mesh_units=True)
+        for index in range(2):
+            part = slice(index * n // 2, (index + 1) * n // 2)
+            local = torchpm.SimulationState(run.positions[:, part], run.momenta[:, part], run.a,
+                                            torch.arange(n)[part][None])
+            write_snapshot(str(tmp_path / folder / "snap.hdf5"), local, sim, mesh_units=True, file_index=index,
+                           num_files=2, num_part_total=n, config=config)
+    os.replace(tmp_path / "two" / "snap.1.hdf5", tmp_path / "one" / "snap.1.hdf5")
+    with pytest.raises(ValueError, match=r"its file .*snap\.1\.hdf5' was written by another run"):
+        read_snapshot(str(tmp_path / "one" / "snap"))
+    path = tmp_path / "two" / "snap.0.hdf5"
+    with open(path, "r+b") as handle:
+        handle.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(OSError, match=r"cannot read .*two/snap\.0\.hdf5"):
+        read_snapshot(str(tmp_path / "one" / "snap.0.hdf5").replace("one", "two"))
 
 
 def test_restart_rebuilds_the_slot_layout_and_refuses_a_broken_one(tmp_path):

@@ -498,11 +498,18 @@ def _python(value):
     return value
 
 
+def _open(name):
+    """``h5py.File(name, "r")``, its failure (a truncated or damaged file) naming the file."""
+    try:
+        return _h5py().File(name, "r")
+    except OSError as error:
+        raise OSError(f"cannot read {name!r}: {error}") from None
+
+
 def _resolve_files(path) -> list[str]:
-    h5py = _h5py()
     path = os.fspath(path)
     if os.path.isfile(path):
-        with h5py.File(path, "r") as handle:
+        with _open(path) as handle:
             if "Header" not in handle:
                 raise ValueError(f"{path!r} is not a Gadget HDF5 snapshot (no Header group)")
             num_files = int(_python(handle["Header"].attrs.get("NumFilesPerSnapshot", 1)))
@@ -555,8 +562,21 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
         files = [files[file_index]]
     counts = []
     for name in files:
-        with h5py.File(name, "r") as handle:
+        with _open(name) as handle:
             counts.append(int(_python(handle["Header"].attrs["NumPart_ThisFile"])[1]))
+            # The files of one set come from one run and one moment (each rank's config
+            # may name its own device).
+            config_text = _python(handle["torchpm"].attrs.get("config", "")) if "torchpm" in handle else ""
+            mark = (_python(handle["Header"].attrs.get("Time")),
+                    {key: value for key, value in tomllib.loads(config_text).items() if key != "device"})
+            if name == files[0]:
+                first_mark = mark
+            elif mark != first_mark:
+                raise ValueError(
+                    f"snapshot {path!r}: its file {name!r} was written by another run or at another time than "
+                    f"{files[0]!r} (a = {mark[0]} against {first_mark[0]}, or another config): a set mixing two "
+                    "runs' files cannot be read"
+                )
     total = sum(counts)
     if share is not None and file_index is not None:
         raise ValueError("pass at most one of `share` and `file_index`")
@@ -568,7 +588,7 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
             raise ValueError(f"`share` must be (index, count) with 0 <= index < count, got {share!r}")
         begin, end = total * index // parts, total * (index + 1) // parts
 
-    with h5py.File(files[0], "r") as handle:
+    with _open(files[0]) as handle:
         header = {key: _python(value) for key, value in handle["Header"].attrs.items()}
         attributes = {key: _python(value) for key, value in handle["torchpm"].attrs.items()} if "torchpm" in handle else {}
         has_raw = "torchpm" in handle and "MeshPositions" in handle["torchpm"]
@@ -593,7 +613,7 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
     for name, file_count in zip(files, counts):
         low, high = max(begin - offset, 0), min(end - offset, file_count)
         if low < high:
-            with h5py.File(name, "r") as handle:
+            with _open(name) as handle:
                 for key, source in sources.items():
                     data = handle[source][low:high]
                     if key == "ids":
@@ -700,6 +720,15 @@ def restart_state(snapshot: Snapshot, sim):
     # The snapshot's float64 a, snapped to the grid value the run uses.
     a = sim.scale_factors[scale_factor_index(sim, snapshot.a)]
     positions, momenta = snapshot.mesh_positions, snapshot.mesh_momenta
+    # A damaged file's particles are refused here, not by the run's first paint or migration.
+    bad = ~((positions.abs() <= 2.0**40).all(-1) & torch.isfinite(momenta).all(-1))
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0, 0])
+        raise ValueError(
+            f"snapshot {snapshot.files[0]!r}: {int(bad.sum())} particles have a non-finite position or momentum, "
+            f"or a position beyond +-2^40 cells; the first is id {int(ids[first])} at {positions[first].tolist()} "
+            "(the file is damaged)"
+        )
     if snapshot.mesh_slots is not None and snapshot.slot_count is not None:
         # One rank's file: the particles back in the slots the run held them in, the
         # empty slots as a migration leaves them (next to their neighbours, zero
