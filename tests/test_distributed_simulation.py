@@ -852,6 +852,23 @@ def case_power_layer(grid, ctx):
         assert "`mesh`" in str(error) and "(10, 9, 8)" in str(error), str(error)
     else:
         raise AssertionError("a mesh of another shape was accepted")
+    # torchpm.analysis without mesh= on a rank's block: the block's spectrum alone, so it
+    # warns (a block of a cubic box has cells of unequal sizes); the whole field, or the
+    # block with mesh=, does not
+    import warnings
+
+    from torchpm.analysis import power_spectrum
+
+    cubic = PencilDecomposition((8, 8, 8), ctx["groups"][grid])
+    field = global_random((1, 8, 8, 8), 24)
+    for call, warned in ((lambda: power_spectrum(cubic.local_real_part(field), 40.0), True),
+                         (lambda: power_spectrum(field, 40.0), False),
+                         (lambda: power_spectrum(cubic.local_real_part(field), 40.0, mesh=cubic), False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        found = [str(w.message) for w in caught if "pass mesh=sim.force_mesh" in str(w.message)]
+        assert bool(found) == warned, (warned, [str(w.message) for w in caught])
     layer = PowerSpectrum(shape, box, dtype=torch.float64, mesh=mesh)
     try:
         layer(whole if ctx["rank"] == 0 else mesh.local_real_part(whole))  # rank 0 passes the whole field

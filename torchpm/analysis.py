@@ -28,6 +28,7 @@ differentiable (every rank then holds the same result and computes the same loss
 from __future__ import annotations
 
 import math
+import warnings
 import numbers
 from typing import NamedTuple, Sequence
 
@@ -220,12 +221,35 @@ def cross_power(
         raise ValueError(error)
     a, single = _fields(field_a, "field_a")
     b, _ = _fields(field_b, "field_b")
+    if mesh is None:
+        _warn_if_block(a.shape[-3:], box_size, "cross_power")
     mesh = mesh or LocalMesh(a.shape[-3:])
     a_k = mesh.rfftn(a.to(torch.float64))
     b_k = a_k if field_b is field_a else mesh.rfftn(b.to(torch.float64))
     product = (a_k * b_k.conj()).real * (math.prod(box) / mesh.size**2)
     k, power, modes = _binned(product, mesh, box, bins, window)
     return PowerSpectrum(k, power[0] if single else power, modes)
+
+
+def _warn_if_block(shape, box_size, function: str) -> None:
+    """Warn when a field without ``mesh`` looks like a rank's block of a process grid: several
+    ranks, one box side for all axes, but cells of different sizes along the axes (a block
+    split along x or y), where the spectrum would be of the block alone."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    if not isinstance(box_size, numbers.Real):
+        return
+    cells = tuple(float(box_size) / n for n in shape)
+    # (a block keeps z whole and splits x, y or both)
+    if shape[0] < shape[2] or shape[1] < shape[2]:
+        warnings.warn(
+            f"{function}: a {tuple(shape)} field in a cubic {box_size} Mpc/h box has cells of sizes {cells} Mpc/h "
+            f"under torch.distributed with {dist.get_world_size()} ranks: if it is this rank's block of a process "
+            "grid, pass mesh=sim.force_mesh (without it the result is of the block alone)",
+            stacklevel=3,
+        )
 
 
 def power_spectrum(
