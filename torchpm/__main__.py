@@ -310,7 +310,7 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         config = dict(config, device=str(context.device))
     simulation = build_simulation(config)
     try:
-        simulation.force_mesh.agree("torchpm run (the configuration)", agreed)
+        simulation.force_mesh.agree("the configuration check (every rank reads its own config)", agreed)
     except ValueError as error:
         raise UserError(str(error)) from None
     device = simulation.device
