@@ -726,12 +726,16 @@ def _count_non_finite(positions: torch.Tensor, ids: torch.Tensor) -> int:
     """Occupied slots (``ids >= 0``) whose position has a NaN or infinite coordinate, or
     one beyond +-2^40 cells.
 
-    One contiguous reduction (the largest |coordinate|, NaN if any is) settles the usual
+    One contiguous reduction (the smallest and largest coordinate, NaN if any is; about
+    0.9 ms for a million particles on 2 CPU threads, a sum 0.4 ms) settles the usual
     case; only a tensor holding such a coordinate (a bad particle, or an empty slot
-    holding one) pays for the per-particle count (about 10 ms for a million particles:
-    a reduction over the 3 coordinates is slow)."""
+    holding one) pays for the per-particle count (about 10 ms: a reduction over the 3
+    coordinates is slow)."""
     detached = positions.detach()
-    if detached.numel() == 0 or bool(detached.abs().amax() <= MAX_ABS_POSITION):
+    if detached.numel() == 0:
+        return 0
+    low, high = torch.aminmax(detached)
+    if bool((low >= -MAX_ABS_POSITION) & (high <= MAX_ABS_POSITION)):
         return 0
     return int(((ids >= 0) & ~_within_reach(detached).all(-1)).sum())
 
