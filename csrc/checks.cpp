@@ -229,8 +229,9 @@ void throw_bad_particles(
   auto nonfinite = at::logical_not(finite);
   const int64_t n_nonfinite = nonfinite.sum().item<int64_t>();
   std::ostringstream msg;
-  // (a readout reads, a paint deposits)
-  const bool reads = std::string(op).find("readout") != std::string::npos;
+  // (a readout and the paint's position gradient read a mesh, a paint deposits)
+  const std::string name(op);
+  const bool reads = name.find("readout") != std::string::npos || name.find("gradient") != std::string::npos;
   msg << op << ": " << bad << " of " << total << " particles cannot be "
       << (reads ? "read" : "deposited") << "; "
       << (late.empty() ? "nothing was painted or read. "

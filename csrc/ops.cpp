@@ -119,7 +119,7 @@ TORCH_LIBRARY(torchpm, m) {
   // indices, increasing, of the empty slots (id < 0) and of the occupied ones
   // whose coordinate `axis` is outside [low, high) (NaN stays); and, as a 0-d
   // int64, the number of occupied slots with a non-finite coordinate or one
-  // beyond +-2^40 cells.
+  // at or beyond +-2^40 cells.
   m.def("_migration_holes(Tensor positions, Tensor ids, int axis, float low, float high) -> (Tensor, Tensor)");
   // Permutation of per-particle rows: _gather_rows: out[b, k, ...] = input[b,
   // order[b, k], ...]; _scatter_rows: out[b, order[b, k], ...] = input[b, k, ...]

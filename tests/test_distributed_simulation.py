@@ -770,7 +770,7 @@ def case_nonfinite(grid, ctx):
         try:
             mesh.migrate(positions, torch.arange(3).unsqueeze(0))
         except RuntimeError as error:
-            assert "NaN or infinite positions, or beyond +-2^40 cells" in str(error), str(error)
+            assert "NaN or infinite positions, or at or beyond +-2^40 cells" in str(error), str(error)
             assert f"rank {ctx['world'] - 1}" in str(error), str(error)
         else:
             raise AssertionError(f"a position {bad} did not raise on every rank")
@@ -1008,8 +1008,8 @@ def test_distributed_simulation(world_results, world_size, case_id):
 def test_migration_counts_exactly_the_occupied_slots_with_non_finite_positions(dtype):
     """The migration's count of bad positions (its fast path is one reduction of the whole
     tensor): hand-counted cases, including an empty slot holding NaN (not counted), finite
-    coordinates beyond +-2^40 cells (counted: the migration's wrap would hide them from the
-    paint's check) and coordinates of exactly +-2^40 (not counted)."""
+    coordinates at or beyond +-2^40 cells (counted: the migration's wrap would hide them from
+    the paint's check, which refuses them) and coordinates just inside (not counted)."""
     from torchpm.distributed.particles import _count_non_finite
 
     big = torch.finfo(dtype).max
@@ -1026,8 +1026,10 @@ def test_migration_counts_exactly_the_occupied_slots_with_non_finite_positions(d
     assert _count_non_finite(positions, ids) == 3
     overflowing = torch.full((1, 3, 3), big, dtype=dtype)
     assert _count_non_finite(overflowing, torch.arange(3).view(1, 3)) == 3
-    edge = torch.tensor([[[2.0**40, -(2.0**40), 0.5], [1.5, 1e30, 0.5], [-1e13, 0.5, 0.5]]], dtype=dtype)
-    assert _count_non_finite(edge, torch.arange(3).view(1, 3)) == 2
+    inside = 2.0**40 - 2.0**17  # the largest float32 below 2^40
+    edge = torch.tensor([[[inside, -inside, 0.5], [1.5, 1e30, 0.5], [-1e13, 0.5, 0.5], [0.5, 2.0**40, 0.5]]],
+                        dtype=dtype)
+    assert _count_non_finite(edge, torch.arange(4).view(1, 4)) == 3
     assert _count_non_finite(edge[:, :1], torch.arange(1).view(1, 1)) == 0
 
 
@@ -1043,12 +1045,12 @@ def test_migration_holes_op_matches_its_pure_torch_twin_and_hand_cases(device, d
     # Hand case: block [2, 5) along x.
     positions = torch.tensor([[[2.0, 0, 0], [5.0, 0, 0], [4.99, 9, 9], [1.99, 0, 0], [float("nan"), 0, 0],
                                [3.0, float("inf"), 0], [float("inf"), 0, 0], [3.0, 0, 0],
-                               [3.0, 1e30, 0], [3.0, 0, -(2.0**40)]]], dtype=dtype, device=device)
+                               [3.0, 1e30, 0], [3.0, 0, -(2.0**40 - 2.0**17)]]], dtype=dtype, device=device)
     ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, -1, 8, 9]], device=device)
     holes, bad = op(positions, ids, 0, 2.0, 5.0)
     # 5.0 and 1.99 leave, NaN stays, +inf leaves, the empty slot is a hole.
     assert holes.tolist() == [1, 3, 6, 7] and holes.dtype == torch.int64
-    assert int(bad) == 4 and bad.dim() == 0  # NaN, inf in y, inf in x, 1e30 in y (not -2^40)
+    assert int(bad) == 4 and bad.dim() == 0  # NaN, inf in y, inf in x, 1e30 in y (not just inside -2^40)
     generator = torch.Generator().manual_seed(21)
     for trial in range(20):
         batch, n = 1 + trial % 3, [0, 1, 37, 70_000][trial % 4]
@@ -1058,7 +1060,8 @@ def test_migration_holes_op_matches_its_pure_torch_twin_and_hand_cases(device, d
         special = torch.rand(batch, n, 3, generator=generator)
         x = torch.where(special < 0.01, float("nan"), x)
         x = torch.where((special > 0.995), float("-inf"), x)
-        x = torch.where((special > 0.99) & (special <= 0.995), torch.where(special > 0.9925, -3e12, 2.0**40), x)
+        edge = torch.where(special > 0.9925, -3e12, torch.where(special > 0.991, 2.0**40, 2.0**40 - 2.0**17))
+        x = torch.where((special > 0.99) & (special <= 0.995), edge, x)
         slots = torch.arange(batch * n).view(batch, n)
         slots = torch.where(torch.rand(batch, n, generator=generator) < 0.1, -1, slots)
         x, slots = x.to(device), slots.to(device)

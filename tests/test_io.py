@@ -322,7 +322,11 @@ def test_damaged_or_mixed_snapshots_are_refused_naming_the_file(tmp_path):
     with open(path, "r+b") as handle:
         handle.truncate(os.path.getsize(path) // 2)
     with pytest.raises(OSError, match=r"cannot read .*two/snap\.0\.hdf5"):
-        read_snapshot(str(tmp_path / "one" / "snap.0.hdf5").replace("one", "two"))
+        read_snapshot(str(tmp_path / "two" / "snap.0.hdf5"))
+    # one rank's own file of the mixed set (how a grid resumes) is refused too
+    with pytest.raises(ValueError, match=r"its file .*snap\.1\.hdf5' was written by another run .*config seed 2 "
+                                         r"against 1"):
+        read_snapshot(str(tmp_path / "one" / "snap"), file_index=0)
 
 
 def test_restart_rebuilds_the_slot_layout_and_refuses_a_broken_one(tmp_path):

@@ -503,7 +503,18 @@ def _open(name):
     try:
         return _h5py().File(name, "r")
     except OSError as error:
-        raise OSError(f"cannot read {name!r}: {error}") from None
+        raise type(error)(f"cannot read {name!r}: {error}") from None
+
+
+def _declares_set(name) -> bool:
+    """Whether ``name`` is a file of a multi-file snapshot set."""
+    if not os.path.isfile(name):
+        return False
+    try:
+        with _open(name) as handle:
+            return int(_python(handle["Header"].attrs.get("NumFilesPerSnapshot", 1))) > 1
+    except (OSError, KeyError):
+        return True  # unreadable: named in the error rather than passed over
 
 
 def _resolve_files(path) -> list[str]:
@@ -514,7 +525,7 @@ def _resolve_files(path) -> list[str]:
                 raise ValueError(f"{path!r} is not a Gadget HDF5 snapshot (no Header group)")
             num_files = int(_python(handle["Header"].attrs.get("NumFilesPerSnapshot", 1)))
         if num_files == 1:
-            if path.endswith(".hdf5") and os.path.isfile(path[: -len(".hdf5")] + ".0.hdf5"):
+            if path.endswith(".hdf5") and _declares_set(path[: -len(".hdf5")] + ".0.hdf5"):
                 # (a single file and a multi-file set of one name: one of them another run's)
                 raise ValueError(
                     f"{path!r} is a single-file snapshot, but the multi-file set "
@@ -537,6 +548,29 @@ def _resolve_files(path) -> list[str]:
     raise FileNotFoundError(f"no snapshot at {path!r} (looked for {base}.hdf5 and {base}.0.hdf5)")
 
 
+def _check_one_run(path, files, tomllib) -> None:
+    """ValueError when the files of a set were not written by one run at one moment: their
+    ``Time``, particle total or stored config differ (each rank's config may name its own
+    device). Every file's header is read, also when only one file's particles are."""
+    marks = []
+    for name in files:
+        with _open(name) as handle:
+            header = handle["Header"].attrs
+            config_text = _python(handle["torchpm"].attrs.get("config", "")) if "torchpm" in handle else ""
+            mark = {"a (Time)": _python(header.get("Time")), "NumPart_Total": _python(header.get("NumPart_Total"))}
+            config = tomllib.loads(config_text) if config_text else {}
+            mark.update((f"config {key}", value) for key, value in config.items() if key != "device")
+            marks.append(mark)
+    for name, mark in zip(files[1:], marks[1:]):
+        differing = [f"{key} {mark.get(key)!r} against {marks[0].get(key)!r}"
+                     for key in sorted(set(mark) | set(marks[0]), key=str) if mark.get(key) != marks[0].get(key)]
+        if differing:
+            raise ValueError(
+                f"snapshot {path!r}: its file {name!r} was written by another run or at another time than "
+                f"{files[0]!r} ({'; '.join(differing)}): a set mixing two runs' files cannot be read"
+            )
+
+
 def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int | None = None) -> Snapshot:
     """Read a snapshot written by :func:`write_snapshot` (or any Gadget-4 HDF5 file
     with ``PartType1`` and, for the restart fields, the ``torchpm`` group).
@@ -556,6 +590,7 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
     except ImportError:  # Python 3.10
         import tomli as tomllib
     files = _resolve_files(path)
+    _check_one_run(path, files, tomllib)
     if file_index is not None:
         if isinstance(file_index, bool) or not isinstance(file_index, int) or not 0 <= file_index < len(files):
             raise ValueError(f"`file_index` must be an int in [0, {len(files)}) for {path!r}, got {file_index!r}")
@@ -564,19 +599,6 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
     for name in files:
         with _open(name) as handle:
             counts.append(int(_python(handle["Header"].attrs["NumPart_ThisFile"])[1]))
-            # The files of one set come from one run and one moment (each rank's config
-            # may name its own device).
-            config_text = _python(handle["torchpm"].attrs.get("config", "")) if "torchpm" in handle else ""
-            mark = (_python(handle["Header"].attrs.get("Time")),
-                    {key: value for key, value in tomllib.loads(config_text).items() if key != "device"})
-            if name == files[0]:
-                first_mark = mark
-            elif mark != first_mark:
-                raise ValueError(
-                    f"snapshot {path!r}: its file {name!r} was written by another run or at another time than "
-                    f"{files[0]!r} (a = {mark[0]} against {first_mark[0]}, or another config): a set mixing two "
-                    "runs' files cannot be read"
-                )
     total = sum(counts)
     if share is not None and file_index is not None:
         raise ValueError("pass at most one of `share` and `file_index`")
@@ -721,12 +743,15 @@ def restart_state(snapshot: Snapshot, sim):
     a = sim.scale_factors[scale_factor_index(sim, snapshot.a)]
     positions, momenta = snapshot.mesh_positions, snapshot.mesh_momenta
     # A damaged file's particles are refused here, not by the run's first paint or migration.
-    bad = ~((positions.abs() <= 2.0**40).all(-1) & torch.isfinite(momenta).all(-1))
+    from .distributed.particles import _within_reach
+
+    bad = ~(_within_reach(positions).all(-1) & torch.isfinite(momenta).all(-1))
     if bool(bad.any()):
         first = int(torch.nonzero(bad)[0, 0])
+        where = snapshot.files[0] if len(snapshot.files) == 1 else f"{snapshot.files[0]} (a set of {len(snapshot.files)} files)"
         raise ValueError(
-            f"snapshot {snapshot.files[0]!r}: {int(bad.sum())} particles have a non-finite position or momentum, "
-            f"or a position beyond +-2^40 cells; the first is id {int(ids[first])} at {positions[first].tolist()} "
+            f"snapshot {where!r}: {int(bad.sum())} particles have a non-finite position or momentum, "
+            f"or a position at or beyond +-2^40 cells; the first is id {int(ids[first])} at {positions[first].tolist()} "
             "(the file is damaged)"
         )
     if snapshot.mesh_slots is not None and snapshot.slot_count is not None:

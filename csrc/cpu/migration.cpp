@@ -31,7 +31,7 @@ namespace {
 constexpr int64_t kChunk = 1 << 16;
 
 // Occupied slots of `n` particles at `p` (xyz interleaved) whose position has
-// a NaN or infinite coordinate, or one beyond +-2^40 cells (kMaxAbsPosition: what
+// a NaN or infinite coordinate, or one at or beyond +-2^40 cells (kMaxAbsPosition: what
 // the paint refuses; the migration wraps a split axis, which would hide it). A
 // chunk without any such coordinate (the usual case) costs one vectorised pass
 // over its contiguous coordinates; only a chunk holding one pays for the
@@ -41,16 +41,16 @@ int64_t count_non_finite(const scalar_t* p, const int64_t* id, int64_t n) {
   constexpr scalar_t largest = static_cast<scalar_t>(kMaxAbsPosition);
   uint32_t any = 0;
   for (int64_t j = 0; j < 3 * n; ++j) {
-    // False for a value within +-2^40, true beyond, for +-Inf and (unordered) NaN.
-    any |= static_cast<uint32_t>(!(std::fabs(p[j]) <= largest));
+    // False for a value inside +-2^40, true at or beyond, for +-Inf and (unordered) NaN.
+    any |= static_cast<uint32_t>(!(std::fabs(p[j]) < largest));
   }
   if (!any) {
     return 0;
   }
   int64_t count = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const bool finite = std::fabs(p[3 * i]) <= largest && std::fabs(p[3 * i + 1]) <= largest &&
-        std::fabs(p[3 * i + 2]) <= largest;
+    const bool finite = std::fabs(p[3 * i]) < largest && std::fabs(p[3 * i + 1]) < largest &&
+        std::fabs(p[3 * i + 2]) < largest;
     count += static_cast<int64_t>(id[i] >= 0 && !finite);
   }
   return count;
