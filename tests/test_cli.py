@@ -257,10 +257,24 @@ def test_overwrite_removes_the_earlier_runs_snapshots_and_resume_refuses_another
     config.write_text(base + "snapshots = [0.5]\nseed = 7\nlpt_order = 1\n")
     assert main(["run", str(config), "--check", "--resume", str(out / "snap_000.hdf5")]) == 2
     assert "lpt_order 2 (this configuration: 1)" in capsys.readouterr().err
-    # resuming into the same folder keeps the snapshot it continues from
+    config.write_text(base + 'snapshots = [0.5]\nseed = 7\npower_spectrum = "eisenstein_hu_nowiggle"\n')
+    assert main(["run", str(config), "--check", "--resume", str(out / "snap_000.hdf5")]) == 2
+    assert "power_spectrum 'eisenstein_hu' (this configuration: 'eisenstein_hu_nowiggle')" in capsys.readouterr().err
+    # resuming into the same folder keeps the history it continues (the snapshot it resumes
+    # from), and removes the rest: a set of a later snapshot left by a run on 2 ranks
+    # would stand beside the single file this run writes under its name
     other.write_text(base + "snapshots = [0.5, 1.0]\nseed = 7\n")
+    for stale in ("snap_001.0.hdf5", "snap_001.1.hdf5", "snap_004.hdf5"):
+        (out / stale).write_bytes((out / "snap_000.hdf5").read_bytes())
     assert main(["run", str(other), "--resume", str(out / "snap_000.hdf5"), "--overwrite"]) == 0
     assert sorted(p.name for p in out.glob("snap_*")) == ["snap_000.hdf5", "snap_001.hdf5"]
+    torchpm.io.read_snapshot(str(out / "snap_001.hdf5"))  # not ambiguous
+    # resuming from another folder keeps none of this folder's earlier snapshots
+    assert main(["run", str(other), "--resume", str(out / "snap_000.hdf5"), "--output", "elsewhere"]) == 0
+    (tmp_path / "elsewhere" / "snap_000.hdf5").write_bytes((out / "snap_000.hdf5").read_bytes())
+    assert main(["run", str(other), "--resume", str(out / "snap_000.hdf5"), "--output", "elsewhere",
+                 "--overwrite"]) == 0
+    assert sorted(p.name for p in (tmp_path / "elsewhere").glob("snap_*")) == ["snap_001.hdf5"]
 
 
 def test_batch_run_resumes_every_member_bit_for_bit(tmp_path, capsys, monkeypatch):

@@ -116,3 +116,9 @@ def test_torchrun_ranks_with_different_configs_stop_with_one_error(tmp_path):
     assert output.count(line) == 2, output[-3000:]
     assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output, output[-3000:]
     assert not (tmp_path / "out").exists()
+    # a rank's own threads and collective timeout (and device, which the CLI sets per rank
+    # on CUDA) may differ
+    second.write_text(CONFIG.replace("threads = 1", "threads = 2").replace("collective_timeout = 120",
+                                                                         "collective_timeout = 150"))
+    _run(command, tmp_path)
+    assert (tmp_path / "out" / "power_spectrum.txt").exists()

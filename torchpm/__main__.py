@@ -118,16 +118,17 @@ def build_simulation(config: dict):
     return simulation.to(device)
 
 
-_SNAPSHOT_FILE = re.compile(r"^snap_\d{3,}(_member\d+)?(\.\d+)?\.hdf5$")
+_SNAPSHOT_FILE = re.compile(r"^snap_(?P<index>\d{3,})(_member\d+)?(\.\d+)?\.hdf5$")
 
 
-def prepare_output(folder: str, overwrite: bool, keep_snapshots: bool = False) -> None:
+def prepare_output(folder: str, overwrite: bool, keep: frozenset = frozenset()) -> None:
     """Create ``folder``, prove it writable, and refuse to replace outputs without ``overwrite``.
 
     With ``overwrite`` the previous run's snapshots are removed (a snapshot this run does
     not write would otherwise stay beside this run's outputs, and ``--resume`` from it
-    would continue the other run), unless ``keep_snapshots``: a resumed run continues
-    the history those snapshots hold (its ``--resume`` checked that they are its own)."""
+    would continue the other run), except those numbered in ``keep``: the history up to
+    the snapshot a run resumes from in this folder, which it does not rewrite (its
+    ``--resume`` checked that the snapshot is of this run)."""
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise UserError(f"output {folder!r} exists and is not a folder")
     try:
@@ -148,9 +149,10 @@ def prepare_output(folder: str, overwrite: bool, keep_snapshots: bool = False) -
             f"output folder {folder!r} already holds outputs ({shown}); choose another folder "
             "(--output) or pass --overwrite to replace them"
         )
-    if overwrite and not keep_snapshots:
+    if overwrite:
         for name in snapshots:
-            if _SNAPSHOT_FILE.match(name):
+            match = _SNAPSHOT_FILE.match(name)
+            if match and int(match["index"]) not in keep:
                 try:
                     os.remove(os.path.join(folder, name))
                 except OSError as error:
@@ -271,9 +273,20 @@ _HISTORY = ("seed", "a_start", "lpt_order", "lpt_normalisation", "power_spectrum
 def _check_history(written: dict, config: dict) -> None:
     """ValueError naming each of :data:`_HISTORY` in which the run that wrote a snapshot
     (its stored config ``written``) differs from ``config``: resuming it would continue
-    another run under this one's name."""
-    differences = [f"{key} {written[key]!r} (this configuration: {config[key]!r})"
-                   for key in _HISTORY if key in written and written[key] != config[key]]
+    another run under this one's name. A power spectrum is compared by its built-in
+    name; a table file is not compared (a path may name one table in two ways)."""
+    from .cosmology import _BUILTIN_POWER, builtin_power_name
+
+    def differs(key):
+        if key not in written:
+            return False
+        if key == "power_spectrum":
+            names = [builtin_power_name(value) if isinstance(value, str) else None
+                     for value in (written[key], config[key])]
+            return all(name in _BUILTIN_POWER.values() for name in names) and names[0] != names[1]
+        return written[key] != config[key]
+
+    differences = [f"{key} {written[key]!r} (this configuration: {config[key]!r})" for key in _HISTORY if differs(key)]
     if differences:
         raise ValueError("it was written by a run with " + ", ".join(differences)
                          + "; resume with the configuration of the run that wrote it")
@@ -298,6 +311,19 @@ def _resume_state(resume, batch, context, simulation, read_snapshot, restart_sta
         raise UserError(f"cannot resume from {resume!r}: {error}") from None
 
 
+def _kept_history(resume, output, snapshots, start_state) -> frozenset:
+    """The snapshot numbers an ``--overwrite`` run keeps in ``output``: when it resumes from a
+    snapshot in that folder, those at or before the resumed scale factor (its history, which
+    it does not rewrite); otherwise none."""
+    if resume is None or start_state is None:
+        return frozenset()
+    try:
+        same = os.path.samefile(os.path.dirname(os.path.abspath(resume)), output)
+    except OSError:
+        same = False
+    return frozenset(index for index, a in enumerate(snapshots) if same and a <= start_state.a)
+
+
 def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gather_blocks,
          read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot):
     import numpy as np
@@ -305,7 +331,10 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     main_rank = context.is_main
     # Every rank reads its own config: the ranks agree on every key before the run
     # (a rank with another seed would paint its block of another field).
-    agreed = [(f"`{key}`", repr(config[key])) for key in sorted(config)]
+    # (not the device, which the CLI sets per rank on CUDA, nor the rank's threads or its
+    # collective timeout)
+    agreed = [(f"`{key}`", repr(config[key])) for key in sorted(config)
+              if key not in ("device", "threads", "collective_timeout")]
     if context.device.type == "cuda":
         config = dict(config, device=str(context.device))
     simulation = build_simulation(config)
@@ -343,7 +372,7 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     problem = None
     if main_rank:
         try:
-            prepare_output(output, overwrite, keep_snapshots=resume is not None)
+            prepare_output(output, overwrite, _kept_history(resume, output, snapshots, start_state))
             with open(os.path.join(output, "config.toml"), "w", encoding="utf-8") as handle:
                 handle.write(to_toml(config))
         except UserError as error:
@@ -407,9 +436,11 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     n_particles = simulation.n_total
     cosmology = simulation.cosmology
     mesh = simulation.force_mesh
-    # Every member's spectrum (B, bins); the figure shows member 0's.
-    members = power_spectrum(density - 1.0, box, compensate_cic=True, n_particles=n_particles, mesh=mesh)
-    spectrum = members._replace(power=members.power[0])
+    # Every member's spectrum, one at a time (the transforms of the whole batch at once
+    # would raise the run's peak memory at its end); the figure shows member 0's.
+    spectra = [power_spectrum(density[member] - 1.0, box, compensate_cic=True, n_particles=n_particles, mesh=mesh)
+               for member in range(density.shape[0])]
+    spectrum = spectra[0]
     growth = cosmology.growth(state.a)
     linear = simulation.linear_power(spectrum.k) * growth.D1**2
     # Statistics of the whole mesh, and a slab a few cells thick for the figure (z is whole on every rank).
@@ -438,7 +469,8 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     )
     np.savetxt(
         table_path,
-        np.column_stack([spectrum.k.cpu(), *members.power.cpu(), spectrum.modes.cpu(), linear.detach().cpu()]),
+        np.column_stack([spectrum.k.cpu(), *(member.power.cpu() for member in spectra), spectrum.modes.cpu(),
+                         linear.detach().cpu()]),
         header=header,
         fmt=["%.6e"] * (1 + batch) + ["%d", "%.6e"],
     )
