@@ -280,11 +280,13 @@ def case_noise_agreement(grid, ctx):
     expect_error(lambda: sim.white_noise(batch=2 if ctx["odd"] else 1), ctx, "Simulation.white_noise", "`batch`")
     shape = sim.particle_shape
     own = torch.randn(1, *shape, generator=torch.Generator().manual_seed(ctx["rank"]), dtype=torch.float64)
-    expect_error(lambda: sim(own), ctx, "the whole `white_noise` each rank passed (CRC-32")
+    expect_error(lambda: sim(own), ctx, "the whole `white_noise` each rank passed (sums of its values")
+    expect_error(lambda: sim(own.to(torch.bfloat16)), ctx, "the whole `white_noise` each rank passed")
     same = torch.randn(1, *shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     whole_run = sim(same)
     block_run = sim(sim.particle_mesh.local_real_part(same))
     assert torch.equal(whole_run.positions, block_run.positions)
+    assert sim(same.to(torch.bfloat16)).positions.shape == whole_run.positions.shape  # (converted, as before)
 
 
 def case_run_agreement(grid, ctx):

@@ -913,6 +913,23 @@ def case_paint_layers(grid, ctx):
         for grad, expected_grad in zip(grads, expected_grads):
             assert_small(float((grad - expected_grad[:, owned]).abs().max()), float(expected_grad.abs().max()),
                          "paint gradient")
+    # A simulation state, as a user paints it: its empty slots (id -1) get no mass with ids=
+    import torchpm
+
+    sim = torchpm.Simulation(8, 32.0, steps=2, dtype=torch.float64, mesh=ctx["groups"][grid])
+    with torch.no_grad():
+        state = sim(sim.white_noise(seed=4), return_mesh_units=True)
+    empty = int(mesh.all_reduce((state.ids < 0).sum().reshape(1))[0])
+    assert empty > 0, "no rank holds empty slots: the case tests nothing"
+    state_layer = CICPaint(sim.mesh_shape, mesh=sim.force_mesh)
+    block = state_layer(state.positions, ids=state.ids)
+    assert float(sim.force_mesh.all_reduce(block.sum().reshape(1))[0]) == pytest.approx(512.0, rel=1e-12)
+    whole = sim.gather(state)
+    expected = sim.force_mesh.local_real_part(CICPaint(sim.mesh_shape)(whole.positions))
+    assert_small(float((block - expected).abs().max()), float(expected.abs().max()), "a state's painted block")
+    weights = global_random((1, state.ids.shape[1], 2), 39)
+    both = state_layer(state.positions, weights, ids=state.ids)
+    assert torch.equal(both, state_layer(state.positions, weights * (state.ids >= 0).unsqueeze(-1).double()))
     serial_readout, layer = CICReadout(), CICReadout(mesh=mesh)
     for field in (global_random((2, *shape), 35), global_random((2, 3, *shape), 36)):
         global_inputs = [field.clone().requires_grad_(), positions.clone().requires_grad_()]

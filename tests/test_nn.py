@@ -187,6 +187,13 @@ def test_cic_layers(dtype, device):
     assert torch.equal(CICReadout(mesh=local)(mesh, positions), readout(mesh, positions))
     with pytest.raises(ValueError, match=r"CICPaint: `mesh` has the global shape \(6, 6, 6\) but `shape` is \(6, 6, 7\)"):
         CICPaint((6, 6, 7), mesh=local)
+    # ids=: the slots of id -1 get no mass (a state's empty slots)
+    ids = torch.arange(50, device=device).expand(2, -1).clone()
+    ids[:, ::3] = -1
+    keep = ids[0] >= 0
+    torch.testing.assert_close(paint(positions, weights, ids=ids), paint(positions[:, keep], weights[:, keep]))
+    with pytest.raises(ValueError, match=r"CICPaint: `ids` must be a \(B, N\) = \(2, 50\) tensor"):
+        paint(positions, ids=ids[:, :7])
     for make in (lambda: CICPaint(6, mesh=(6, 6, 6)), lambda: CICReadout(mesh="cic")):
         with pytest.raises(TypeError, match="`mesh` must be"):
             make()

@@ -28,6 +28,7 @@ differentiable (every rank then holds the same result and computes the same loss
 from __future__ import annotations
 
 import math
+import os
 import warnings
 import numbers
 from typing import NamedTuple, Sequence
@@ -222,7 +223,7 @@ def cross_power(
     a, single = _fields(field_a, "field_a")
     b, _ = _fields(field_b, "field_b")
     if mesh is None:
-        _warn_if_block(a.shape[-3:], box_size, "cross_power")
+        _warn_if_block(a.shape[-3:], box_size, "torchpm.analysis")
     mesh = mesh or LocalMesh(a.shape[-3:])
     a_k = mesh.rfftn(a.to(torch.float64))
     b_k = a_k if field_b is field_a else mesh.rfftn(b.to(torch.float64))
@@ -248,8 +249,19 @@ def _warn_if_block(shape, box_size, function: str) -> None:
             f"{function}: a {tuple(shape)} field in a cubic {box_size} Mpc/h box has cells of sizes {cells} Mpc/h "
             f"under torch.distributed with {dist.get_world_size()} ranks: if it is this rank's block of a process "
             "grid, pass mesh=sim.force_mesh (without it the result is of the block alone)",
-            stacklevel=3,
+            stacklevel=_outside_torchpm(),
         )
+
+
+def _outside_torchpm() -> int:
+    """The ``stacklevel`` of the first caller outside the torchpm package (the user's line)."""
+    import inspect
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    level, frame = 1, inspect.currentframe().f_back
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def power_spectrum(

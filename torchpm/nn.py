@@ -94,13 +94,17 @@ class CICPaint(nn.Module):
             particles are) and gets its block ``(B, *mesh.local_real_shape)`` of the
             global painted mesh (:meth:`~torchpm.distributed.PencilDecomposition.paint`:
             the stencil's halo is added into the neighbours; collective, every rank calls
-            it). A particle this rank does not own, or a non-finite one, raises on every
-            rank. Differentiable: each rank's particles receive their gradient from the
-            blocks' cotangents of every rank.
+            it, and builds the layer: construction checks that the ranks agree on
+            ``shape``). A particle this rank does not own, or a non-finite one, raises on
+            every rank. Differentiable: each rank's particles receive their gradient from
+            the blocks' cotangents of every rank.
 
-    ``forward(positions, weights=None)``: positions ``(B, N, 3)`` in mesh-cell units,
-    weights ``(B, N)`` / ``(B, N, C)`` or None (unit mass); returns ``(B, nx, ny, nz)``
-    (or ``(B, C, nx, ny, nz)``), this rank's block of it on a grid.
+    ``forward(positions, weights=None, ids=None)``: positions ``(B, N, 3)`` in mesh-cell
+    units (a state's from ``return_mesh_units=True``, or its Mpc/h positions divided by the
+    cell size), weights ``(B, N)`` / ``(B, N, C)`` or None (unit mass), ``ids`` ``(B, N)``
+    or None: slots with id -1 (the empty slots a state holds on a grid) get no mass.
+    Returns ``(B, nx, ny, nz)`` (or ``(B, C, nx, ny, nz)``), this rank's block of it on a
+    grid.
     """
 
     def __init__(self, shape: int | Sequence[int], *, mesh: PencilDecomposition | None = None):
@@ -108,7 +112,14 @@ class CICPaint(nn.Module):
         self.shape = as_shape(shape, "shape")
         self._mesh = _layer_mesh("CICPaint", mesh, self.shape)
 
-    def forward(self, positions: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, weights: torch.Tensor | None = None,
+                ids: torch.Tensor | None = None) -> torch.Tensor:
+        if ids is not None:
+            if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != tuple(positions.shape[:2]):
+                raise ValueError(f"CICPaint: `ids` must be a (B, N) = {tuple(positions.shape[:2])} tensor, got "
+                                 f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+            mass = (ids >= 0).to(positions.dtype)
+            weights = mass if weights is None else weights * (mass if weights.dim() == 2 else mass.unsqueeze(-1))
         if self._mesh is not None:
             return self._mesh.paint(positions, weights, order="cic")
         return cic_paint(positions, weights, self.shape, periodic=True)
