@@ -90,7 +90,7 @@ cpp: deps
 # The C++ check (tests/test_cpp.py) is part of the pytest run: it builds with
 # CMake as `make cpp` does, or prints why it was skipped (no cmake or compiler).
 test: build test-deps cuda-check
-	$(PYTHON) -m pytest -ra
+	$(PYTHON) -m pytest -ra --durations=20
 
 bench: build
 	$(PYTHON) benchmarks/bench_mass_assignment.py
