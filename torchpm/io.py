@@ -267,7 +267,14 @@ def write_snapshot(
         error = exc
     if together:
         refused = _world_control(torch.tensor([0 if error is None else 1], dtype=torch.int64))
-        dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+        try:
+            dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+        except RuntimeError as failure:  # most often the timeout: a rank that never called it
+            raise type(failure)(
+                f"write_snapshot {path!r}: under torch.distributed the call is collective (each rank writes its "
+                "file of the set), and the ranks' first exchange failed: did every rank call it? To write a whole "
+                f"state from one rank, pass file_index=0, num_files=1. ({failure})"
+            ) from failure
         if error is not None:
             raise error
         if int(refused.item()):
