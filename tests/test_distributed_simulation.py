@@ -10,6 +10,7 @@ bounds computed here with numpy.array_split, independently of torchpm's layout c
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import numpy as np
@@ -43,6 +44,8 @@ def case_ids(world_size):
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
                     f"whole_state_refused-{grid}", f"adjoint_explicit_cosmology-{grid}"]
+    if world_size == 3:
+        ids.append("subgrid_snapshot-2x1")  # a 2-rank grid inside the 3-rank world
     if world_size > 1:
         ids.append(f"failfast-{GRIDS[world_size][0][0]}x{GRIDS[world_size][0][1]}")  # last: breaks its groups
     return ids
@@ -960,6 +963,42 @@ def case_paint_layers(grid, ctx):
             assert "rank 0" in str(error), str(error)
         else:
             raise AssertionError("rank 0's particles it does not own did not raise on every rank")
+
+
+def case_subgrid_snapshot(grid, ctx):
+    """A grid on a part of the world (as with one grid per data-parallel replica): its
+    snapshot is a set of the grid's files, written by the grid's ranks alone (it was a set of
+    the world's size, with the particle total all-reduced over the world: refused, or waiting
+    for ranks that never call it), and it reads back as the gathered state."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    import torchpm
+    from torchpm.io import read_snapshot, write_snapshot
+
+    folder = [tempfile.mkdtemp(prefix="torchpm-subgrid-") if ctx["rank"] == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    members = [0, 1]
+    pair = dist.new_group(members)  # every rank of the world makes it; ranks 0 and 1 use it
+    if ctx["rank"] in members:
+        sim = torchpm.Simulation(**dict(CONFIG, steps=2), mesh=(pair, None))
+        with torch.no_grad():
+            state = sim(sim.white_noise(seed=6), return_mesh_units=True)
+        path = os.path.join(folder[0], "snap.hdf5")
+        written = write_snapshot(path, state, sim, mesh_units=True)
+        assert written == os.path.join(folder[0], f"snap.{ctx['rank']}.hdf5"), written
+        dist.barrier(group=pair)
+        snapshot = read_snapshot(path)
+        assert len(snapshot.files) == 2 and snapshot.total == sim.n_total, (snapshot.files, snapshot.total)
+        whole = sim.gather(state)
+        order = torch.argsort(snapshot.ids)
+        assert torch.equal(snapshot.mesh_positions[order], whole.positions[0])
+    dist.barrier()
+    if ctx["rank"] == 0:
+        import shutil
+
+        shutil.rmtree(folder[0], ignore_errors=True)
 
 
 def case_disagreement(grid, ctx):

@@ -216,12 +216,15 @@ def write_snapshot(
         config: the run's configuration, stored as TOML (default: :func:`simulation_config`).
         file_index, num_files: this file's place in a multi-file snapshot (default:
             the rank and world size of an initialised ``torch.distributed``, else 0 and 1).
-            With that default on several ranks the call is collective: every rank
-            calls it with its own particles (a rank calling alone waits for the others
-            until the process group's timeout). To write a whole state from one rank
-            (e.g. ``sim.gather(state)`` on rank 0), pass ``file_index=0, num_files=1``.
-        num_part_total: particles in all files (default: all-reduced over the ranks,
-            or this file's count for a single file).
+            A simulation on a process grid takes its grid's rank and size instead (the
+            grid may be a part of the world, e.g. one grid per data-parallel replica:
+            each replica writes its own set). With these defaults on several ranks the
+            call is collective over them: every rank calls it with its own particles (a
+            rank calling alone waits for the others until the process group's timeout).
+            To write a whole state from one rank (e.g. ``sim.gather(state)`` on rank 0),
+            pass ``file_index=0, num_files=1``.
+        num_part_total: particles in all files (default: all-reduced over the ranks
+            (the grid's, or the world's), or this file's count for a single file).
         overwrite: replace an existing file (default: refuse).
         chunk_size: particles copied to the host at a time.
 
@@ -232,11 +235,28 @@ def write_snapshot(
     from .simulation import SimulationState
 
     dist = _distributed()
+    # A simulation on a process grid writes over its grid (which may be a part of the world:
+    # a grid per data-parallel replica); otherwise over the world, as before.
+    mesh = getattr(sim, "force_mesh", None)
+    grid = None if mesh is None or mesh.is_local else mesh.grid
     if num_files is None and file_index is None:
-        file_index, num_files = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+        if grid is not None:
+            file_index, num_files = grid.rank, grid.size
+        else:
+            file_index, num_files = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+
+    def reduce(tensor, op):
+        """``tensor`` (int64, on the CPU) reduced over the grid, or else the world."""
+        if grid is not None:
+            return grid.all_reduce(tensor, op).cpu()
+        tensor = _world_control(tensor)
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                                    "min": dist.ReduceOp.MIN}[op])
+        return tensor.cpu()
+
     # A multi-file set is written by every rank together: one rank's bad argument
     # makes every rank raise (instead of the others waiting in the collectives below).
-    together = dist is not None and isinstance(num_files, int) and num_files > 1
+    together = (grid is not None or dist is not None) and isinstance(num_files, int) and num_files > 1
     error = None
     try:
         if not isinstance(state, SimulationState):
@@ -266,9 +286,8 @@ def write_snapshot(
             raise
         error = exc
     if together:
-        refused = _world_control(torch.tensor([0 if error is None else 1], dtype=torch.int64))
         try:
-            dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+            refused = reduce(torch.tensor([0 if error is None else 1], dtype=torch.int64), "max")
         except RuntimeError as failure:  # most often the timeout: a rank that never called it
             raise type(failure)(
                 f"write_snapshot {path!r}: under torch.distributed the call is collective (each rank writes its "
@@ -284,10 +303,8 @@ def write_snapshot(
     positions, momenta = positions[member], momenta[member]
     valid = int((ids >= 0).sum())
     if num_part_total is None:
-        if dist is not None and num_files > 1:
-            total = _world_control(torch.tensor([valid], dtype=torch.int64))
-            dist.all_reduce(total)
-            num_part_total = int(total.item())
+        if together:
+            num_part_total = int(reduce(torch.tensor([valid], dtype=torch.int64), "sum").item())
         elif num_files == 1:
             num_part_total = valid
         else:
@@ -427,9 +444,8 @@ def write_snapshot(
         failed = error
     # Every file of a set is renamed only when every rank wrote its own.
     ok = torch.tensor([0 if failed else 1], dtype=torch.int64)
-    if dist is not None and num_files > 1:
-        ok = _world_control(ok)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if together:
+        ok = reduce(ok, "min")
     if failed is not None or int(ok.item()) == 0:
         try:
             os.remove(temporary)
