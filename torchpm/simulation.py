@@ -100,6 +100,9 @@ def _resolve_groups(grid, mesh):
             f"`grid` {(p0, p1)} needs {p0 * p1} ranks but the world size is {world}"
             + ("" if world > 1 else " (torch.distributed is not initialised: launch with torchrun and call "
                "torch.distributed.init_process_group first)")
+            + ("; for a grid on a part of the world (e.g. one per data-parallel replica) pass `mesh=` instead: "
+               "a DeviceMesh dimension (init_device_mesh(..., mesh_dim_names=('dp', 'sp'))['sp']) or a pair of "
+               "process groups" if world > p0 * p1 else "")
         )
     if p0 * p1 == 1:
         return (None, None)
