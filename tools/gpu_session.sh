@@ -63,11 +63,32 @@ build() {
         return 0
     fi
     local start=$SECONDS
+    # The system compiler when there is one: a library built there with the g++ first on
+    # PATH (/opt/gcc) turned every C++ exception into a segfault (exit 139), CPU tensors
+    # too (2026-11-27, an H200), while a library built on the development VM raised them.
+    if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
     TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16} $python setup.py build_ext --inplace \
         >"$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
-    echo "build: $((SECONDS - start)) s"
+    echo "build: $((SECONDS - start)) s (CXX=${CXX:-c++}: $(${CXX:-c++} --version | head -1))"
     $python -c "import torch, torchpm; print('torch', torch.__version__, torch.version.cuda, \
 torch.cuda.get_device_name(), 'cuda kernels', torchpm.has_cuda_kernels())" | tee "$out/device.txt"
+}
+
+# Does the library raise its errors (a C++ exception through the dispatcher), on the CPU
+# and on CUDA? A process that dies here (139: a segfault) makes every error test crash.
+raises() {
+    $python - <<'PY' 2>&1 | tail -3
+import torch, torchpm
+for device in ("cpu", "cuda"):
+    x = torch.full((1, 2, 3), float("nan"), dtype=torch.float64, device=device)
+    try:
+        torchpm.cic_paint(x, None, (4, 4, 4))
+        torchpm.check()
+        print(f"raises: {device}: NO ERROR for NaN positions")
+    except ValueError as error:
+        print(f"raises: {device}: ok ({str(error)[:60]}...)")
+PY
+    echo "raises: exit ${PIPESTATUS[0]} (139: C++ exceptions crash this library; rebuild with the system g++)"
 }
 
 oracle_free="--ignore=tests/test_against_jaxpm.py --ignore=tests/test_jaxpm_reference.py"
@@ -79,6 +100,7 @@ tests/test_paint_variants.py tests/test_deferred_checks.py tests/test_simulation
 case $phase in
 first)
     build
+    raises
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/device.txt"
     timeout 90 $python -m pytest -q -ra -m cuda $parallel -p no:cacheprovider $never_run \
         tests/test_distributed_simulation.py::test_migration_holes_op_matches_its_pure_torch_twin_and_hand_cases \
@@ -104,6 +126,7 @@ first)
     ;;
 test)
     build
+    raises
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/device.txt"
     # All CUDA cases (about 4.5 minutes with 8 workers on an H100), then the C++ API
     # against the CUDA LibTorch.
@@ -115,6 +138,7 @@ test)
     ;;
 memcheck|racecheck)
     build
+    raises
     # With 4 workers memcheck got through about 95% of these in 170 s, racecheck about 55%.
     timeout 520 compute-sanitizer --tool $phase --error-exitcode 9 --print-limit 20 \
         $python -m pytest -q -x -m cuda ${parallel:+-n 4} -p no:cacheprovider tests/test_mass_assignment.py \
@@ -124,6 +148,7 @@ memcheck|racecheck)
     ;;
 bench)
     build
+    raises
     # The readouts of the interleaved force field the simulation reads (the layout phase
     # compares the planar one).
     timeout 120 $python benchmarks/bench_mass_assignment.py --device cuda --sizes 256 512 --repeats 10 \
@@ -139,11 +164,13 @@ bench)
     ;;
 determinism)
     build
+    raises
     timeout 400 $python benchmarks/bench_mass_assignment.py --deterministic --device cuda --sizes 256 512 \
         --orders cic tsc --layouts lattice late uniform --repeats 5 2>&1 | tee "$out/bench_deterministic.log"
     ;;
 tiled)
     build
+    raises
     timeout 300 $python benchmarks/bench_mass_assignment.py --tiled --device cuda --sizes 256 512 \
         --orders cic tsc --layouts uniform lattice late late-sorted --repeats 5 2>&1 | tee "$out/bench_tiled.log"
     # the step with the scatter paint only (the bench phase runs the default, "auto")
@@ -152,6 +179,7 @@ tiled)
     ;;
 layout)
     build
+    raises
     timeout 400 $python benchmarks/bench_mass_assignment.py --device cuda --sizes 256 512 --orders cic tsc \
         --layouts lattice late uniform --mesh-layouts planar interleaved --repeats 5 \
         2>&1 | tee "$out/bench_layout.log"
