@@ -335,3 +335,28 @@ def test_double_and_float_convert_the_simulation_like_any_module():
     assert "float16" in repr(converted)
     with pytest.raises(ValueError, match=r"float32 or float64.*float16.*\.float\(\) or \.double\(\)"):
         converted(noise)
+
+
+def test_a_mesh_units_state_is_read_in_its_units(tmp_path):
+    """What ``return_mesh_units=True`` returns is a MeshUnitsState, and density, resume,
+    gather and write_snapshot read it in cells (density took its positions for Mpc/h and
+    left 96% of the cells empty; write_snapshot without mesh_units=True wrote cells as
+    Mpc/h), giving what the Mpc/h state gives."""
+    from torchpm.io import read_snapshot, restart_state, write_snapshot
+
+    sim = _tiny(n_particles=6, box_size=60.0, mesh_factor=2, steps=[0.5, 1.0])
+    noise = sim.white_noise(seed=3)
+    cells, physical = sim(noise, return_mesh_units=True), sim(noise)
+    assert isinstance(cells, torchpm.MeshUnitsState) and not isinstance(physical, torchpm.MeshUnitsState)
+    assert sim.cell_size != (1.0, 1.0, 1.0)
+    torch.testing.assert_close(sim.density(cells), sim.density(physical), rtol=1e-12, atol=1e-12)
+    middle = sim(noise, until=0.5, return_mesh_units=True)
+    assert torch.equal(sim.resume(middle).positions, sim.resume(middle, mesh_units=True).positions)
+    assert isinstance(sim.gather(middle), torchpm.MeshUnitsState)
+    write_snapshot(str(tmp_path / "typed.hdf5"), middle, sim)
+    write_snapshot(str(tmp_path / "flagged.hdf5"), middle, sim, mesh_units=True)
+    typed, flagged = read_snapshot(str(tmp_path / "typed.hdf5")), read_snapshot(str(tmp_path / "flagged.hdf5"))
+    assert torch.equal(typed.positions, flagged.positions) and torch.equal(typed.mesh_positions, flagged.mesh_positions)
+    restored = restart_state(typed, sim)
+    assert isinstance(restored, torchpm.MeshUnitsState)
+    assert torch.equal(sim.resume(restored).positions, sim(noise).positions)

@@ -27,7 +27,7 @@ from . import adjoint, analysis, cosmology, distributed, fourier, ic, mesh, nn, 
 from . import config, io, resources  # noqa: E402  (io imports h5py only when used)
 from .cosmology import Cosmology, Planck15, Planck18, PowerTable, linear_power  # noqa: E402
 from .mesh import LocalMesh  # noqa: E402
-from .simulation import Simulation, SimulationState  # noqa: E402
+from .simulation import MeshUnitsState, Simulation, SimulationState  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -78,4 +78,5 @@ __all__ = [
     "LocalMesh",
     "Simulation",
     "SimulationState",
+    "MeshUnitsState",
 ]

@@ -184,7 +184,6 @@ def stack_members(states, padding_position):
     ``a``): members holding fewer slots are padded with empty slots (id -1, zero
     momentum, next to their neighbours as a migration leaves them)."""
     from .io import _in_slots
-    from .simulation import SimulationState
 
     if len({float(state.a) for state in states}) != 1:
         raise ValueError("the members' snapshots are at different scale factors: "
@@ -193,7 +192,7 @@ def stack_members(states, padding_position):
     members = [_in_slots(state.positions[0], state.momenta[0], state.ids[0],
                         torch.arange(state.ids.shape[1]), count, padding_position) for state in states]
     positions, momenta, ids = (torch.stack(parts) for parts in zip(*members))
-    return SimulationState(positions, momenta, states[0].a, ids)
+    return type(states[0])(positions, momenta, states[0].a, ids)
 
 
 def _read_for_resume(path, context, read_snapshot):

@@ -206,8 +206,9 @@ def write_snapshot(
     Args:
         path: ``.../snap_005.hdf5``; a multi-file snapshot writes ``.../snap_005.<i>.hdf5``.
         state: a :class:`torchpm.SimulationState` in Mpc/h, or in force-mesh units
-            with ``mesh_units=True`` (as returned with ``return_mesh_units=True``;
-            only then does the snapshot hold the exact bits a restart needs).
+            with ``mesh_units=True`` or as a :class:`torchpm.MeshUnitsState` (as
+            returned with ``return_mesh_units=True``; only then does the snapshot hold
+            the exact bits a restart needs).
             ``(B, N, 3)`` positions and momenta; ``ids`` ``(B, N)`` (default: the
             Lagrangian order ``0 .. N-1``, valid on a single device); ``-1`` ids are skipped.
         sim: the :class:`torchpm.Simulation` that produced ``state``.
@@ -232,8 +233,9 @@ def write_snapshot(
         The name of the file written.
     """
     h5py = _h5py()
-    from .simulation import SimulationState
+    from .simulation import MeshUnitsState, SimulationState
 
+    mesh_units = bool(mesh_units) or isinstance(state, MeshUnitsState)
     dist = _distributed()
     # A simulation on a process grid writes over its grid (which may be a part of the world:
     # a grid per data-parallel replica); otherwise over the world, as before.
@@ -739,7 +741,7 @@ def check_restart(snapshot: Snapshot, sim) -> None:
 def restart_state(snapshot: Snapshot, sim):
     """The snapshot's particles in force-mesh units, in the order the file holds them (the
     run's own order, which a bit-exact restart needs), as a batch-of-1
-    :class:`torchpm.SimulationState` for ``sim.resume(state, mesh_units=True)``. From one
+    :class:`torchpm.MeshUnitsState` for ``sim.resume(state)``. From one
     whole file that records its slot layout (``mesh_slots``: a rank's own file of a
     process grid), every particle goes back to its slot among the rank's empty ones,
     since the run's later migrations fill empty slots in order.
@@ -749,7 +751,7 @@ def restart_state(snapshot: Snapshot, sim):
     ``share=(rank, world)``, for a process grid whose ``resume`` sends the particles to
     their owners) must hold ids in ``[0, N)`` without repeats.
     """
-    from .simulation import SimulationState
+    from .simulation import MeshUnitsState
 
     check_restart(snapshot, sim)
     ids = snapshot.ids
@@ -788,7 +790,7 @@ def restart_state(snapshot: Snapshot, sim):
             raise ValueError(f"snapshot {snapshot.files[0]!r}: its slot layout (MeshSlots) is not "
                              f"{slots.numel()} distinct slots in [0, {count})")
         positions, momenta, ids = _in_slots(positions, momenta, ids, slots, count, sim.force_mesh.padding_position)
-    return SimulationState(positions[None], momenta[None], a, ids[None])
+    return MeshUnitsState(positions[None], momenta[None], a, ids[None])
 
 
 def _in_slots(positions, momenta, ids, slots, count: int, padding_position):

@@ -53,6 +53,15 @@ class SimulationState(NamedTuple):
     ids: torch.Tensor | None = None
 
 
+class MeshUnitsState(SimulationState):
+    """A :class:`SimulationState` whose positions and momenta are in force-mesh cells (the
+    integrator's own values: ``return_mesh_units=True``, :func:`torchpm.io.restart_state`).
+    ``density``, ``resume`` and ``write_snapshot`` read the units from the type, so such a
+    state is never taken for Mpc/h; ``sim.to_physical(*state[:3], state.ids)`` converts."""
+
+    __slots__ = ()
+
+
 def _resolve_groups(grid, mesh):
     """The ``(group_axis0, group_axis1)`` of a ``grid`` or ``mesh`` argument."""
     if grid is not None and mesh is not None:
@@ -624,7 +633,8 @@ class Simulation(nn.Module):
 
         Args:
             state: particles at ``state.a``; in Mpc/h, or in force-mesh cells with
-                ``mesh_units=True``. ``ids`` may be None on one device.
+                ``mesh_units=True`` or as a :class:`MeshUnitsState` (what
+                ``return_mesh_units=True`` returns). ``ids`` may be None on one device.
             until: final scale factor (one of :attr:`scale_factors`); default the last.
             callback: as in :meth:`forward`, called after each step with the global step number.
         """
@@ -650,7 +660,7 @@ class Simulation(nn.Module):
                                                         *self._run_values(getattr(state, "positions", None))],
                                   None if error is None else str(error))
         positions, momenta = state.positions, state.momenta
-        if not mesh_units:
+        if not (mesh_units or isinstance(state, MeshUnitsState)):
             cell = torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
             positions, momenta = positions / cell, momenta / cell
         positions = positions.to(dtype=self.dtype, device=self.device)
@@ -762,7 +772,7 @@ class Simulation(nn.Module):
 
     def _state(self, positions, momenta, ids, a, mesh_units) -> SimulationState:
         if mesh_units:
-            return SimulationState(positions, momenta, a, ids)
+            return MeshUnitsState(positions, momenta, a, ids)
         return self.to_physical(positions, momenta, a, ids)
 
     def lpt(self, delta: torch.Tensor, table=None):
@@ -1208,7 +1218,8 @@ class Simulation(nn.Module):
         """The CIC-painted density ``1 + delta`` (mean 1) on this rank's block of the force
         mesh, ``(B, *force_mesh.local_real_shape)`` (the whole mesh on one device).
 
-        Accepts a :class:`SimulationState` or positions ``(B, N, 3)`` in Mpc/h. On a
+        Accepts a :class:`SimulationState` (in force-mesh cells when it is a
+        :class:`MeshUnitsState`) or positions ``(B, N, 3)`` in Mpc/h. On a
         process grid the particles are first moved to the ranks owning them, so any
         distribution of particles over the ranks is accepted, up to the run's ``N`` per
         batch member (more is refused: a whole state given to every rank). A grid state
@@ -1234,8 +1245,9 @@ class Simulation(nn.Module):
         if ids is None:
             ids = torch.zeros(positions.shape[:2], dtype=torch.int64, device=positions.device)
         ids = ids.to(device=positions.device, dtype=torch.int64)
-        cell = torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
-        _, cells, ids = self.force_mesh.migrate(positions / cell, ids, capacity=self.particle_capacity)
+        if not isinstance(state, MeshUnitsState):  # (a MeshUnitsState is in cells already)
+            positions = positions / torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
+        _, cells, ids = self.force_mesh.migrate(positions, ids, capacity=self.particle_capacity)
         self._check_particles(ids, "density", exact=False)
         weights = (ids >= 0).to(cells.dtype) if bool((ids < 0).any()) else None
         return self.force_mesh.paint(cells, weights) * self.particle_mass
@@ -1277,7 +1289,7 @@ class Simulation(nn.Module):
             raise RuntimeError(
                 f"gather: the ranks do not hold every particle exactly once (expected ids 0..{self.n_total - 1})"
             )
-        return SimulationState(values[..., :3], values[..., 3:], state.a, ids)
+        return type(state)(values[..., :3], values[..., 3:], state.a, ids)
 
     def extra_repr(self) -> str:
         grid = self.force_mesh.grid_shape
