@@ -92,9 +92,24 @@ def process_grid_groups(
     cached = _GRID_GROUPS.get(key)
     if cached is not None and all(_alive(g) for g in cached):
         return cached
+    try:
+        group0, group1 = _new_grid_groups(p0, p1, rank, {"backend": backend, "timeout": timeout})
+    except RuntimeError as failure:  # most often the store's timeout: a rank that did not build it
+        raise type(failure)(
+            f"process_grid_groups: making the {p0} x {p1} grid's process groups failed: every rank of the world "
+            "must build the grid (Simulation(grid=...), process_grid_groups) at the same point, each group in "
+            f"the same order. ({failure})"
+        ) from failure
+    _GRID_GROUPS[key] = (group0, group1)
+    return group0, group1
+
+
+def _new_grid_groups(p0: int, p1: int, rank: int, kwargs: dict):
+    """The ``new_group`` calls of :func:`process_grid_groups` (every rank makes every group)."""
+    import torch.distributed as dist
+
     r0, r1 = divmod(rank, p1)
     group0 = group1 = None
-    kwargs = {"backend": backend, "timeout": timeout}
     if p0 > 1:
         for column in range(p1):
             g = dist.new_group([row * p1 + column for row in range(p0)], **kwargs)
@@ -105,7 +120,6 @@ def process_grid_groups(
             g = dist.new_group([row * p1 + column for column in range(p1)], **kwargs)
             if row == r0:
                 group1 = g
-    _GRID_GROUPS[key] = (group0, group1)
     return group0, group1
 
 
