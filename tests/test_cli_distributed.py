@@ -120,5 +120,11 @@ def test_torchrun_ranks_with_different_configs_stop_with_one_error(tmp_path):
     # on CUDA) may differ
     second.write_text(CONFIG.replace("threads = 1", "threads = 2").replace("collective_timeout = 120",
                                                                          "collective_timeout = 150"))
+    second.write_text(second.read_text() + "snapshots = [0.4]\n")
+    first.write_text(first.read_text() + "snapshots = [0.4]\n")
     _run(command, tmp_path)
     assert (tmp_path / "out" / "power_spectrum.txt").exists()
+    # the ranks' files (their configs differ in threads) read back as one set
+    from torchpm.io import read_snapshot
+
+    assert read_snapshot(str(tmp_path / "out" / "snap_000")).total == 12**3

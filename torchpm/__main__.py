@@ -332,8 +332,9 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     # (a rank with another seed would paint its block of another field).
     # (not the device, which the CLI sets per rank on CUDA, nor the rank's threads or its
     # collective timeout)
-    agreed = [(f"`{key}`", repr(config[key])) for key in sorted(config)
-              if key not in ("device", "threads", "collective_timeout")]
+    from .io import PER_RANK_SETTINGS
+
+    agreed = [(f"`{key}`", repr(config[key])) for key in sorted(config) if key not in PER_RANK_SETTINGS]
     if context.device.type == "cuda":
         config = dict(config, device=str(context.device))
     simulation = build_simulation(config)

@@ -573,10 +573,14 @@ def _resolve_files(path) -> list[str]:
     raise FileNotFoundError(f"no snapshot at {path!r} (looked for {base}.hdf5 and {base}.0.hdf5)")
 
 
+# Settings a rank of a run may hold on its own (the CLI's ranks agree on every other).
+PER_RANK_SETTINGS = ("device", "threads", "collective_timeout")
+
+
 def _check_one_run(path, files, tomllib) -> None:
     """ValueError when the files of a set were not written by one run at one moment: their
-    ``Time``, particle total or stored config differ (each rank's config may name its own
-    device). Every file's header is read, also when only one file's particles are."""
+    ``Time``, particle total or stored config differ (but for :data:`PER_RANK_SETTINGS`).
+    Every file's header is read, also when only one file's particles are."""
     marks = []
     for name in files:
         with _open(name) as handle:
@@ -584,7 +588,7 @@ def _check_one_run(path, files, tomllib) -> None:
             config_text = _python(handle["torchpm"].attrs.get("config", "")) if "torchpm" in handle else ""
             mark = {"a (Time)": _python(header.get("Time")), "NumPart_Total": _python(header.get("NumPart_Total"))}
             config = tomllib.loads(config_text) if config_text else {}
-            mark.update((f"config {key}", value) for key, value in config.items() if key != "device")
+            mark.update((f"config {key}", value) for key, value in config.items() if key not in PER_RANK_SETTINGS)
             marks.append(mark)
     for name, mark in zip(files[1:], marks[1:]):
         differing = [f"{key} {mark.get(key)!r} against {marks[0].get(key)!r}"
