@@ -177,15 +177,6 @@ def _distributed():
     return None
 
 
-def _world_control(tensor: torch.Tensor) -> torch.Tensor:
-    """A small CPU tensor where the world's group can reduce it (the GPU with NCCL alone)."""
-    import torch.distributed as dist
-
-    from .distributed.groups import _to_control
-
-    return _to_control(tensor, [dist.group.WORLD])
-
-
 def write_snapshot(
     path,
     state,
@@ -236,29 +227,21 @@ def write_snapshot(
     from .simulation import MeshUnitsState, SimulationState
 
     mesh_units = bool(mesh_units) or isinstance(state, MeshUnitsState)
-    dist = _distributed()
-    # A simulation on a process grid writes over its grid (which may be a part of the world:
-    # a grid per data-parallel replica); otherwise over the world, as before.
+    # The ranks that write a set together: a simulation's process grid (which may be a part
+    # of the world: a grid per data-parallel replica), else the world as a P x 1 grid.
     mesh = getattr(sim, "force_mesh", None)
     grid = None if mesh is None or mesh.is_local else mesh.grid
+    if grid is None and _distributed() is not None:
+        import torch.distributed as dist
+
+        from .distributed.groups import GridGroups
+
+        grid = GridGroups((dist.group.WORLD, None))
     if num_files is None and file_index is None:
-        if grid is not None:
-            file_index, num_files = grid.rank, grid.size
-        else:
-            file_index, num_files = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
-
-    def reduce(tensor, op):
-        """``tensor`` (int64, on the CPU) reduced over the grid, or else the world."""
-        if grid is not None:
-            return grid.all_reduce(tensor, op).cpu()
-        tensor = _world_control(tensor)
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                                    "min": dist.ReduceOp.MIN}[op])
-        return tensor.cpu()
-
+        file_index, num_files = (grid.rank, grid.size) if grid is not None else (0, 1)
     # A multi-file set is written by every rank together: one rank's bad argument
     # makes every rank raise (instead of the others waiting in the collectives below).
-    together = (grid is not None or dist is not None) and isinstance(num_files, int) and num_files > 1
+    together = grid is not None and isinstance(num_files, int) and num_files > 1
     error = None
     try:
         if not isinstance(state, SimulationState):
@@ -289,7 +272,7 @@ def write_snapshot(
         error = exc
     if together:
         try:
-            refused = reduce(torch.tensor([0 if error is None else 1], dtype=torch.int64), "max")
+            refused = grid.all_reduce(torch.tensor([0 if error is None else 1], dtype=torch.int64), "max").cpu()
         except RuntimeError as failure:  # most often the timeout: a rank that never called it
             raise type(failure)(
                 f"write_snapshot {path!r}: under torch.distributed the call is collective (each rank writes its "
@@ -306,7 +289,7 @@ def write_snapshot(
     valid = int((ids >= 0).sum())
     if num_part_total is None:
         if together:
-            num_part_total = int(reduce(torch.tensor([valid], dtype=torch.int64), "sum").item())
+            num_part_total = int(grid.all_reduce(torch.tensor([valid], dtype=torch.int64)).item())
         elif num_files == 1:
             num_part_total = valid
         else:
@@ -447,7 +430,7 @@ def write_snapshot(
     # Every file of a set is renamed only when every rank wrote its own.
     ok = torch.tensor([0 if failed else 1], dtype=torch.int64)
     if together:
-        ok = reduce(ok, "min")
+        ok = grid.all_reduce(ok, "min").cpu()
     if failed is not None or int(ok.item()) == 0:
         try:
             os.remove(temporary)
@@ -577,14 +560,16 @@ def _resolve_files(path) -> list[str]:
 PER_RANK_SETTINGS = ("device", "threads", "collective_timeout")
 
 
-def _check_one_run(path, files, tomllib) -> None:
-    """ValueError when the files of a set were not written by one run at one moment: their
-    ``Time``, particle total or stored config differ (but for :data:`PER_RANK_SETTINGS`).
-    Every file's header is read, also when only one file's particles are."""
-    marks = []
+def _file_counts(path, files, tomllib) -> list[int]:
+    """The particle count of each file of a set, read from every file's header, which also
+    shows whether the set was written by one run at one moment: a ValueError when their
+    ``Time``, particle total or stored config differ (but for :data:`PER_RANK_SETTINGS`),
+    also when only one file's particles are to be read."""
+    marks, counts = [], []
     for name in files:
         with _open(name) as handle:
             header = handle["Header"].attrs
+            counts.append(int(_python(header["NumPart_ThisFile"])[1]))
             config_text = _python(handle["torchpm"].attrs.get("config", "")) if "torchpm" in handle else ""
             mark = {"a (Time)": _python(header.get("Time")), "NumPart_Total": _python(header.get("NumPart_Total"))}
             config = tomllib.loads(config_text) if config_text else {}
@@ -598,6 +583,7 @@ def _check_one_run(path, files, tomllib) -> None:
                 f"snapshot {path!r}: its file {name!r} was written by another run or at another time than "
                 f"{files[0]!r} ({'; '.join(differing)}): a set mixing two runs' files cannot be read"
             )
+    return counts
 
 
 def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int | None = None) -> Snapshot:
@@ -619,15 +605,11 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
     except ImportError:  # Python 3.10
         import tomli as tomllib
     files = _resolve_files(path)
-    _check_one_run(path, files, tomllib)
+    counts = _file_counts(path, files, tomllib)
     if file_index is not None:
         if isinstance(file_index, bool) or not isinstance(file_index, int) or not 0 <= file_index < len(files):
             raise ValueError(f"`file_index` must be an int in [0, {len(files)}) for {path!r}, got {file_index!r}")
-        files = [files[file_index]]
-    counts = []
-    for name in files:
-        with _open(name) as handle:
-            counts.append(int(_python(handle["Header"].attrs["NumPart_ThisFile"])[1]))
+        files, counts = [files[file_index]], [counts[file_index]]
     total = sum(counts)
     if share is not None and file_index is not None:
         raise ValueError("pass at most one of `share` and `file_index`")

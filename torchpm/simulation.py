@@ -480,15 +480,13 @@ class Simulation(nn.Module):
         elif not bool(torch.isfinite(field).all()):
             bad = int((~torch.isfinite(field)).sum())
             error = f"`{name}` contains {bad} NaN or infinite values; expected finite numbers"
-        if mesh.is_local:
-            mesh.raise_together(error, operation="Simulation.check_field")
-        else:
-            # A whole field given on every rank must be the same field: each rank takes its
-            # block of it (a rank with its own unseeded draw would paint a block of another).
-            whole = error is None and tuple(field.shape[-3:]) != local
-            mesh.agree("Simulation.check_field", [(
-                f"the whole `{name}` each rank passed (sums of its values; pass the same field, or each rank's block)",
-                _field_checksum(field) if whole else "this rank's block")], error)
+        # A whole field given on every rank must be the same field: each rank takes its
+        # block of it (a rank with its own unseeded draw would paint a block of another).
+        # (On one device the block is the whole: nothing to compare, only the error.)
+        whole = error is None and tuple(field.shape[-3:]) != local
+        mesh.agree("Simulation.check_field", [(
+            f"the whole `{name}` each rank passed (sums of its values; pass the same field, or each rank's block)",
+            _field_checksum(field) if whole else "this rank's block")], error)
         if field.dim() == 3:
             field = field.unsqueeze(0)
         if tuple(field.shape[-3:]) != local:
