@@ -43,7 +43,7 @@ def case_ids(world_size):
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}"]
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
-                    f"whole_state_refused-{grid}", f"adjoint_explicit_cosmology-{grid}"]
+                    f"whole_state_refused-{grid}", f"adjoint_explicit_cosmology-{grid}", f"compiled-{grid}"]
     if world_size == 3:
         ids.append("subgrid_snapshot-2x1")  # a 2-rank grid inside the 3-rank world
     if world_size > 1:
@@ -879,6 +879,44 @@ def case_power_layer(grid, ctx):
         assert "`field`" in str(error) and "rank 0" in str(error), str(error)
     else:
         raise AssertionError("rank 0's whole field (not its block) did not raise on every rank")
+
+
+def case_compiled(grid, ctx):
+    """torch.compile on a grid: a compiled loss through the simulation and the mesh= layers
+    runs their collectives eagerly between its graphs and gives eager's value and gradient
+    (with graphs compiled around them); fullgraph=True refuses a collective, naming the
+    process groups."""
+    import torchpm
+    from torch._dynamo.utils import counters
+    from torchpm.nn import CICPaint, CICReadout, PowerSpectrum
+
+    sim = torchpm.Simulation(8, 32.0, steps=2, dtype=torch.float64, mesh=ctx["groups"][grid])
+    mesh = sim.force_mesh
+    power = PowerSpectrum(mesh.global_shape, 32.0, dtype=torch.float64, mesh=mesh)
+    paint, readout = CICPaint(sim.mesh_shape, mesh=mesh), CICReadout(mesh=mesh)
+
+    def loss(noise):
+        state = sim(noise, return_mesh_units=True)
+        density = paint(state.positions, ids=state.ids)
+        values = readout(density, state.positions) * (state.ids >= 0)
+        return power(density - 1).log().sum() + values.pow(2).sum()
+
+    noise = sim.white_noise(seed=3).requires_grad_()
+    expected = loss(noise)
+    expected_grad, = torch.autograd.grad(expected, noise)
+    torch._dynamo.reset()
+    counters.clear()
+    value = torch.compile(loss)(noise)
+    grad, = torch.autograd.grad(value, noise)
+    assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
+    assert_small(abs(value.item() - expected.item()), abs(expected.item()), "compiled loss")
+    assert_small(float((grad - expected_grad).abs().max()), float(expected_grad.abs().max()), "compiled gradient")
+    try:
+        torch.compile(power, fullgraph=True)(torch.ones(1, *mesh.local_real_shape, dtype=torch.float64))
+    except Exception as error:  # torch's own exception type for a refused call
+        assert "process groups" in str(error) and "fullgraph" in str(error), str(error)
+    else:
+        raise AssertionError("fullgraph=True traced a collective")
 
 
 def case_paint_layers(grid, ctx):

@@ -22,7 +22,7 @@ from .ic import (
     white_noise as make_white_noise,
 )
 from .distributed.decomposition import PencilDecomposition
-from .distributed.groups import unsummed_leaves
+from .distributed.groups import eager, unsummed_leaves
 from .distributed.layout import balanced_grid
 from .mesh import LocalMesh
 from .fourier import FourierKernels
@@ -1332,6 +1332,7 @@ def _gather_error(state) -> str | None:
     return None
 
 
+@eager
 def _all_gather_rows(tensor: torch.Tensor, mesh) -> torch.Tensor:
     """Concatenate every rank's ``(B, n, ...)`` along dim 1 (same ``n`` everywhere), on every rank."""
     import torch.distributed as dist

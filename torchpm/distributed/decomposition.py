@@ -37,7 +37,7 @@ from ..ops._arguments import order_number as _order_number
 from . import fft as _fft
 from . import halo as _halo
 from . import particles as _particles
-from .groups import GridGroups, agreement_checks, process_grid_groups
+from .groups import GridGroups, agreement_checks, eager, process_grid_groups
 from .layout import BlockLayout, split_sizes
 
 __all__ = ["PencilDecomposition", "split_sizes", "process_grid_groups"]
@@ -215,6 +215,7 @@ class PencilDecomposition:
 
     # --------------------------------------------------------------- transforms
 
+    @eager
     def rfftn(self, field: torch.Tensor) -> torch.Tensor:
         """Distributed forward real-to-complex 3-D DFT, unnormalised.
 
@@ -231,6 +232,7 @@ class PencilDecomposition:
         self._checked_collective("rfftn", check, field, "field")
         return _fft.rfftn(field, self.layout, self._axes, self._staged)
 
+    @eager
     def irfftn(self, field_k: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`rfftn` (``1/N`` normalised, ``N = nx ny nz``).
 
@@ -246,6 +248,7 @@ class PencilDecomposition:
         self._checked_collective("irfftn", check, field_k, "field_k")
         return _fft.irfftn(field_k, self.layout, self._axes, self._staged)
 
+    @eager
     def transpose(self, t: torch.Tensor, axis: int, inverse: bool = False) -> torch.Tensor:
         """One transpose step of the FFT, exposed for tests and custom pipelines.
 
@@ -304,6 +307,7 @@ class PencilDecomposition:
         lx, ly, _ = self.local_real_shape
         return field[..., lo_x : lo_x + lx, lo_y : lo_y + ly, :]
 
+    @eager
     def fill_halo(self, field: torch.Tensor, width) -> torch.Tensor:
         """Periodic halo fill along x and y: copy the neighbours' edge planes into my halo.
 
@@ -320,6 +324,7 @@ class PencilDecomposition:
         widths = self._checked_halo("fill_halo", field, width)
         return _halo.fill_halo(field, widths, self._axes)
 
+    @eager
     def add_halo(self, field: torch.Tensor, width) -> torch.Tensor:
         """Periodic halo add along x and y: add my halo into the neighbours' edge planes.
 
@@ -361,6 +366,7 @@ class PencilDecomposition:
             raise ValueError(f"PencilDecomposition.{method}: expected `field` of shape (B, "
                              f"*{self.local_real_shape}), got {tuple(field.shape)}")
 
+    @eager
     def fd4_gradient(self, field: torch.Tensor, scale, *, halo_for: str | None = None) -> torch.Tensor:
         """``(B, 3, *local_real_shape)``: channel ``i`` is ``scale[i] * D_i field``, ``D`` the
         4-point finite difference of the global periodic mesh in nodes
@@ -405,6 +411,7 @@ class PencilDecomposition:
             gradient = self.with_stencil_halo(gradient, halo_for)
         return gradient
 
+    @eager
     def fd4_gradient_transpose(self, grad: torch.Tensor, scale) -> torch.Tensor:
         """The transpose of :meth:`fd4_gradient` (same ``scale``): ``(B, 3,
         *local_real_shape)`` to ``(B, *local_real_shape)``, ``-sum_i scale[i] D_i grad[:, i]``.
@@ -563,6 +570,7 @@ class PencilDecomposition:
                 periodic[axis] = False
         return widths, shape, offset, periodic
 
+    @eager
     def paint(self, positions: torch.Tensor, weights: torch.Tensor | None = None, *, order: str = "cic") -> torch.Tensor:
         """Paint ``(B, N, 3)`` particles (global mesh-cell units) onto the local block.
 
@@ -594,6 +602,7 @@ class PencilDecomposition:
         widths, block = painted[0]
         return self.strip_halo(_halo.add_halo(block, widths, self._axes, inplace=True), widths)
 
+    @eager
     def readout(self, field: torch.Tensor, positions: torch.Tensor, *, order: str = "cic",
                 haloed: bool = False) -> torch.Tensor:
         """Read the local block ``(B, [C,] *local_real_shape)`` at ``(B, N, 3)`` owned
@@ -630,6 +639,7 @@ class PencilDecomposition:
         self.raise_together(error, operation="PencilDecomposition.readout (after the halo fill)")
         return values
 
+    @eager
     def readout_kick_drift_(self, field: torch.Tensor, positions: torch.Tensor, momenta: torch.Tensor,
                             kicks: Sequence[float], drift: float | None = None, *, order: str = "cic") -> None:
         """The integrator's updates fused into :meth:`readout` (``haloed=True``) of the force
@@ -652,6 +662,7 @@ class PencilDecomposition:
                                                _order_number(order, "readout_kick_drift_"),
                                                [float(k) for k in kicks], None if drift is None else float(drift))
 
+    @eager
     def with_stencil_halo(self, field: torch.Tensor, order: str = "cic") -> torch.Tensor:
         """``field`` ``(..., *local_real_shape)`` padded with the halo a stencil of ``order``
         reaches (:meth:`stencil_halo`) and that halo filled from the neighbours: what
@@ -674,6 +685,7 @@ class PencilDecomposition:
         return [float(o) if self.grid_shape[axis] > 1 else 0.0
                 for axis, o in enumerate(self.local_real_offset[:2])] + [0.0]
 
+    @eager
     def migrate(self, positions: torch.Tensor, ids: torch.Tensor, *attributes: torch.Tensor,
                 capacity: int | None = None, destination: torch.Tensor | None = None, overwrite: bool = False,
                 overwrite_ids: bool = False):
@@ -737,6 +749,7 @@ class PencilDecomposition:
             self.check_conservation(before, ids)
         return (plan, positions, ids, *moved)
 
+    @eager
     def check_conservation(self, counts_before: torch.Tensor, ids: torch.Tensor) -> None:
         """Check a migration (debug mode and tests): the global number of particles of every
         batch member is unchanged and no id appears twice on this rank. Collective."""
@@ -756,16 +769,19 @@ class PencilDecomposition:
 
     # ------------------------------------------------------------ reductions
 
+    @eager
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce over every rank of the grid (``"sum"`` differentiable; ``"max"``, ``"min"``)."""
         return self.grid.all_reduce(tensor, op)
 
+    @eager
     def raise_together(self, error: str | BaseException | None, exception=ValueError,
                        operation: str = "a check raised together") -> None:
         """Raise ``exception`` on every rank when any rank has an ``error`` (collective;
         ``operation`` names the call when ranks are found in different ones)."""
         self.grid.raise_together(error, exception, operation=operation)
 
+    @eager
     def agree(self, operation: str, values, error: str | None = None) -> None:
         """Raise the same ValueError on every rank when any rank has an ``error`` or the ranks'
         ``values`` (``(name, value)`` pairs) differ: for callers about to run collectives

@@ -25,6 +25,16 @@ __all__ = ["process_grid_groups", "GridAxis", "GridGroups", "agreement_checks"]
 AGREEMENT_SLOTS = 16
 
 
+def eager(function):
+    """Run ``function`` outside ``torch.compile``'s graphs: it talks to process groups,
+    which Dynamo cannot trace, so a compiled function that calls it breaks its graph
+    there and runs it eagerly (with ``fullgraph=True`` torch refuses it). Autograd
+    records it as in eager mode."""
+    return torch.compiler.disable(function, reason=(
+        f"torchpm's {function.__qualname__} talks to process groups, which torch.compile cannot trace: "
+        "it runs eagerly between graphs, so compile without fullgraph=True"))
+
+
 def agreement_checks() -> bool:
     """Whether decompositions built from now on check, before every collective, that the
     ranks agree on the call (``TORCHPM_CHECK_AGREEMENT``, default on; ``0`` turns it off,
@@ -296,6 +306,7 @@ class GridGroups:
     def _groups(self):
         return [axis.group for axis in self.axes if axis.group is not None]
 
+    @eager
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` over every rank of the grid; every rank gets the result.
 
@@ -318,6 +329,7 @@ class GridGroups:
             dist.all_reduce(result, op=reduce_op, group=group)
         return result.to(tensor.device)
 
+    @eager
     def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` for use in a distributed computation when every rank holds the same
         copy: the identity, whose backward sums the gradient over the grid, so every rank
@@ -327,6 +339,7 @@ class GridGroups:
             return tensor
         return _ReplicatedInput.apply(tensor, groups)
 
+    @eager
     def all_gather_counts(self, values: Sequence[int], device=None) -> torch.Tensor:
         """``(grid size, len(values))`` int64: every rank's ``values``, row ``r0 * P1 + r1``
         (on ``device``; by default where the groups can reduce it: the CPU, or the current
@@ -337,6 +350,7 @@ class GridGroups:
         table[self.rank] = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
         return self.all_reduce(table, "sum")
 
+    @eager
     def _gather_objects(self, items: list) -> list:
         """Every rank's list ``items`` concatenated, on every rank (one ``all_gather_object``
         per grid axis; for the rare failure path only)."""
@@ -348,6 +362,7 @@ class GridGroups:
             items = [item for part in parts for item in part]
         return items
 
+    @eager
     def agree(self, operation: str, values: Sequence[tuple[str, object]], error: str | BaseException | None = None,
               exception=ValueError, *, device=None, _together: bool = False) -> None:
         """Check that every rank of the grid calls ``operation`` with the same ``values``,
@@ -432,6 +447,7 @@ class GridGroups:
         prefix = "" if len(operations) == 1 and all(report[5] for report in reports) else f"{operation}: "
         raise exception(f"{prefix}{text} [every rank of the {p0} x {p1} grid raises this error together]")
 
+    @eager
     def raise_together(self, error: str | BaseException | None, exception=ValueError, *, device=None,
                        operation: str = "a check raised together") -> None:
         """Raise ``exception`` on every rank when any rank passes a non-empty ``error`` (a

@@ -46,7 +46,7 @@ import torch
 
 from ..ops._arguments import particle_ids, particle_positions
 from ._ops import all_to_all
-from .groups import GridAxis, GridGroups
+from .groups import GridAxis, GridGroups, eager
 from .layout import BlockLayout, split_offsets
 
 __all__ = ["MigrationPlan", "migrate", "debug_checks"]
@@ -371,6 +371,7 @@ class MigrationPlan:
         ``(B, count_out, ...)``, ``fill`` in empty slots. Collective; differentiable."""
         return self.exchange_many([tensor], [fill])[0]
 
+    @eager
     def exchange_many(self, tensors: Sequence[torch.Tensor], fills: Sequence | None = None) -> list[torch.Tensor]:
         """:meth:`exchange` of several tensors at once, in one all-to-all per stage."""
         tensors = list(tensors)
@@ -381,6 +382,7 @@ class MigrationPlan:
             tensors = stage.forward_many(tensors, fills)
         return tensors
 
+    @eager
     def gather(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:
         """The reverse path: ``(B, count_out, ...)`` values back to the slots the
         particles came from, ``(B, count_in, ...)``. The adjoint of :meth:`exchange`."""
