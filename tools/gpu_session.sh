@@ -67,8 +67,9 @@ build() {
     # PATH (/opt/gcc) turned every C++ exception into a segfault (exit 139), CPU tensors
     # too (2026-11-27, an H200), while a library built on the development VM raised them.
     if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then export CC=/usr/bin/gcc CXX=/usr/bin/g++; fi
-    TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16} $python setup.py build_ext --inplace \
-        >"$out/build.log" 2>&1 || { tail -50 "$out/build.log"; exit 1; }
+    # Bounded: a stale .gpuso/ must not spend the whole call on a build (about 5 min on 16 cores).
+    TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=${MAX_JOBS:-16} timeout ${BUILD_TIMEOUT:-420} $python setup.py build_ext --inplace \
+        >"$out/build.log" 2>&1 || { echo "build failed or passed ${BUILD_TIMEOUT:-420} s"; tail -50 "$out/build.log"; exit 1; }
     echo "build: $((SECONDS - start)) s (CXX=${CXX:-c++}: $(${CXX:-c++} --version | head -1))"
     $python -c "import torch, torchpm; print('torch', torch.__version__, torch.version.cuda, \
 torch.cuda.get_device_name(), 'cuda kernels', torchpm.has_cuda_kernels())" | tee "$out/device.txt"
