@@ -884,8 +884,8 @@ def case_power_layer(grid, ctx):
 def case_compiled(grid, ctx):
     """torch.compile on a grid: a compiled loss through the simulation and the mesh= layers
     runs their collectives eagerly between its graphs and gives eager's value and gradient
-    (with graphs compiled around them); fullgraph=True refuses a collective, naming the
-    process groups."""
+    (with graphs compiled around them), also building the groups inside it; fullgraph=True
+    refuses a collective, naming the process groups."""
     import torchpm
     from torch._dynamo.utils import counters
     from torchpm.nn import CICPaint, CICReadout, PowerSpectrum
@@ -911,6 +911,14 @@ def case_compiled(grid, ctx):
     assert counters["stats"]["unique_graphs"] > 0, "nothing was compiled"
     assert_small(abs(value.item() - expected.item()), abs(expected.item()), "compiled loss")
     assert_small(float((grad - expected_grad).abs().max()), float(expected_grad.abs().max()), "compiled gradient")
+    # Groups and a decomposition built inside a compiled function (the groups are cached).
+    def built_inside(x):
+        from torchpm.distributed import PencilDecomposition, process_grid_groups
+
+        return PencilDecomposition((6, 5, 4), process_grid_groups(grid)).all_reduce(x * 2)
+
+    x = torch.arange(3.0, dtype=torch.float64)
+    assert torch.equal(torch.compile(built_inside)(x), x * 2 * ctx["world"])
     try:
         torch.compile(power, fullgraph=True)(torch.ones(1, *mesh.local_real_shape, dtype=torch.float64))
     except Exception as error:  # torch's own exception type for a refused call

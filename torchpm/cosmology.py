@@ -359,7 +359,10 @@ class GrowthTable:
         position = ((log_a - grid[0]) / step).detach()
         index = position.floor().long().clamp(0, grid.numel() - 2)
         t = ((log_a - grid[index]) / step).unsqueeze(-1)
-        left, right = self.values[index], self.values[index + 1]  # (..., 2, 3)
+        # index_select, not values[index]: a 0-d index would make the latter a host read of
+        # the index, which torch.compile's inductor cannot lower.
+        rows = self.values.index_select(0, torch.stack((index, index + 1), dim=-1).reshape(-1))
+        left, right = rows.reshape(*index.shape, 2, *self.values.shape[1:]).unbind(dim=index.dim())  # (..., 2, 3)
         scale = (1.0, step, step**2)
         basis, slope_basis = _hermite5(t)
         value = 0.0

@@ -76,6 +76,7 @@ class PencilDecomposition:
     ranks must call it in the same order with tensors of the same leading shape.
     """
 
+    @eager
     def __init__(self, global_shape: Sequence[int], groups=None, *, mesh=None, always_transpose: bool = False,
                  check_agreement: bool | None = None):
         try:

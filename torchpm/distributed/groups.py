@@ -57,6 +57,7 @@ def _encode(value) -> list[int]:
     return [zlib.crc32(str(value).encode())]
 
 
+@eager
 def process_grid_groups(
     grid: Sequence[int],
     *,
@@ -189,6 +190,7 @@ def _world_timeout() -> datetime.timedelta | None:
 class GridAxis:
     """One axis of the process grid: its group (None for size 1), size, our rank in it, and its name."""
 
+    @eager
     def __init__(self, group, axis):
         self.group = group
         if group is None:
@@ -283,6 +285,7 @@ def unsummed_leaves(tensor, stop: Sequence[torch.Tensor] = ()) -> list:
 class GridGroups:
     """The two axes of a process grid and the grid-wide operations built on them."""
 
+    @eager
     def __init__(self, groups):
         self.axes = (GridAxis(groups[0], 0), GridAxis(groups[1], 1))
 
