@@ -42,6 +42,10 @@ from .layout import BlockLayout, split_sizes
 
 __all__ = ["PencilDecomposition", "split_sizes", "process_grid_groups"]
 
+def _local(mesh, *args, **kwargs) -> bool:
+    return mesh.is_local
+
+
 class PencilDecomposition:
     """A 3-D mesh split over a ``(P0, P1)`` process grid along x and y.
 
@@ -76,7 +80,8 @@ class PencilDecomposition:
     ranks must call it in the same order with tensors of the same leading shape.
     """
 
-    @eager
+    @eager(local=lambda self, global_shape, groups=None, *, mesh=None, **options: mesh is None and (
+        groups is None or (isinstance(groups, (tuple, list)) and all(g is None for g in groups))))
     def __init__(self, global_shape: Sequence[int], groups=None, *, mesh=None, always_transpose: bool = False,
                  check_agreement: bool | None = None):
         try:
@@ -216,7 +221,7 @@ class PencilDecomposition:
 
     # --------------------------------------------------------------- transforms
 
-    @eager
+    @eager(local=_local)
     def rfftn(self, field: torch.Tensor) -> torch.Tensor:
         """Distributed forward real-to-complex 3-D DFT, unnormalised.
 
@@ -233,7 +238,7 @@ class PencilDecomposition:
         self._checked_collective("rfftn", check, field, "field")
         return _fft.rfftn(field, self.layout, self._axes, self._staged)
 
-    @eager
+    @eager(local=_local)
     def irfftn(self, field_k: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`rfftn` (``1/N`` normalised, ``N = nx ny nz``).
 
@@ -249,7 +254,7 @@ class PencilDecomposition:
         self._checked_collective("irfftn", check, field_k, "field_k")
         return _fft.irfftn(field_k, self.layout, self._axes, self._staged)
 
-    @eager
+    @eager(local=_local)
     def transpose(self, t: torch.Tensor, axis: int, inverse: bool = False) -> torch.Tensor:
         """One transpose step of the FFT, exposed for tests and custom pipelines.
 
@@ -308,7 +313,7 @@ class PencilDecomposition:
         lx, ly, _ = self.local_real_shape
         return field[..., lo_x : lo_x + lx, lo_y : lo_y + ly, :]
 
-    @eager
+    @eager(local=_local)
     def fill_halo(self, field: torch.Tensor, width) -> torch.Tensor:
         """Periodic halo fill along x and y: copy the neighbours' edge planes into my halo.
 
@@ -325,7 +330,7 @@ class PencilDecomposition:
         widths = self._checked_halo("fill_halo", field, width)
         return _halo.fill_halo(field, widths, self._axes)
 
-    @eager
+    @eager(local=_local)
     def add_halo(self, field: torch.Tensor, width) -> torch.Tensor:
         """Periodic halo add along x and y: add my halo into the neighbours' edge planes.
 
@@ -367,7 +372,7 @@ class PencilDecomposition:
             raise ValueError(f"PencilDecomposition.{method}: expected `field` of shape (B, "
                              f"*{self.local_real_shape}), got {tuple(field.shape)}")
 
-    @eager
+    @eager(local=_local)
     def fd4_gradient(self, field: torch.Tensor, scale, *, halo_for: str | None = None) -> torch.Tensor:
         """``(B, 3, *local_real_shape)``: channel ``i`` is ``scale[i] * D_i field``, ``D`` the
         4-point finite difference of the global periodic mesh in nodes
@@ -412,7 +417,7 @@ class PencilDecomposition:
             gradient = self.with_stencil_halo(gradient, halo_for)
         return gradient
 
-    @eager
+    @eager(local=_local)
     def fd4_gradient_transpose(self, grad: torch.Tensor, scale) -> torch.Tensor:
         """The transpose of :meth:`fd4_gradient` (same ``scale``): ``(B, 3,
         *local_real_shape)`` to ``(B, *local_real_shape)``, ``-sum_i scale[i] D_i grad[:, i]``.
@@ -571,7 +576,7 @@ class PencilDecomposition:
                 periodic[axis] = False
         return widths, shape, offset, periodic
 
-    @eager
+    @eager(local=_local)
     def paint(self, positions: torch.Tensor, weights: torch.Tensor | None = None, *, order: str = "cic") -> torch.Tensor:
         """Paint ``(B, N, 3)`` particles (global mesh-cell units) onto the local block.
 
@@ -603,7 +608,7 @@ class PencilDecomposition:
         widths, block = painted[0]
         return self.strip_halo(_halo.add_halo(block, widths, self._axes, inplace=True), widths)
 
-    @eager
+    @eager(local=_local)
     def readout(self, field: torch.Tensor, positions: torch.Tensor, *, order: str = "cic",
                 haloed: bool = False) -> torch.Tensor:
         """Read the local block ``(B, [C,] *local_real_shape)`` at ``(B, N, 3)`` owned
@@ -640,7 +645,7 @@ class PencilDecomposition:
         self.raise_together(error, operation="PencilDecomposition.readout (after the halo fill)")
         return values
 
-    @eager
+    @eager(local=_local)
     def readout_kick_drift_(self, field: torch.Tensor, positions: torch.Tensor, momenta: torch.Tensor,
                             kicks: Sequence[float], drift: float | None = None, *, order: str = "cic") -> None:
         """The integrator's updates fused into :meth:`readout` (``haloed=True``) of the force
@@ -663,7 +668,7 @@ class PencilDecomposition:
                                                _order_number(order, "readout_kick_drift_"),
                                                [float(k) for k in kicks], None if drift is None else float(drift))
 
-    @eager
+    @eager(local=_local)
     def with_stencil_halo(self, field: torch.Tensor, order: str = "cic") -> torch.Tensor:
         """``field`` ``(..., *local_real_shape)`` padded with the halo a stencil of ``order``
         reaches (:meth:`stencil_halo`) and that halo filled from the neighbours: what
@@ -686,7 +691,7 @@ class PencilDecomposition:
         return [float(o) if self.grid_shape[axis] > 1 else 0.0
                 for axis, o in enumerate(self.local_real_offset[:2])] + [0.0]
 
-    @eager
+    @eager(local=_local)
     def migrate(self, positions: torch.Tensor, ids: torch.Tensor, *attributes: torch.Tensor,
                 capacity: int | None = None, destination: torch.Tensor | None = None, overwrite: bool = False,
                 overwrite_ids: bool = False):
@@ -750,7 +755,7 @@ class PencilDecomposition:
             self.check_conservation(before, ids)
         return (plan, positions, ids, *moved)
 
-    @eager
+    @eager(local=_local)
     def check_conservation(self, counts_before: torch.Tensor, ids: torch.Tensor) -> None:
         """Check a migration (debug mode and tests): the global number of particles of every
         batch member is unchanged and no id appears twice on this rank. Collective."""
@@ -770,19 +775,19 @@ class PencilDecomposition:
 
     # ------------------------------------------------------------ reductions
 
-    @eager
+    @eager(local=_local)
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce over every rank of the grid (``"sum"`` differentiable; ``"max"``, ``"min"``)."""
         return self.grid.all_reduce(tensor, op)
 
-    @eager
+    @eager(local=_local)
     def raise_together(self, error: str | BaseException | None, exception=ValueError,
                        operation: str = "a check raised together") -> None:
         """Raise ``exception`` on every rank when any rank has an ``error`` (collective;
         ``operation`` names the call when ranks are found in different ones)."""
         self.grid.raise_together(error, exception, operation=operation)
 
-    @eager
+    @eager(local=_local)
     def agree(self, operation: str, values, error: str | None = None) -> None:
         """Raise the same ValueError on every rank when any rank has an ``error`` or the ranks'
         ``values`` (``(name, value)`` pairs) differ: for callers about to run collectives

@@ -12,6 +12,7 @@ call it in the same order.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import zlib
 from typing import Sequence
@@ -25,14 +26,30 @@ __all__ = ["process_grid_groups", "GridAxis", "GridGroups", "agreement_checks"]
 AGREEMENT_SLOTS = 16
 
 
-def eager(function):
+def eager(function=None, *, local=None):
     """Run ``function`` outside ``torch.compile``'s graphs: it talks to process groups,
     which Dynamo cannot trace, so a compiled function that calls it breaks its graph
     there and runs it eagerly (with ``fullgraph=True`` torch refuses it). Autograd
-    records it as in eager mode."""
-    return torch.compiler.disable(function, reason=(
-        f"torchpm's {function.__qualname__} talks to process groups, which torch.compile cannot trace: "
-        "it runs eagerly between graphs, so compile without fullgraph=True"))
+    records it as in eager mode.
+
+    ``local(*args, **kwargs)``, given the call's arguments (``self`` first for a method),
+    says when a call talks to no process group (a 1 x 1 grid): such a call is traced like
+    any other code, so one device keeps ``fullgraph=True``.
+    """
+    def wrap(function):
+        disabled = torch.compiler.disable(function, reason=(
+            f"torchpm's {function.__qualname__} talks to process groups, which torch.compile cannot trace: "
+            "it runs eagerly between graphs, so compile without fullgraph=True"))
+        if local is None:
+            return disabled
+
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            return (function if local(*args, **kwargs) else disabled)(*args, **kwargs)
+
+        return call
+
+    return wrap if function is None else wrap(function)
 
 
 def agreement_checks() -> bool:
@@ -190,7 +207,7 @@ def _world_timeout() -> datetime.timedelta | None:
 class GridAxis:
     """One axis of the process grid: its group (None for size 1), size, our rank in it, and its name."""
 
-    @eager
+    @eager(local=lambda self, group, axis: group is None)
     def __init__(self, group, axis):
         self.group = group
         if group is None:
@@ -282,10 +299,14 @@ def unsummed_leaves(tensor, stop: Sequence[torch.Tensor] = ()) -> list:
     return found
 
 
+def _single_rank(grid, *args, **kwargs) -> bool:
+    """No process group at all (the 1 x 1 grid of one device)."""
+    return not grid._groups()
+
+
 class GridGroups:
     """The two axes of a process grid and the grid-wide operations built on them."""
 
-    @eager
     def __init__(self, groups):
         self.axes = (GridAxis(groups[0], 0), GridAxis(groups[1], 1))
 
@@ -309,7 +330,7 @@ class GridGroups:
     def _groups(self):
         return [axis.group for axis in self.axes if axis.group is not None]
 
-    @eager
+    @eager(local=_single_rank)
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` over every rank of the grid; every rank gets the result.
 
@@ -332,7 +353,7 @@ class GridGroups:
             dist.all_reduce(result, op=reduce_op, group=group)
         return result.to(tensor.device)
 
-    @eager
+    @eager(local=_single_rank)
     def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` for use in a distributed computation when every rank holds the same
         copy: the identity, whose backward sums the gradient over the grid, so every rank
@@ -342,7 +363,7 @@ class GridGroups:
             return tensor
         return _ReplicatedInput.apply(tensor, groups)
 
-    @eager
+    @eager(local=_single_rank)
     def all_gather_counts(self, values: Sequence[int], device=None) -> torch.Tensor:
         """``(grid size, len(values))`` int64: every rank's ``values``, row ``r0 * P1 + r1``
         (on ``device``; by default where the groups can reduce it: the CPU, or the current
@@ -353,7 +374,7 @@ class GridGroups:
         table[self.rank] = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
         return self.all_reduce(table, "sum")
 
-    @eager
+    @eager(local=_single_rank)
     def _gather_objects(self, items: list) -> list:
         """Every rank's list ``items`` concatenated, on every rank (one ``all_gather_object``
         per grid axis; for the rare failure path only)."""
@@ -365,7 +386,7 @@ class GridGroups:
             items = [item for part in parts for item in part]
         return items
 
-    @eager
+    @eager(local=_single_rank)
     def agree(self, operation: str, values: Sequence[tuple[str, object]], error: str | BaseException | None = None,
               exception=ValueError, *, device=None, _together: bool = False) -> None:
         """Check that every rank of the grid calls ``operation`` with the same ``values``,
@@ -450,7 +471,7 @@ class GridGroups:
         prefix = "" if len(operations) == 1 and all(report[5] for report in reports) else f"{operation}: "
         raise exception(f"{prefix}{text} [every rank of the {p0} x {p1} grid raises this error together]")
 
-    @eager
+    @eager(local=_single_rank)
     def raise_together(self, error: str | BaseException | None, exception=ValueError, *, device=None,
                        operation: str = "a check raised together") -> None:
         """Raise ``exception`` on every rank when any rank passes a non-empty ``error`` (a

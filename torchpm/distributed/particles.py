@@ -371,7 +371,7 @@ class MigrationPlan:
         ``(B, count_out, ...)``, ``fill`` in empty slots. Collective; differentiable."""
         return self.exchange_many([tensor], [fill])[0]
 
-    @eager
+    @eager(local=lambda plan, *args, **kwargs: not plan.stages)
     def exchange_many(self, tensors: Sequence[torch.Tensor], fills: Sequence | None = None) -> list[torch.Tensor]:
         """:meth:`exchange` of several tensors at once, in one all-to-all per stage."""
         tensors = list(tensors)
@@ -382,7 +382,7 @@ class MigrationPlan:
             tensors = stage.forward_many(tensors, fills)
         return tensors
 
-    @eager
+    @eager(local=lambda plan, *args, **kwargs: not plan.stages)
     def gather(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:
         """The reverse path: ``(B, count_out, ...)`` values back to the slots the
         particles came from, ``(B, count_in, ...)``. The adjoint of :meth:`exchange`."""
