@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .ops._arguments import MAX_AXIS, format_list, particle_ids, particle_positions, row_permutation
+from .ops._autograd import register_autograd as _register_autograd
 
 __all__ = ["spatial_order", "spatial_order_reference", "permute", "sort_particles", "restore_id_order"]
 
@@ -139,7 +140,7 @@ for _name, _device_kernel, _backward in (
 ):
     torch.library.register_fake(f"torchpm::{_name}")(_rows_fake)
     torch.library.register_kernel(f"torchpm::{_name}", "cuda")(_device_kernel)
-    torch.library.register_autograd(f"torchpm::{_name}", _backward, setup_context=_gather_rows_setup)
+    _register_autograd(f"torchpm::{_name}", _backward, setup_context=_gather_rows_setup)
 
 
 def permute(order: torch.Tensor, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

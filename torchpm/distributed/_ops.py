@@ -13,6 +13,8 @@ from typing import Sequence
 
 import torch
 
+from ..ops._autograd import register_autograd as _register_autograd
+
 __all__ = ["pack_blocks", "unpack_blocks", "all_to_all"]
 
 _ops = torch.ops.torchpm
@@ -136,12 +138,12 @@ def _all_to_all_backward(ctx, grad):
     return grad_input, None, None, None
 
 
-torch.library.register_autograd(
+_register_autograd(
     "torchpm::pack_blocks", _pack_backward, setup_context=_pack_setup_context
 )
-torch.library.register_autograd(
+_register_autograd(
     "torchpm::unpack_blocks", _unpack_backward, setup_context=_unpack_setup_context
 )
-torch.library.register_autograd(
+_register_autograd(
     "torchpm::_all_to_all", _all_to_all_backward, setup_context=_all_to_all_setup_context
 )

@@ -37,9 +37,12 @@ def eager(function=None, *, local=None):
     any other code, so one device keeps ``fullgraph=True``.
     """
     def wrap(function):
-        disabled = torch.compiler.disable(function, reason=(
-            f"torchpm's {function.__qualname__} talks to process groups, which torch.compile cannot trace: "
-            "it runs eagerly between graphs, so compile without fullgraph=True"))
+        reason = (f"torchpm's {function.__qualname__} talks to process groups, which torch.compile cannot "
+                  "trace: it runs eagerly between graphs, so compile without fullgraph=True")
+        try:
+            disabled = torch.compiler.disable(function, reason=reason)
+        except TypeError:  # torch < 2.8 has no reason=
+            disabled = torch.compiler.disable(function)
         if local is None:
             return disabled
 

@@ -22,6 +22,8 @@ from typing import Sequence
 
 import torch
 
+from ._autograd import register_autograd as _register_autograd
+
 __all__ = ["fd4_gradient", "fd4_gradient_transpose", "FD4_REACH"]
 
 _ops = torch.ops.torchpm
@@ -186,7 +188,7 @@ def _fd4_gradient_transpose_backward(ctx, grad):
     return grad_grad, grad_scale, None
 
 
-torch.library.register_autograd("torchpm::_fd4_gradient", _fd4_gradient_backward, setup_context=_setup)
-torch.library.register_autograd(
+_register_autograd("torchpm::_fd4_gradient", _fd4_gradient_backward, setup_context=_setup)
+_register_autograd(
     "torchpm::_fd4_gradient_transpose", _fd4_gradient_transpose_backward, setup_context=_setup
 )

@@ -60,6 +60,7 @@ import torch
 
 from . import _arguments as args
 from . import _reference
+from ._autograd import register_autograd as _register_autograd
 
 __all__ = ["paint", "readout", "cic_paint", "cic_readout", "halo_widths", "set_paint_method", "get_paint_method"]
 
@@ -466,13 +467,13 @@ def _position_gradient_backward(ctx, grad):
     return (*result, None, None, None)
 
 
-torch.library.register_autograd("torchpm::paint", _paint_backward, setup_context=_paint_setup_context)
-torch.library.register_autograd(
+_register_autograd("torchpm::paint", _paint_backward, setup_context=_paint_setup_context)
+_register_autograd(
     "torchpm::_paint_deterministic", _paint_backward, setup_context=_paint_setup_context
 )
-torch.library.register_autograd("torchpm::_paint_tiled", _paint_backward, setup_context=_paint_setup_context)
-torch.library.register_autograd("torchpm::readout", _readout_backward, setup_context=_readout_setup_context)
-torch.library.register_autograd(
+_register_autograd("torchpm::_paint_tiled", _paint_backward, setup_context=_paint_setup_context)
+_register_autograd("torchpm::readout", _readout_backward, setup_context=_readout_setup_context)
+_register_autograd(
     "torchpm::_position_gradient",
     _position_gradient_backward,
     setup_context=_position_gradient_setup_context,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ._autograd import register_autograd as _register_autograd
+
 __all__ = []
 
 
@@ -42,4 +44,4 @@ def _backward(ctx, grad):
     return grad, grad * ctx.factor, None
 
 
-torch.library.register_autograd("torchpm::_add_scaled", _backward, setup_context=_setup)
+_register_autograd("torchpm::_add_scaled", _backward, setup_context=_setup)
