@@ -608,7 +608,7 @@ class PencilDecomposition:
         widths, block = painted[0]
         return self.strip_halo(_halo.add_halo(block, widths, self._axes, inplace=True), widths)
 
-    @eager(local=_local)
+    @eager(local=lambda mesh, *args, haloed=False, **kwargs: mesh.is_local or haloed)
     def readout(self, field: torch.Tensor, positions: torch.Tensor, *, order: str = "cic",
                 haloed: bool = False) -> torch.Tensor:
         """Read the local block ``(B, [C,] *local_real_shape)`` at ``(B, N, 3)`` owned
@@ -645,7 +645,6 @@ class PencilDecomposition:
         self.raise_together(error, operation="PencilDecomposition.readout (after the halo fill)")
         return values
 
-    @eager(local=_local)
     def readout_kick_drift_(self, field: torch.Tensor, positions: torch.Tensor, momenta: torch.Tensor,
                             kicks: Sequence[float], drift: float | None = None, *, order: str = "cic") -> None:
         """The integrator's updates fused into :meth:`readout` (``haloed=True``) of the force
