@@ -42,6 +42,7 @@ from .layout import BlockLayout, split_sizes
 
 __all__ = ["PencilDecomposition", "split_sizes", "process_grid_groups"]
 
+
 def _local(mesh, *args, **kwargs) -> bool:
     return mesh.is_local
 
@@ -80,8 +81,6 @@ class PencilDecomposition:
     ranks must call it in the same order with tensors of the same leading shape.
     """
 
-    @eager(local=lambda self, global_shape, groups=None, *, mesh=None, **options: mesh is None and (
-        groups is None or (isinstance(groups, (tuple, list)) and all(g is None for g in groups))))
     def __init__(self, global_shape: Sequence[int], groups=None, *, mesh=None, always_transpose: bool = False,
                  check_agreement: bool | None = None):
         try:
