@@ -5,7 +5,7 @@
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 NVCC ?= nvcc
-CUDA_ARCH ?= sm_90
+CUDA_ARCH ?= compute_90
 STAMP := build/.torchpm-installed
 SOURCES := setup.py pyproject.toml csrc/sources.txt $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh')
 CU_SOURCES := $(shell find csrc -name '*.cu')
@@ -13,7 +13,7 @@ CU_OBJECTS := $(patsubst csrc/%.cu,.cuda-check/%.o,$(CU_SOURCES))
 
 CPP_BUILD ?= build/cpp
 
-.PHONY: run test deps test-deps build cpp cuda-check compat-check gpu-prepare bench bench-dfft bench-distributed example-dfft test-distributed clean
+.PHONY: run test test-all deps test-deps build cpp cuda-check compat-check gpu-prepare bench bench-dfft bench-distributed example-dfft test-distributed clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==$(TORCH_VERSION)"
@@ -41,9 +41,12 @@ run: build
 
 # Compile every CUDA source to an object file whenever nvcc is present, so a CUDA
 # compile error fails CI on machines without a GPU (nothing is linked or run).
+# Device code goes as far as PTX for compute_90 (C++ front end and cicc; ptxas,
+# the PTX-to-SASS step, runs in the real builds: setup.py, CMake, gpu-prepare),
+# one source per core.
 cuda-check: deps
 	@if command -v $(NVCC) >/dev/null 2>&1; then \
-		$(MAKE) --no-print-directory $(CU_OBJECTS); \
+		$(MAKE) --no-print-directory -j$$(nproc 2>/dev/null || echo 2) $(CU_OBJECTS); \
 	else \
 		echo "cuda-check: $(NVCC) not found, CUDA sources not compiled"; \
 	fi
@@ -87,9 +90,15 @@ cpp: deps
 	cmake --build $(CPP_BUILD)/example; \
 	echo "cpp: built $(CPP_BUILD)/example/pm_forces (usage: run it without arguments)"
 
-# The C++ check (tests/test_cpp.py) is part of the pytest run: it builds with
-# CMake as `make cpp` does, or prints why it was skipped (no cmake or compiler).
+# The C++ check (tests/test_cpp.py) is part of the pytest run: it packages the
+# library setup.py built with CMake and builds the C++ examples on it, or prints
+# why it was skipped (no cmake or compiler). Tests marked slow (minutes each on
+# 2 cores: the C++ library compiled from source as `make cpp` does, the longer
+# runs against JaxPM) run in `make test-all`.
 test: build test-deps cuda-check
+	$(PYTHON) -m pytest -ra --durations=20 -m "not slow"
+
+test-all: build test-deps cuda-check
 	$(PYTHON) -m pytest -ra --durations=20
 
 bench: build

@@ -3,6 +3,7 @@ reference, conservation and adjoint identities, gradcheck, opcheck and
 torch.compile. Every test runs on cpu and (when available) cuda."""
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -415,3 +416,10 @@ def test_build_reports_cuda_kernels_and_registers_cuda_dispatch():
     for name in ("paint", "readout", "_position_gradient"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"torchpm::{name}", "CUDA")
     assert torchpm.has_cuda_kernels() == (torch.version.cuda is not None)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
+def test_ops_library_is_the_loaded_library():
+    with open("/proc/self/maps") as f:
+        mapped = {line.split()[-1] for line in f if "libtorchpm_ops" in line}
+    assert mapped == {os.path.realpath(torchpm.ops_library())}

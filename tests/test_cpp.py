@@ -1,14 +1,20 @@
 """torchpm from LibTorch C++, without Python.
 
-Builds the op library with CMake (CMakeLists.txt), installs it, builds the C++
+Packages the op library with CMake (CMakeLists.txt), installs it, builds the C++
 example examples/cpp against the installed package (find_package(torchpm)), runs
 it, and compares its PM forces and their position gradient with the Python code
 on the same particles (float64, max abs difference <= 1e-12). Also checks that
 the example binary and the op library do not link libpython.
 
-The CMake build is cached in build/cpp (git-ignored; TORCHPM_CPP_BUILD_DIR moves
-it), so only the first run compiles the library. Skipped, with the reason, only
-when cmake or a C++ compiler is missing.
+Two ways of making the package, each a parameter of the `example` fixture:
+"package" installs the library `import torchpm` loads (setup.py's build,
+TORCHPM_PREBUILT_LIBRARY) and compiles only the examples; "source" compiles the
+library from csrc/ with CMake, as a LibTorch user without Python does (marked
+slow: minutes of compiling; `make test-all` or `pytest -m slow` runs it).
+
+The CMake builds are cached in build/cpp (git-ignored; TORCHPM_CPP_BUILD_DIR
+moves it). Skipped, with the reason, only when cmake or a C++ compiler is
+missing.
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ def _run(command, log):
     return result
 
 
-@pytest.fixture(scope="module")
-def example():
+@pytest.fixture(scope="module", params=["package", pytest.param("source", marks=pytest.mark.slow)])
+def example(request):
     """Path of the built pm_forces binary (building the library and it if needed)."""
     cmake, compiler = shutil.which("cmake"), _compiler()
     if cmake is None or compiler is None:
@@ -57,10 +63,13 @@ def example():
         print(reason)
         pytest.skip(reason)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    library_build = os.path.join(BUILD, "lib")
-    example_build = os.path.join(BUILD, "example")
-    install = os.path.join(BUILD, "install")
+    # "source": the directories `make cpp` uses, so either reuses the other's build.
+    build = BUILD if request.param == "source" else os.path.join(BUILD, "package")
+    library_build = os.path.join(build, "lib")
+    example_build = os.path.join(build, "example")
+    install = os.path.join(build, "install")
     prefix = torch.utils.cmake_prefix_path
+    packaged = [f"-DTORCHPM_PREBUILT_LIBRARY={torchpm.ops_library()}"] if request.param == "package" else []
     log = []
     # Configure once; later builds re-run the configuration themselves when a
     # CMakeLists.txt or csrc/sources.txt (or a globbed directory) changed.
@@ -68,7 +77,7 @@ def example():
         _run(
             [cmake, "-S", ROOT, "-B", library_build, *generator, "-DCMAKE_BUILD_TYPE=Release",
              f"-DCMAKE_CXX_COMPILER={compiler}", f"-DCMAKE_PREFIX_PATH={prefix}",
-             f"-DCMAKE_INSTALL_PREFIX={install}"],
+             f"-DCMAKE_INSTALL_PREFIX={install}", *packaged],
             log,
         )
     _run([cmake, "--build", library_build], log)
@@ -203,6 +212,36 @@ def test_cpp_example_and_op_library_do_not_link_python(example):
     (python_side,) = glob.glob(os.path.join(os.path.dirname(torchpm.__file__), "libtorchpm_ops.so"))
     linked = _linked(python_side)
     assert "libpython" not in linked and "libtorch_python" not in linked
+
+
+def test_cpp_package_holds_its_library_and_says_whether_it_has_cuda(example, request):
+    install = os.path.join(os.path.dirname(os.path.dirname(example)), "install")
+    (installed,) = glob.glob(os.path.join(install, "lib*", "libtorchpm_ops.so"))
+    (config,) = glob.glob(os.path.join(install, "lib*", "cmake", "torchpm", "torchpmConfig.cmake"))
+    with open(config) as f:
+        with_cuda = "set(torchpm_WITH_CUDA ON)" in f.read()
+    if request.node.callspec.params["example"] == "package":
+        # the library `import torchpm` loads, byte for byte; CUDA read from its links
+        with open(torchpm.ops_library(), "rb") as loaded, open(installed, "rb") as packaged:
+            assert loaded.read() == packaged.read(), "the package holds another library than torchpm's"
+        assert with_cuda == torchpm.has_cuda_kernels()
+    else:  # CMake's decision: CUDA kernels when the LibTorch has CUDA
+        assert with_cuda == (torch.version.cuda is not None)
+
+
+def test_cpp_package_of_a_missing_library_is_refused(tmp_path):
+    cmake = shutil.which("cmake")
+    if cmake is None or _compiler() is None:
+        pytest.skip("C++ check skipped: cmake or a C++ compiler not found")
+    missing = tmp_path / "nothing" / "libtorchpm_ops.so"
+    result = subprocess.run(
+        [cmake, "-S", ROOT, "-B", str(tmp_path / "build"), f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}",
+         f"-DTORCHPM_PREBUILT_LIBRARY={missing}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    message = " ".join(result.stderr.split())  # CMake wraps its messages
+    assert f"TORCHPM_PREBUILT_LIBRARY: no file '{missing}'" in message, result.stderr
 
 
 def test_source_list_covers_every_source():

@@ -40,6 +40,12 @@ def has_cuda_kernels() -> bool:
     return bool(torch.ops.torchpm._cuda_kernels_built())
 
 
+def ops_library() -> str:
+    """Path of the op library this import loaded (``libtorchpm_ops.so``): the file
+    a LibTorch program can link, e.g. through CMake's ``TORCHPM_PREBUILT_LIBRARY``."""
+    return _OPS_LIBRARY
+
+
 def cpu_kernels() -> str:
     """Which build of the CPU mass-assignment kernels this process runs: ``"avx2"``
     (x86-64 cores with AVX2) or ``"baseline"``. Both give the same bits. The
@@ -54,6 +60,7 @@ __all__ = [
     "cic_paint",
     "cic_readout",
     "has_cuda_kernels",
+    "ops_library",
     "cpu_kernels",
     "check",
     "set_error_checking",
