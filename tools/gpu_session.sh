@@ -131,11 +131,12 @@ test)
     raises
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/device.txt"
     # All CUDA cases (about 4.5 minutes with 8 workers on an H100), then the C++ API
-    # against the CUDA LibTorch.
+    # against the CUDA LibTorch, on the library just built (the from-source CMake
+    # build, marked slow, would compile the CUDA kernels again).
     timeout 330 $python -m pytest -q -ra -m cuda $parallel $oracle_free -p no:cacheprovider 2>&1 \
         | tee "$out/pytest-cuda.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -40
     echo "pytest -m cuda: exit ${PIPESTATUS[0]} (124: timed out)"
-    timeout 200 $python -m pytest -q -ra -p no:cacheprovider tests/test_cpp.py 2>&1 | tee "$out/pytest-cpp.log" | tail -5
+    timeout 200 $python -m pytest -q -ra -m "not slow" -p no:cacheprovider tests/test_cpp.py 2>&1 | tee "$out/pytest-cpp.log" | tail -5
     echo "pytest tests/test_cpp.py: exit ${PIPESTATUS[0]}"
     ;;
 memcheck|racecheck)
