@@ -305,6 +305,11 @@ def main():
         plot(results, model.power.k, losses, args.out, config)
         say(f"wrote {args.out}/loss.json, loss.png, power.png and {os.path.basename(weights)}")
     if world > 1:
+        # Free the DDP wrapper first: its reducer holds the process group, and a gloo group
+        # whose last holder is the reducer is destroyed with Python's lock held while
+        # gloo's worker threads may still need that lock to free their last work (a
+        # deadlock inside torch, seen at exit in 1 run of 2 on 2 CPU ranks).
+        del trainer
         dist.destroy_process_group()
 
 
