@@ -383,6 +383,16 @@ def case_whole_state_refused(grid, ctx):
         ids[ids >= 0] = 0
     twice = torchpm.SimulationState(state.positions, state.momenta, state.a, ids)
     expect_error_everywhere(lambda: sim.resume(twice), "resume: the ids of batch member 0 are not each of 0 .. 209 once")
+    # One id on both ranks and another on none: each rank's ids distinct, 210 in all.
+    ids = state.ids.clone()
+    held = sim.gather(state).ids  # (every id, on every rank)
+    mine = ids[ids >= 0]
+    if ctx["rank"] == 1:
+        other = int(held[0][~torch.isin(held[0], mine)].min())  # an id rank 0 holds
+        ids[ids == int(mine.max())] = other
+    duplicated = torchpm.SimulationState(state.positions, state.momenta, state.a, ids)
+    expect_error_everywhere(lambda: sim.resume(duplicated), "resume: the ids of batch member 0 are not each of "
+                            "0 .. 209 once over the 2 ranks (an id is held on two ranks, another on none)")
     # the run's own state resumes
     assert sim.gather(sim.resume(state)).positions.shape == (1, 210, 3)
 

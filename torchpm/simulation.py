@@ -131,6 +131,15 @@ def _field_checksum(field: torch.Tensor) -> str:
     return " ".join(f"{value:.9g}" for value in sums.tolist())
 
 
+_ID_PRIME = 2**31 - 1  # (id * a) mod p is a bijection of 0 .. p-1: sums exact in int64 for N < 2^32
+
+
+def _id_sums(ids: torch.Tensor) -> torch.Tensor:
+    """``(3,)`` int64 sums over ``ids`` (int64, each < 2^32) of the id and of two
+    bijections of it: a checksum of a set of particle ids."""
+    return torch.stack([ids.sum(), (ids * 48271 % _ID_PRIME).sum(), (ids * 1103515245 % _ID_PRIME).sum()])
+
+
 class Simulation(nn.Module):
     """A particle-mesh N-body simulation with the FastPM scheme (DESIGN.md).
 
@@ -757,6 +766,20 @@ class Simulation(nn.Module):
                          "a state of another run, or a share given twice")
                 break
         mesh.raise_together(error, operation="Simulation.check_particles")
+        if mesh.is_local:
+            return
+        # Each rank's ids are distinct and in range and the ranks hold N of them: an id held
+        # on two ranks (and one missing) remains. Sums over the grid of the ids and of two
+        # bijections of them find it: every rank adds its ids' sums less those of its share
+        # of 0 .. N-1, and the totals are all 0 exactly when no id is held twice (up to an
+        # improbable cancellation of several). The same totals on every rank: all raise.
+        share = torch.arange(mesh.grid.rank, n, mesh.grid.size, dtype=torch.int64, device=ids.device)
+        totals = mesh.all_reduce(torch.stack([_id_sums(row[row >= 0]) - _id_sums(share) for row in ids]))
+        for member, total in enumerate(totals.tolist()):
+            if any(total):
+                raise ValueError(f"{what}: the ids of batch member {member} are not each of 0 .. {n - 1} once "
+                                 f"over the {mesh.grid.size} ranks (an id is held on two ranks, another on none): "
+                                 "a state of another run, or a share given twice")
 
     def _step_index(self, a, name) -> int:
         """Index of scale factor ``a`` in :attr:`scale_factors` (None: the last)."""
