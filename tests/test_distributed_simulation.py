@@ -42,7 +42,7 @@ def case_ids(world_size):
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}", f"paint_layers-{grid}",
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}"]
         if (p0, p1) == (2, 1):
-            ids += [f"migration_placement-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
+            ids += [f"migration_placement-{grid}", f"migration_dtypes-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
                     f"whole_state_refused-{grid}", f"adjoint_explicit_cosmology-{grid}", f"compiled-{grid}"]
     if world_size == 3:
         ids.append("subgrid_snapshot-2x1")  # a 2-rank grid inside the 3-rank world
@@ -429,6 +429,40 @@ def _owned(mesh, positions, ids, grid):
         if not bool(((plane >= starts[r]) & (plane < starts[r] + sizes[r])).all()):
             return False
     return True
+
+
+def case_migration_dtypes(grid, ctx):
+    """Per-particle attributes of every integer, bool and float dtype arrive bit for bit,
+    also those that gloo and NCCL cannot send (int16, uint16, uint32, uint64: moved as
+    bytes or as the signed integer of the same bits), and go back with the plan."""
+    from torchpm.distributed import PencilDecomposition
+
+    mesh = PencilDecomposition((9, 7, 4), ctx["groups"][grid])
+    generator = torch.Generator().manual_seed(200 + ctx["rank"])
+    count = 10
+    positions = torch.rand(1, count, 3, generator=generator, dtype=torch.float64) * torch.tensor([9.0, 7.0, 4.0])
+    ids = torch.arange(count).unsqueeze(0) + count * ctx["rank"]
+
+    def bits(ids, dtype):  # every bit of the dtype used, from the id
+        mixed = (ids * 0x9E3779B97F4A7C1 + 0x5851F42D4C957F2D) ^ (ids << 40)
+        if dtype == torch.bool:
+            return (mixed & 1).bool()
+        width = torch.empty((), dtype=dtype).element_size()
+        return mixed.unsqueeze(-1).view(torch.uint8)[..., :width].contiguous().view(dtype).squeeze(-1)
+
+    dtypes = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32,
+              torch.int64, torch.uint64, torch.float16, torch.bfloat16, torch.float32]
+    attributes = [bits(ids, dtype) for dtype in dtypes]
+    plan, _, new_ids, *moved = mesh.migrate(positions, ids, *attributes)
+    kept = new_ids >= 0
+    for dtype, values in zip(dtypes, moved):
+        assert values.dtype == dtype
+        expected = bits(new_ids.clamp(min=0), dtype)
+        assert torch.equal(values[kept].view(torch.uint8) if dtype != torch.bool else values[kept],
+                           expected[kept].view(torch.uint8) if dtype != torch.bool else expected[kept]), dtype
+        back = plan.gather(values)
+        assert torch.equal(back.view(torch.uint8) if dtype != torch.bool else back,
+                           bits(ids, dtype).view(torch.uint8) if dtype != torch.bool else bits(ids, dtype)), dtype
 
 
 def case_migration(grid, ctx):

@@ -70,15 +70,35 @@ def debug_checks(enabled: bool | None = None) -> bool:
 
 # ------------------------------------------------------------------ packing
 
+# dtypes every backend's all-to-all moves (complex ones as pairs of reals, in C++)
+_SENT_AS_IS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+                         torch.complex128, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool})
+
+
+_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def _as_signed(tensor: torch.Tensor) -> torch.Tensor:
+    """Unsigned integers wider than a byte, which few torch ops accept (index_copy does
+    not), moved as the signed integers of the same bits."""
+    signed = _SIGNED.get(tensor.dtype)
+    return tensor if signed is None else tensor.view(signed)
+
+
 def _carrier(tensors: Sequence[torch.Tensor]):
     """Groups of tensors sent in one all-to-all each: ``[(carrier dtype, [indices])]``.
 
     Floating tensors of one dtype share a buffer (so the exchange stays differentiable);
     int64 tensors ride along in the first floating buffer, bit for bit (``view(dtype)``),
-    which moves only bytes and never does arithmetic on them. Anything else gets its own."""
+    which moves only bytes and never does arithmetic on them. A dtype that gloo or NCCL
+    cannot send (int16, uint16, uint32, uint64, ...) goes as its bytes (uint8). Anything
+    else gets its own."""
     groups: dict[torch.dtype, list[int]] = {}
     for index, tensor in enumerate(tensors):
-        groups.setdefault(tensor.dtype, []).append(index)
+        dtype = tensor.dtype
+        if dtype not in _SENT_AS_IS and not tensor.requires_grad:
+            dtype = torch.uint8
+        groups.setdefault(dtype, []).append(index)
     floating = [d for d in groups if d.is_floating_point and d.itemsize in (4, 8)]
     if floating and torch.int64 in groups:
         groups[floating[0]] = groups[floating[0]] + groups.pop(torch.int64)
@@ -145,8 +165,9 @@ def _move(tensors, fills, batch, count_from, count_to, pick, put, clear, keep_ba
     change (no copy; never for a tensor that records gradients). A base made here (a
     grown or a filled one) is always written in place: it has no other user."""
     overwrite = overwrite or [False] * len(tensors)
+    dtypes = [tensor.dtype for tensor in tensors]
     flats = []
-    for tensor in tensors:
+    for tensor in map(_as_signed, tensors):
         features = tuple(tensor.shape[2:])
         width = math.prod(features)
         flats.append((tensor.reshape(batch * count_from, width), features, width))
@@ -181,7 +202,7 @@ def _move(tensors, fills, batch, count_from, count_to, pick, put, clear, keep_ba
             values = torch.cat([moved, _fill_rows(clear.numel(), moved, width, fill)])
         written = base.index_copy_(0, index, values) if fresh else base.index_copy(0, index, values)
         out.append(written.view(batch, count_to, *features))
-    return out
+    return [tensor.view(dtype) for tensor, dtype in zip(out, dtypes)]
 
 
 class _Stage:
