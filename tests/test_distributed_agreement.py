@@ -24,7 +24,7 @@ GRIDS = {2: [(2, 1), (1, 2)], 3: [(3, 1), (1, 3)]}
 SHAPE = (8, 7, 6)  # uneven over 2 and 3 ranks
 PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch_irfftn", "halo_fill",
             "halo_add", "halo_paint", "operation", "local_error", "transpose_axis", "migrate_attribute_dtype",
-            "migrate_attribute_shape", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
+            "migrate_attribute_shape", "migrate_debug_checks", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
             "simulation_integrator", "simulation_cosmology", "simulation_power_alias", "gather_batch", "gather_no_ids", "density_ids",
             "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks",
@@ -213,6 +213,20 @@ def case_migrate_attribute_shape(grid, ctx):
     attribute = torch.zeros(1, 12, 2 if ctx["odd"] else 3, dtype=torch.float64)
     expect_error(lambda: mesh.migrate(positions, ids, attribute), ctx,
                  "attributes (dtype, per-particle shape)", "(2,)", "(3,)")
+
+
+def case_migrate_debug_checks(grid, ctx):
+    """The migration's debug checks (more collectives) on some ranks only."""
+    from torchpm.distributed import debug_checks
+
+    mesh = decomposition(grid, ctx)
+    positions, ids = particles(mesh)
+    before = debug_checks()
+    debug_checks(bool(ctx["odd"]))
+    try:
+        expect_error(lambda: mesh.migrate(positions, ids), ctx, "debug checks (TORCHPM_DEBUG_MIGRATION", "False", "True")
+    finally:
+        debug_checks(before)
 
 
 def case_migrate_batch(grid, ctx):

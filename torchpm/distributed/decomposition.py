@@ -731,7 +731,8 @@ class PencilDecomposition:
                     )
 
         # Batch, dtypes and per-particle trailing shapes set the message sizes of every
-        # stage; the slot count n may differ between ranks.
+        # stage; the slot count n may differ between ranks. The debug checks add collectives.
+        debug = _particles.debug_checks()
         self._checked_collective(
             "migrate", check, positions, "positions",
             ("batch size (dim 0 of `positions`)",
@@ -741,9 +742,9 @@ class PencilDecomposition:
             ("attributes (dtype, per-particle shape)",
              tuple((str(a.dtype), tuple(a.shape[2:])) if isinstance(a, torch.Tensor) else type(a).__name__
                    for a in attributes)),
+            ("debug checks (TORCHPM_DEBUG_MIGRATION, torchpm.distributed.debug_checks)", debug),
         )
         corner = self.padding_position
-        debug = _particles.debug_checks()
         before = (ids >= 0).sum(1) if debug else None
         plan, positions, ids, *moved = _particles.migrate(
             self.layout, self.grid, positions, ids, *attributes, capacity=capacity, corner=corner,
