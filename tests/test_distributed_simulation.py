@@ -1076,6 +1076,12 @@ def case_subgrid_snapshot(grid, ctx):
         with torch.no_grad():
             state = sim(sim.white_noise(seed=6), return_mesh_units=True)
         path = os.path.join(folder[0], "snap.hdf5")
+        # The ranks of a set writing different batch members: refused on both, nothing written.
+        with torch.no_grad():
+            two = sim(sim.white_noise(batch=2, seed=6), return_mesh_units=True)
+        expect_error_everywhere(lambda: write_snapshot(path, two, sim, mesh_units=True, member=ctx["rank"]),
+                                "the ranks pass different member (from 0 to 1)", "No file of the set was written")
+        assert not os.listdir(folder[0])
         written = write_snapshot(path, state, sim, mesh_units=True)
         assert written == os.path.join(folder[0], f"snap.{ctx['rank']}.hdf5"), written
         dist.barrier(group=pair)

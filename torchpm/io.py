@@ -271,8 +271,13 @@ def write_snapshot(
             raise
         error = exc
     if together:
+        # What every file of the set must share: the largest and (negated) smallest of each.
+        shared = {"member": member, "step (the state's scale factor)": step, "num_files": num_files}
+        values = [int(v) for v in shared.values()] if error is None else [0] * len(shared)
         try:
-            refused = grid.all_reduce(torch.tensor([0 if error is None else 1], dtype=torch.int64), "max").cpu()
+            reduced = grid.all_reduce(torch.tensor([0 if error is None else 1] + values + [-v for v in values],
+                                                   dtype=torch.int64), "max").cpu()
+            refused = reduced[:1]
         except RuntimeError as failure:  # most often the timeout: a rank that never called it
             raise type(failure)(
                 f"write_snapshot {path!r}: under torch.distributed the call is collective (each rank writes its "
@@ -284,6 +289,11 @@ def write_snapshot(
         if int(refused.item()):
             raise ValueError(f"snapshot {path!r}: another rank's arguments were refused (its error says which); "
                              "no file of the set was written")
+        largest, smallest = reduced[1:1 + len(shared)].tolist(), (-reduced[1 + len(shared):]).tolist()
+        for name, high, low in zip(shared, largest, smallest):
+            if high != low:  # the same on every rank: every rank raises
+                raise ValueError(f"snapshot {path!r}: the ranks pass different {name} (from {low} to {high}); "
+                                 "every file of a set holds the same one. No file of the set was written")
     ids = ids[member]
     positions, momenta = positions[member], momenta[member]
     valid = int((ids >= 0).sum())
