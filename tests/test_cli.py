@@ -375,3 +375,26 @@ def test_torchrun_snapshots_and_bit_identical_resume(tmp_path):
         return [line for line in (folder / "power_spectrum.txt").read_text().splitlines() if not line.startswith("#")]
 
     assert table(first) == table(second)
+
+
+def test_config_window_compensation_reaches_the_simulation(tmp_path):
+    """`window_compensation` is a config key (the error for `cic_compensation` with another
+    paint order recommends it); the CLI's simulation divides by that window."""
+    from torchpm.__main__ import UserError, build_simulation
+    from torchpm.config import load_config
+
+    path = tmp_path / "tsc.toml"
+    path.write_text('n_particles = 8\nbox_size = 64.0\npaint_order = "tsc"\nwindow_compensation = true\n')
+    sim = build_simulation(load_config(str(path)))
+    assert sim.paint_order == "tsc" and sim.window_compensation and not sim.cic_compensation
+    plain = build_simulation(load_config(str(path), {"window_compensation": False}))
+    cells = torch.rand(1, 200, 3, generator=torch.Generator().manual_seed(0)) * 8.0  # 8^3 force mesh (B = 1)
+    cells[0, :60] = 2.0 + torch.rand(60, 3, generator=torch.Generator().manual_seed(1))  # a clump
+    divided, undivided = (s.forces(cells, 0.5) for s in (sim, plain))
+    assert float((divided - undivided).abs().max()) > 1e-3 * float(undivided.abs().max())
+    path.write_text('n_particles = 8\nbox_size = 64.0\npaint_order = "tsc"\ncic_compensation = true\n')
+    with pytest.raises(UserError, match="use `window_compensation=True` alone"):
+        build_simulation(load_config(str(path)))
+    # the advice works from a config
+    path.write_text('n_particles = 8\nbox_size = 64.0\npaint_order = "tsc"\nwindow_compensation = true\n')
+    assert build_simulation(load_config(str(path))).window_compensation

@@ -101,6 +101,7 @@ def build_simulation(config: dict):
             gradient=config["gradient"],
             laplacian=config["laplacian"],
             cic_compensation=config["cic_compensation"],
+            window_compensation=config["window_compensation"],
             sort_every=config["sort_every"],
             dtype=dtype,
             # Checked below on the run's device with the run's batch, not on the CPU with batch 1.

@@ -414,7 +414,12 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "cic_compensation", "bool", default=False, unit="", allowed="true, false",
-        help="deconvolve the mass-assignment window in the force kernel",
+        help="divide the force kernel by the CIC window once (FastPM, JaxPM); CIC only",
+        check=lambda n, v: as_bool(n, v),
+    ),
+    Setting(
+        "window_compensation", "bool", default=False, unit="", allowed="true, false",
+        help="divide the force kernel by the square of the paint_order window (not with cic_compensation)",
         check=lambda n, v: as_bool(n, v),
     ),
     Setting(

@@ -135,6 +135,8 @@ def simulation_config(sim) -> dict:
         gradient=sim.kernel_options["gradient"],
         laplacian=sim.kernel_options["laplacian"],
         cic_compensation=sim.cic_compensation,
+        paint_order=sim.paint_order,
+        window_compensation=sim.window_compensation,
         cosmology=cosmology,
         dtype=str(sim.dtype).replace("torch.", ""),
         **({"power_spectrum": power} if power else {}),
@@ -699,7 +701,8 @@ def check_restart(snapshot: Snapshot, sim) -> None:
     if not attributes or not attributes.get("exact_restart", False) or snapshot.mesh_positions is None:
         raise ValueError(
             f"snapshot {snapshot.files[0]!r} holds no exact restart data (the torchpm group with mesh-unit "
-            "particles, written with mesh_units=True); it cannot be resumed"
+            "particles, written with mesh_units=True); it cannot be resumed. A snapshot to resume from is "
+            "written from a state in force-mesh units: the MeshUnitsState of sim(..., return_mesh_units=True)"
         )
     ours = dict(
         n_particles=list(sim.particle_shape),
