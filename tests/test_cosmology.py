@@ -264,3 +264,14 @@ def test_growth_table_range_error():
     table = growth_table(torchpm.Planck15(), a_min=0.05)
     with pytest.raises(ValueError, match="outside the table"):
         table.at(torch.tensor([0.01], dtype=torch.float64))
+
+
+def test_parameters_are_the_callers_tensors():
+    """A 0-d float64 parameter is kept as given, so its gradient can be read from the
+    Cosmology too; others are converted (a float32 or 1-element tensor, a number)."""
+    omega_c = torch.tensor(0.26, dtype=torch.float64, requires_grad=True)
+    cosmology = torchpm.Planck15(Omega_c=omega_c, h=torch.tensor([0.7], dtype=torch.float32))
+    assert cosmology.Omega_c is omega_c
+    assert cosmology.h.shape == () and cosmology.h.dtype == torch.float64
+    cosmology.Omega_c.sum().backward()  # (any function of the parameter)
+    assert cosmology.Omega_c.grad is omega_c.grad and float(omega_c.grad) == 1.0

@@ -86,7 +86,8 @@ class Cosmology:
             tensor = value if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
             if tensor.numel() != 1:
                 raise ValueError(f"Cosmology: `{key}` must be a scalar, got shape {tuple(tensor.shape)}")
-            tensor = tensor.reshape(()).to(torch.float64)
+            if tensor.dim() or tensor.dtype != torch.float64:  # (the caller's 0-d float64 tensor is kept:
+                tensor = tensor.reshape(()).to(torch.float64)  # its .grad is read from the attribute too)
             if not bool(torch.isfinite(tensor.detach())):
                 raise ValueError(f"Cosmology: `{key}` must be finite, got {float(tensor.detach())}")
             setattr(self, key, tensor)
