@@ -393,6 +393,12 @@ def case_whole_state_refused(grid, ctx):
     duplicated = torchpm.SimulationState(state.positions, state.momenta, state.a, ids)
     expect_error_everywhere(lambda: sim.resume(duplicated), "resume: the ids of batch member 0 are not each of "
                             "0 .. 209 once over the 2 ranks (an id is held on two ranks, another on none)")
+    # a NaN momentum on one rank, with no step to run: every rank raises
+    momenta = state.momenta.clone()
+    if ctx["rank"] == 1:
+        momenta[0, int(torch.nonzero(state.ids[0] >= 0)[0])] = float("nan")
+    nan = torchpm.SimulationState(state.positions, momenta, state.a, state.ids)
+    expect_error_everywhere(lambda: sim.resume(nan, until=state.a), "resume: the state's momenta are not finite")
     # the run's own state resumes
     assert sim.gather(sim.resume(state)).positions.shape == (1, 210, 3)
 

@@ -360,3 +360,17 @@ def test_a_mesh_units_state_is_read_in_its_units(tmp_path):
     restored = restart_state(typed, sim)
     assert isinstance(restored, torchpm.MeshUnitsState)
     assert torch.equal(sim.resume(restored).positions, sim(noise).positions)
+
+
+@pytest.mark.parametrize("name", ["positions", "momenta"])
+def test_resume_refuses_non_finite_particles_without_steps_too(name):
+    sim = _tiny()
+    with torch.no_grad():
+        state = sim(sim.white_noise(seed=3), until=sim.scale_factors[1], return_mesh_units=True)
+    values = dict(positions=state.positions.clone(), momenta=state.momenta.clone())
+    values[name][0, 5, 1] = float("nan")
+    bad = torchpm.MeshUnitsState(values["positions"], values["momenta"], state.a, state.ids)
+    for until in (state.a, None):  # no step to run, and the rest of the run
+        with pytest.raises(ValueError, match=f"resume: the state's {name} are not finite"):
+            sim.resume(bad, until=until)
+    assert torch.isfinite(sim.resume(state, until=state.a).momenta).all()

@@ -680,6 +680,16 @@ class Simulation(nn.Module):
             positions, ids, momenta, capacity=self.particle_capacity
         )
         self._check_particles(ids, "resume")
+        # (Here, not in the steps: `until` may be the state's own scale factor, and one
+        # device migrates nothing, so nothing else would look at them.)
+        occupied = (ids >= 0).unsqueeze(-1)
+        error = next((f"resume: the state's {name} are not finite (NaN or inf)" for name, values in
+                      (("positions", positions), ("momenta", momenta))
+                      if not bool(torch.isfinite(values.detach()).logical_or(~occupied).all())), None)
+        if not self.force_mesh.is_local:
+            self.force_mesh.raise_together(error, operation="Simulation.resume")
+        elif error:
+            raise ValueError(error)
         if stop > start:
             self._check_correction()
             cosmology = self._replicated(self.cosmology)
