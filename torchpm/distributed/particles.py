@@ -202,7 +202,8 @@ def _move(tensors, fills, batch, count_from, count_to, pick, put, clear, keep_ba
             values = torch.cat([moved, _fill_rows(clear.numel(), moved, width, fill)])
         written = base.index_copy_(0, index, values) if fresh else base.index_copy(0, index, values)
         out.append(written.view(batch, count_to, *features))
-    return [tensor.view(dtype) for tensor, dtype in zip(out, dtypes)]
+    # (only where the dtype changed: view(dtype) is not differentiable, even to itself)
+    return [tensor if tensor.dtype == dtype else tensor.view(dtype) for tensor, dtype in zip(out, dtypes)]
 
 
 class _Stage:
