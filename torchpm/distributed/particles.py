@@ -91,8 +91,8 @@ def _carrier(tensors: Sequence[torch.Tensor]):
     Floating tensors of one dtype share a buffer (so the exchange stays differentiable);
     int64 tensors ride along in the first floating buffer, bit for bit (``view(dtype)``),
     which moves only bytes and never does arithmetic on them. A dtype that gloo or NCCL
-    cannot send (int16, uint16, uint32, uint64, ...) goes as its bytes (uint8). Anything
-    else gets its own."""
+    cannot send (int16, the float8 types; wider unsigned ones come as signed, see
+    :func:`_as_signed`) goes as its bytes (uint8). Anything else gets its own."""
     groups: dict[torch.dtype, list[int]] = {}
     for index, tensor in enumerate(tensors):
         dtype = tensor.dtype
