@@ -274,7 +274,8 @@ def write_snapshot(
         error = exc
     if together:
         # What every file of the set must share: the largest and (negated) smallest of each.
-        shared = {"member": member, "step (the state's scale factor)": step, "num_files": num_files}
+        shared = {"member": member, "step (the state's scale factor)": step, "num_files": num_files,
+                  "overwrite": bool(overwrite)}
         values = [int(v) for v in shared.values()] if error is None else [0] * len(shared)
         try:
             reduced = grid.all_reduce(torch.tensor([0 if error is None else 1] + values + [-v for v in values],
@@ -295,7 +296,7 @@ def write_snapshot(
         for name, high, low in zip(shared, largest, smallest):
             if high != low:  # the same on every rank: every rank raises
                 raise ValueError(f"snapshot {path!r}: the ranks pass different {name} (from {low} to {high}); "
-                                 "every file of a set holds the same one. No file of the set was written")
+                                 "the ranks writing a set must pass the same. No file of the set was written")
     ids = ids[member]
     positions, momenta = positions[member], momenta[member]
     valid = int((ids >= 0).sum())
