@@ -383,16 +383,22 @@ def case_whole_state_refused(grid, ctx):
         ids[ids >= 0] = 0
     twice = torchpm.SimulationState(state.positions, state.momenta, state.a, ids)
     expect_error_everywhere(lambda: sim.resume(twice), "resume: the ids of batch member 0 are not each of 0 .. 209 once")
-    # One id on both ranks and another on none: each rank's ids distinct, 210 in all.
-    ids = state.ids.clone()
-    held = sim.gather(state).ids  # (every id, on every rank)
-    mine = ids[ids >= 0]
-    if ctx["rank"] == 1:
-        other = int(held[0][~torch.isin(held[0], mine)].min())  # an id rank 0 holds
-        ids[ids == int(mine.max())] = other
-    duplicated = torchpm.SimulationState(state.positions, state.momenta, state.a, ids)
-    expect_error_everywhere(lambda: sim.resume(duplicated), "resume: the ids of batch member 0 are not each of "
-                            "0 .. 209 once over the 2 ranks (an id is held on two ranks, another on none)")
+    # Ids on both ranks and as many on none, each rank's ids distinct, 210 in all: one id,
+    # and two whose sum is that of the two they replace (the plain sum of ids is blind to it).
+    held = sim.gather(state).ids[0]  # (every id, on every rank)
+    mine = state.ids[0][state.ids[0] >= 0]
+    others = held[~torch.isin(held, mine)].tolist()  # the ids rank 0 holds
+    sums = {a + b: (a, b) for i, a in enumerate(others) for b in others[i + 1:]}
+    pair = next(((a, b), sums[a + b]) for i, a in enumerate(mine.tolist()) for b in mine.tolist()[i + 1:]
+                if a + b in sums)
+    for replaced, by in (([int(mine.max())], [others[0]]), pair):
+        ids = state.ids.clone()
+        if ctx["rank"] == 1:
+            for old, new in zip(replaced, by):
+                ids[ids == old] = new
+        duplicated = torchpm.SimulationState(state.positions, state.momenta, state.a, ids)
+        expect_error_everywhere(lambda: sim.resume(duplicated), "resume: the ids of batch member 0 are not each of "
+                                "0 .. 209 once over the 2 ranks (an id is held on two ranks, another on none)")
     # a NaN momentum on one rank, with no step to run: every rank raises
     momenta = state.momenta.clone()
     if ctx["rank"] == 1:

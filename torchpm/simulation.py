@@ -131,13 +131,18 @@ def _field_checksum(field: torch.Tensor) -> str:
     return " ".join(f"{value:.9g}" for value in sums.tolist())
 
 
-_ID_PRIME = 2**31 - 1  # (id * a) mod p is a bijection of 0 .. p-1: sums exact in int64 for N < 2^32
+_ID_PRIME = 2**31 - 1
 
 
 def _id_sums(ids: torch.Tensor) -> torch.Tensor:
-    """``(3,)`` int64 sums over ``ids`` (int64, each < 2^32) of the id and of two
-    bijections of it: a checksum of a set of particle ids."""
-    return torch.stack([ids.sum(), (ids * 48271 % _ID_PRIME).sum(), (ids * 1103515245 % _ID_PRIME).sum()])
+    """``(4,)`` int64 power sums over ``ids`` (int64, each < 2^32): of the ids, and of their
+    squares, cubes and fourth powers mod the prime 2^31 - 1 (exact in int64 for fewer than
+    2^32 ids). Two sets of at most 4 ids with the same sums are the same set, up to
+    collisions mod the prime (Newton's identities)."""
+    x = ids % _ID_PRIME
+    x2 = x * x % _ID_PRIME
+    x3 = x2 * x % _ID_PRIME
+    return torch.stack([ids.sum(), x2.sum(), x3.sum(), (x3 * x % _ID_PRIME).sum()])
 
 
 class Simulation(nn.Module):
@@ -778,11 +783,11 @@ class Simulation(nn.Module):
         mesh.raise_together(error, operation="Simulation.check_particles")
         if mesh.is_local:
             return
-        # Each rank's ids are distinct and in range and the ranks hold N of them: an id held
-        # on two ranks (and one missing) remains. Sums over the grid of the ids and of two
-        # bijections of them find it: every rank adds its ids' sums less those of its share
-        # of 0 .. N-1, and the totals are all 0 exactly when no id is held twice (up to an
-        # improbable cancellation of several). The same totals on every rank: all raise.
+        # Each rank's ids are distinct and in range and the ranks hold N of them: ids held
+        # on two ranks (and as many missing) remain. Power sums of the ids over the grid find
+        # them: every rank adds its ids' sums less those of its share of 0 .. N-1, and the
+        # totals are all 0 when no id is held twice (certainly when at most 4 are; more
+        # would need a coincidence mod a prime). The same totals on every rank: all raise.
         share = torch.arange(mesh.grid.rank, n, mesh.grid.size, dtype=torch.int64, device=ids.device)
         totals = mesh.all_reduce(torch.stack([_id_sums(row[row >= 0]) - _id_sums(share) for row in ids]))
         for member, total in enumerate(totals.tolist()):
