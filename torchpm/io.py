@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import re
 import torch
@@ -243,6 +244,10 @@ def write_snapshot(
         file_index, num_files = (grid.rank, grid.size) if grid is not None else (0, 1)
     # A multi-file set is written by every rank together: one rank's bad argument
     # makes every rank raise (instead of the others waiting in the collectives below).
+    # (integers of other types, e.g. numpy's, as ints: an int64 `num_files` must not make a
+    # rank write alone while the others wait for it)
+    num_files, file_index = (int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v
+                             for v in (num_files, file_index))
     together = grid is not None and isinstance(num_files, int) and num_files > 1
     error = None
     try:
@@ -297,6 +302,13 @@ def write_snapshot(
             if high != low:  # the same on every rank: every rank raises
                 raise ValueError(f"snapshot {path!r}: the ranks pass different {name} (from {low} to {high}); "
                                  "the ranks writing a set must pass the same. No file of the set was written")
+        if num_files != grid.size:
+            raise ValueError(f"snapshot {path!r}: num_files={num_files}, but {grid.size} ranks write the set (one "
+                             "file each). No file of the set was written")
+        hits = grid.all_reduce(torch.nn.functional.one_hot(torch.tensor(file_index), grid.size), "sum").tolist()
+        if any(hit != 1 for hit in hits):
+            raise ValueError(f"snapshot {path!r}: the ranks' file_index are not each of 0 .. {num_files - 1} once "
+                             f"(files per index: {hits}). No file of the set was written")
     ids = ids[member]
     positions, momenta = positions[member], momenta[member]
     valid = int((ids >= 0).sum())
