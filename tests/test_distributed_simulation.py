@@ -463,9 +463,15 @@ def case_migration_dtypes(grid, ctx):
         return mixed.unsqueeze(-1).view(torch.uint8)[..., :width].contiguous().view(dtype).squeeze(-1)
 
     dtypes = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32,
-              torch.int64, torch.uint64, torch.float16, torch.bfloat16, torch.float32]
+              torch.int64, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn]
     attributes = [bits(ids, dtype) for dtype in dtypes]
     plan, _, new_ids, *moved = mesh.migrate(positions, ids, *attributes)
+    # the same written into the caller's tensors (the in-place path)
+    _, _, same_ids, *in_place = mesh.migrate(positions.clone(), ids.clone(), *[a.clone() for a in attributes],
+                                             overwrite=True)
+    assert torch.equal(same_ids, new_ids)
+    assert all(torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a,
+                           b.view(torch.uint8) if b.dtype != torch.bool else b) for a, b in zip(in_place, moved))
     kept = new_ids >= 0
     for dtype, values in zip(dtypes, moved):
         assert values.dtype == dtype

@@ -75,14 +75,16 @@ _SENT_AS_IS = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.flo
                          torch.complex128, torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool})
 
 
-_SIGNED = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _as_signed(tensor: torch.Tensor) -> torch.Tensor:
-    """Unsigned integers wider than a byte, which few torch ops accept (index_copy does
-    not), moved as the signed integers of the same bits."""
-    signed = _SIGNED.get(tensor.dtype)
-    return tensor if signed is None else tensor.view(signed)
+    """A dtype outside :data:`_SENT_AS_IS` (wider unsigned integers, the float8 types, ...),
+    which few torch ops accept (index_copy does not), moved as the signed integer of the
+    same bits; one that records gradients is left as it is (a view of the bits would cut them)."""
+    if tensor.dtype in _SENT_AS_IS or tensor.requires_grad or tensor.element_size() not in _SIGNED:
+        return tensor
+    return tensor.view(_SIGNED[tensor.element_size()])
 
 
 def _carrier(tensors: Sequence[torch.Tensor]):
@@ -90,9 +92,9 @@ def _carrier(tensors: Sequence[torch.Tensor]):
 
     Floating tensors of one dtype share a buffer (so the exchange stays differentiable);
     int64 tensors ride along in the first floating buffer, bit for bit (``view(dtype)``),
-    which moves only bytes and never does arithmetic on them. A dtype that gloo or NCCL
-    cannot send (int16, the float8 types; wider unsigned ones come as signed, see
-    :func:`_as_signed`) goes as its bytes (uint8). Anything else gets its own."""
+    which moves only bytes and never does arithmetic on them. int16, which gloo cannot
+    send, goes as its bytes (uint8; other dtypes the backends lack come as signed
+    integers, see :func:`_as_signed`). Anything else gets its own."""
     groups: dict[torch.dtype, list[int]] = {}
     for index, tensor in enumerate(tensors):
         dtype = tensor.dtype
