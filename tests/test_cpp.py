@@ -72,8 +72,10 @@ def example(request):
     packaged = [f"-DTORCHPM_PREBUILT_LIBRARY={torchpm.ops_library()}"] if request.param == "package" else []
     log = []
     # Configure once; later builds re-run the configuration themselves when a
-    # CMakeLists.txt or csrc/sources.txt (or a globbed directory) changed.
-    if not os.path.exists(os.path.join(library_build, "CMakeCache.txt")):
+    # CMakeLists.txt or csrc/sources.txt (or a globbed directory, or the packaged
+    # library) changed. The package is configured each time (seconds), in case
+    # torchpm is now loaded from elsewhere.
+    if packaged or not os.path.exists(os.path.join(library_build, "CMakeCache.txt")):
         _run(
             [cmake, "-S", ROOT, "-B", library_build, *generator, "-DCMAKE_BUILD_TYPE=Release",
              f"-DCMAKE_CXX_COMPILER={compiler}", f"-DCMAKE_PREFIX_PATH={prefix}",
