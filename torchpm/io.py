@@ -282,9 +282,12 @@ def write_snapshot(
         shared = {"member": member, "step (the state's scale factor)": step, "num_files": num_files,
                   "overwrite": bool(overwrite)}
         values = [int(v) for v in shared.values()] if error is None else [0] * len(shared)
+        # and which files the ranks write: with num_files = the ranks, an index no rank
+        # writes means two ranks write another
+        files = [int(error is None and index == file_index) for index in range(grid.size)]
         try:
-            reduced = grid.all_reduce(torch.tensor([0 if error is None else 1] + values + [-v for v in values],
-                                                   dtype=torch.int64), "max").cpu()
+            reduced = grid.all_reduce(torch.tensor([0 if error is None else 1] + values + [-v for v in values]
+                                                   + files, dtype=torch.int64), "max").cpu()
             refused = reduced[:1]
         except RuntimeError as failure:  # most often the timeout: a rank that never called it
             raise type(failure)(
@@ -297,7 +300,8 @@ def write_snapshot(
         if int(refused.item()):
             raise ValueError(f"snapshot {path!r}: another rank's arguments were refused (its error says which); "
                              "no file of the set was written")
-        largest, smallest = reduced[1:1 + len(shared)].tolist(), (-reduced[1 + len(shared):]).tolist()
+        k = len(shared)
+        largest, smallest = reduced[1:1 + k].tolist(), (-reduced[1 + k:1 + 2 * k]).tolist()
         for name, high, low in zip(shared, largest, smallest):
             if high != low:  # the same on every rank: every rank raises
                 raise ValueError(f"snapshot {path!r}: the ranks pass different {name} (from {low} to {high}); "
@@ -305,10 +309,10 @@ def write_snapshot(
         if num_files != grid.size:
             raise ValueError(f"snapshot {path!r}: num_files={num_files}, but {grid.size} ranks write the set (one "
                              "file each). No file of the set was written")
-        hits = grid.all_reduce(torch.nn.functional.one_hot(torch.tensor(file_index), grid.size), "sum").tolist()
-        if any(hit != 1 for hit in hits):
+        missing = [index for index, hit in enumerate(reduced[1 + 2 * k:].tolist()) if not hit]
+        if missing:
             raise ValueError(f"snapshot {path!r}: the ranks' file_index are not each of 0 .. {num_files - 1} once "
-                             f"(files per index: {hits}). No file of the set was written")
+                             f"(no rank writes {missing}). No file of the set was written")
     ids = ids[member]
     positions, momenta = positions[member], momenta[member]
     valid = int((ids >= 0).sum())

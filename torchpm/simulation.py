@@ -687,14 +687,11 @@ class Simulation(nn.Module):
         self._check_particles(ids, "resume")
         # (Here, not in the steps: `until` may be the state's own scale factor, and one
         # device migrates nothing, so nothing else would look at them.)
-        occupied = (ids >= 0).unsqueeze(-1)
-        error = next((f"resume: the state's {name} are not finite (NaN or inf)" for name, values in
-                      (("positions", positions), ("momenta", momenta))
-                      if not bool(torch.isfinite(values.detach()).logical_or(~occupied).all())), None)
-        if not self.force_mesh.is_local:
-            self.force_mesh.raise_together(error, operation="Simulation.resume")
-        elif error:
-            raise ValueError(error)
+        empty = (ids < 0).unsqueeze(-1)
+        bad = [name for name, values in (("positions", positions), ("momenta", momenta))
+               if not bool((torch.isfinite(values.detach()) | empty).all())]
+        self.force_mesh.raise_together(bad and f"resume: the state's {' and '.join(bad)} are not finite (NaN or inf)",
+                                       operation="Simulation.resume")
         if stop > start:
             self._check_correction()
             cosmology = self._replicated(self.cosmology)
