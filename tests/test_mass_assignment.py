@@ -587,6 +587,45 @@ def test_gradcheck_every_input(device, order, mode):
     assert torch.autograd.gradgradcheck(lambda x, w: torchpm.paint(x, w, shape, **geo), (x, w), eps=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("order", ["cic", "tsc", "pcs"])
+@pytest.mark.parametrize("mode", ["periodic", "block"])
+def test_second_derivatives_of_nonlinear_losses(device, order, mode):
+    # gradgradcheck draws its cotangents independently of the inputs; in a Hessian-vector
+    # product or a gradient penalty the cotangent of paint or readout depends on the same
+    # positions (here sum(paint(x)**2): 2 paint(x)). The gradient of such a loss, as a
+    # function of every input, against its numerical Jacobian (second derivatives),
+    # and against the double backward of the pure-torch twins.
+    shape, offset, periodic = geometry(mode, small=True)
+    geo = dict(order=order, offset=offset, periodic=periodic)
+    number = {"cic": 2, "tsc": 3, "pcs": 4}[order]
+    x = gradcheck_positions(order, mode, 5, device).requires_grad_(True)
+    w = torch.rand(1, 5, 2, dtype=torch.float64, device=device, requires_grad=True)
+    mesh = torch.randn(1, 2, *shape, dtype=torch.float64, device=device, requires_grad=True)
+
+    def paint_loss(paint):
+        return lambda x, w: torch.autograd.grad((paint(x, w) ** 2).sum(), (x, w), create_graph=True)
+
+    def readout_loss(readout):
+        return lambda m, x: torch.autograd.grad((readout(m, x) ** 2).sum(), (m, x), create_graph=True)
+
+    ours_paint = paint_loss(lambda x, w: torchpm.paint(x, w, shape, **geo))
+    ours_readout = readout_loss(lambda m, x: torchpm.readout(m, x, **geo))
+    assert torch.autograd.gradcheck(ours_paint, (x, w), eps=1e-6, atol=1e-7)
+    assert torch.autograd.gradcheck(ours_readout, (mesh, x), eps=1e-6, atol=1e-7)
+    twin_paint = paint_loss(lambda x, w: paint_reference(x, w, shape, offset, periodic, number))
+    twin_readout = readout_loss(lambda m, x: readout_reference(m, x, offset, periodic, number))
+    for ours, twin, inputs in ((ours_paint, twin_paint, (x, w)), (ours_readout, twin_readout, (mesh, x))):
+        direction = [torch.randn_like(t) for t in inputs]
+
+        def hvp(function):
+            first = function(*inputs)
+            dot = sum((g * d).sum() for g, d in zip(first, direction))
+            return torch.autograd.grad(dot, inputs)
+
+        for got, expected in zip(hvp(ours), hvp(twin)):
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+
+
 def test_ngp_position_gradient_is_zero(device):
     shape = (6, 6, 6)
     x = gradcheck_positions("ngp", "periodic", 20, device).requires_grad_(True)

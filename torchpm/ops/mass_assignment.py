@@ -444,26 +444,29 @@ def _position_gradient_backward(ctx, grad):
     # Only reached for second derivatives (Hessian-vector products, gradient
     # penalties). Rare enough to differentiate the pure-torch twin instead of
     # keeping a second set of kernels; exact, including the cross terms
-    # d2W/dx_i dx_j of the separable weights.
+    # d2W/dx_i dx_j of the separable weights. The partial derivatives are taken with
+    # torch.func.vjp, which treats mesh, positions and values as independent inputs:
+    # torch.autograd.grad on the saved tensors themselves would add, to the partial in
+    # the positions, the path through a mesh that depends on them (the cotangent of a
+    # paint inside a loss such as sum(paint(x)**2)), counting it twice. The result
+    # stays differentiable in the saved tensors for third derivatives.
     mesh, positions, values = ctx.saved_tensors
     offset, periodic, order = ctx.geometry
     needs = ctx.needs_input_grad[:3]
-    with torch.enable_grad():
-        inputs = [
-            t if t is None or t.requires_grad or not need else t.detach().requires_grad_(True)
-            for t, need in zip((mesh, positions, values), needs)
-        ]
-        out = _reference.position_gradient_reference(*inputs, offset, periodic, order)
-        leaves = [t for t, need in zip(inputs, needs) if need]
-        grads = iter(
-            torch.autograd.grad(out, leaves, grad, allow_unused=True, create_graph=torch.is_grad_enabled())
-        )
-    result = []
-    for t, need in zip(inputs, needs):
-        g = next(grads) if need else None
-        if need and g is None:  # NGP: no dependence at all
-            g = torch.zeros_like(t)
-        result.append(g)
+    inputs = (mesh, positions, values)
+    wanted = [i for i, need in enumerate(needs) if need and inputs[i] is not None]
+
+    def twin(*chosen):
+        arguments = list(inputs)
+        for i, value in zip(wanted, chosen):
+            arguments[i] = value
+        return _reference.position_gradient_reference(*arguments, offset, periodic, order)
+
+    result = [None, None, None]
+    if wanted:
+        _, pull_back = torch.func.vjp(twin, *(inputs[i] for i in wanted))
+        for i, g in zip(wanted, pull_back(grad)):
+            result[i] = g
     return (*result, None, None, None)
 
 
