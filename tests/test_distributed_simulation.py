@@ -43,7 +43,8 @@ def case_ids(world_size):
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}"]
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"migration_dtypes-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
-                    f"whole_state_refused-{grid}", f"adjoint_explicit_cosmology-{grid}", f"compiled-{grid}"]
+                    f"whole_state_refused-{grid}", f"adjoint_explicit_cosmology-{grid}", f"compiled-{grid}",
+                    f"func_grad-{grid}"]
     if world_size == 3:
         ids.append("subgrid_snapshot-2x1")  # a 2-rank grid inside the 3-rank world
     if world_size > 1:
@@ -196,6 +197,58 @@ def _compare_gradients(grid, ctx, batch, checkpoint=False, adjoint=False, tolera
     assert error <= tolerance * float(expected.abs().max()), f"d loss / d white noise: {error:.3e}"
     error = abs(float(local_omega_grad - omega_grad))
     assert error <= tolerance * abs(float(omega_grad)), f"d loss / d Omega_c: {error:.3e} of {float(omega_grad):.3e}"
+
+
+def case_func_grad(grid, ctx):
+    # torch.func.grad on the grid (the migrations, halo exchanges and grid sums inside
+    # the transform) against serial torch.autograd, and grad of grad against the grid's
+    # own torch.autograd double backward
+    import torchpm
+
+    serial, distributed = simulations(grid, ctx)
+    field = global_random((1, *serial.mesh_shape), 5)
+
+    def loss(sim, noise, omega_c):
+        sim.cosmology = torchpm.Planck15(Omega_c=omega_c)
+        try:
+            density = sim.density(sim(noise))
+        finally:
+            sim.cosmology = torchpm.Planck15()
+        return (density * sim.force_mesh.local_real_part(field)).sum() + 1e-3 * (density**2).sum()
+
+    omega_c = torch.tensor(0.2589, dtype=torch.float64)
+    noise = serial.white_noise(batch=1, seed=3).requires_grad_()
+    leaf = omega_c.clone().requires_grad_()
+    noise_grad, omega_grad = torch.autograd.grad(loss(serial, noise, leaf), (noise, leaf))
+    local_noise = distributed.white_noise(batch=1, seed=3)
+    got_noise, got_omega = torch.func.grad(lambda n, o: loss(distributed, n, o), argnums=(0, 1))(local_noise, omega_c)
+    expected = distributed.particle_mesh.local_real_part(noise_grad)
+    assert_small(float((got_noise - expected).abs().max()), float(expected.abs().max()), "torch.func.grad: white noise")
+    assert_small(abs(float(got_omega - omega_grad)), abs(float(omega_grad)), "torch.func.grad: Omega_c")
+
+    direction = distributed.particle_mesh.local_real_part(global_random(tuple(noise.shape), 6))
+
+    def first(n):
+        return torch.func.grad(lambda m: loss(distributed, m, omega_c))(n)
+
+    hvp = torch.func.grad(lambda n: (first(n) * direction).sum())(local_noise)
+    leaf = local_noise.clone().requires_grad_()
+    (gradient,) = torch.autograd.grad(loss(distributed, leaf, omega_c), leaf, create_graph=True)
+    (expected_hvp,) = torch.autograd.grad((gradient * direction).sum(), leaf)
+    assert float(expected_hvp.abs().max()) > 0
+    assert_small(float((hvp - expected_hvp).abs().max()), float(expected_hvp.abs().max()), "grad of grad")
+
+    # jacrev (vmap over the pull-back: the halo exchanges, grid sums and the all-to-all
+    # of the migrations batched) of two losses, row by row against serial gradients
+    def losses(sim, n):
+        density = sim.density(sim(n))
+        return torch.stack([(density * sim.force_mesh.local_real_part(field)).sum(), (density**2).sum()])
+
+    jacobian = torch.func.jacrev(lambda n: losses(distributed, n))(local_noise)
+    for row in range(2):
+        (expected,) = torch.autograd.grad(losses(serial, noise)[row], noise)
+        expected = distributed.particle_mesh.local_real_part(expected)
+        assert_small(float((jacobian[row] - expected).abs().max()), float(expected.abs().max()), f"jacrev row {row}")
 
 
 def case_gradient_b1(grid, ctx):

@@ -398,7 +398,7 @@ class _AdjointKickDriftKick(torch.autograd.Function):
     the parameter list."""
 
     @staticmethod
-    def forward(ctx, setup, positions, momenta, table, *parameters):
+    def forward(setup, positions, momenta, table, *parameters):
         force, step, callback = setup["force"], setup["step"], setup["callback"]
         rows = table.unbind(0)
         last = {}
@@ -415,11 +415,17 @@ class _AdjointKickDriftKick(torch.autograd.Function):
             positions, momenta, forces = step(positions, momenta, forces, _row_factors(row), function)
             if callback is not None:
                 callback(number, float(row[1]))
-        ctx.setup = setup
-        ctx.last_force = last["saved"]
-        ctx.set_materialize_grads(False)  # an unused output's adjoint stays None: no zero tensors
-        ctx.save_for_backward(positions, momenta, forces, table)
+        setup["last_force"] = last["saved"]
         return positions, momenta, forces
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        # (the setup_context form, which torch.func transforms require)
+        setup, table = inputs[0], inputs[3]
+        ctx.setup = setup
+        ctx.last_force = setup.pop("last_force", None)
+        ctx.set_materialize_grads(False)  # an unused output's adjoint stays None: no zero tensors
+        ctx.save_for_backward(*output, table)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

@@ -25,6 +25,7 @@ from .distributed.decomposition import PencilDecomposition
 from .distributed.groups import eager, unsummed_leaves
 from .distributed.layout import balanced_grid
 from .mesh import LocalMesh
+from ._transforms import active_transforms, is_transformed, outside_transforms, plain, transforms_active
 from .fourier import FourierKernels
 from .pm import StepFactors, add_scaled, add_scaled_, compute_forces, force_field, readout_kick_drift_, step_factors
 from .resources import check_memory, estimate_memory
@@ -300,6 +301,7 @@ class Simulation(nn.Module):
         self.cosmology = cosmology
         try:
             self.power = resolve_power(power_spectrum)
+            self._builtin_power = not callable(power_spectrum)  # a name or a table's path
         except UnicodeDecodeError:
             raise ValueError(f"`power_spectrum`: {power_spectrum!r} is not a UTF-8 text table (a binary file?)") from None
         except ValueError as error:
@@ -448,15 +450,16 @@ class Simulation(nn.Module):
             else:
                 mesh, cell, compensate = self.force_mesh, self.cell_size, self.cic_compensation
             window = self.paint_order if which == "force" and self.window_compensation else None
-            self._kernels[key] = FourierKernels(
-                mesh,
-                cell,
-                cic_compensation=compensate,
-                window_compensation=window,
-                dtype=self.dtype,
-                device=self.device,
-                **self.kernel_options,
-            )
+            with outside_transforms():  # geometry only: plain tensors, valid under any transform
+                self._kernels[key] = FourierKernels(
+                    mesh,
+                    cell,
+                    cic_compensation=compensate,
+                    window_compensation=window,
+                    dtype=self.dtype,
+                    device=self.device,
+                    **self.kernel_options,
+                )
         return self._kernels[key]
 
     def white_noise(self, batch: int = 1, seed: int = 0) -> torch.Tensor:
@@ -507,16 +510,51 @@ class Simulation(nn.Module):
             field = mesh.local_real_part(field)
         return field.to(dtype=self.dtype, device=self.device)
 
-    def _cached(self, name, cosmology, build):
+    def _check_transforms(self, operation):
+        """Refuses the ``torch.func`` uses a run cannot honour, before it starts. Under
+        ``torch.func.grad``/``vjp``/``jacrev`` a run takes the derivatives
+        ``torch.autograd.grad`` takes; ``jvp``/``jacfwd`` are refused by the ops."""
+        kinds = active_transforms()
+        if not kinds:
+            return
+        if "vmap" in kinds:
+            raise NotImplementedError(
+                f"{operation}: torch.func.vmap over a simulation is not supported (the run checks its "
+                "particles' values as it goes). Run independent simulations as a batch instead: white "
+                "noise of shape (B, *n_particles) runs B of them in one call, and a loss of the batch "
+                "gives their gradients together. torch.func.jacrev, whose vmap runs only in the backward "
+                "pass, works."
+            )
+        if torch.is_grad_enabled() and self.adjoint:
+            raise NotImplementedError(
+                f"{operation}: adjoint=True runs its own backward pass with torch.autograd, which cannot "
+                "run inside a torch.func transform; use torch.autograd.grad / backward with adjoint=True, "
+                "or adjoint=False under torch.func"
+            )
+        if torch.is_grad_enabled() and self.checkpoint:
+            raise NotImplementedError(
+                f"{operation}: checkpoint=True saves its steps with saved-tensor hooks, which torch.func "
+                "transforms do not support; use torch.autograd.grad / backward with checkpoint=True, or "
+                "checkpoint=False under torch.func"
+            )
+
+    def _cached(self, name, cosmology, build, pure=True):
         """``build()``, reused while the cosmology's values are unchanged and nothing
-        about it needs gradients (then the result is a constant of the run)."""
+        about it needs gradients (then the result is a constant of the run). ``pure``:
+        ``build`` depends on nothing but the cosmology (not so for a user's spectrum
+        callable, which may hold tensors of a torch.func transform)."""
         parameters = cosmology.parameters().values()
-        if any(p.requires_grad for p in parameters):
+        if any(p.requires_grad or is_transformed(p) for p in parameters):
+            return build()
+        if not pure and transforms_active():
             return build()
         key = (name, tuple(float(p) for p in parameters), self.device, self.dtype)
         if key in self._constant_cache:
             return self._constant_cache[key]
-        result = build()
+        # Plain parameters: built outside any torch.func transform (whose wrappers would
+        # escape through the cache), as the plain tensors they are without one.
+        with outside_transforms():
+            result = build()
         tensors = result if isinstance(result, torch.Tensor) else result.values
         if not (torch.is_grad_enabled() and tensors.requires_grad):  # e.g. a power callable with parameters
             # One entry per kind: a new cosmology replaces the old one.
@@ -539,7 +577,8 @@ class Simulation(nn.Module):
         power = self._replicated_callable(self.power)
         build = lambda: power_kernel(kernels, self.box_size, power, cosmology)  # noqa: E731
         # A spectrum module's values follow its weights, not only the cosmology: not cached.
-        evaluate = build if isinstance(self.power, nn.Module) else (lambda: self._cached("power", cosmology, build))
+        pure = isinstance(self.power, PowerTable) or getattr(self, "_builtin_power", False)
+        evaluate = build if isinstance(self.power, nn.Module) else (lambda: self._cached("power", cosmology, build, pure))
         if self.force_mesh.is_local:
             amplitude = evaluate()
         else:
@@ -587,6 +626,7 @@ class Simulation(nn.Module):
         Returns:
             :class:`SimulationState` at ``until`` (default: the last scale factor).
         """
+        self._check_transforms("Simulation")
         error, stop = None, None
         try:
             if (white_noise is None) == (linear_field is None):
@@ -650,6 +690,7 @@ class Simulation(nn.Module):
             until: final scale factor (one of :attr:`scale_factors`); default the last.
             callback: as in :meth:`forward`, called after each step with the global step number.
         """
+        self._check_transforms("Simulation.resume")
         error, start, stop = None, None, None
         try:
             if not isinstance(state, SimulationState):
@@ -1015,6 +1056,7 @@ class Simulation(nn.Module):
         and out). Returns ``(positions, momenta, ids)``. On a grid ``ids`` is required (the
         LPT and the migrations leave empty slots, id -1); on one device, which gives every
         slot mass, it may hold no empty slot."""
+        self._check_transforms("Simulation.evolve")
         error = self._arrays_error("evolve", positions, momenta, ids)
         if error is None and ids is None and not self.force_mesh.is_local:
             error = "evolve: `ids` is required on a process grid (the state's empty slots have id -1)"
@@ -1372,11 +1414,13 @@ def _all_gather_rows(tensor: torch.Tensor, mesh) -> torch.Tensor:
     """Concatenate every rank's ``(B, n, ...)`` along dim 1 (same ``n`` everywhere), on every rank."""
     import torch.distributed as dist
 
-    for axis in (1, 0):
-        group = mesh.groups[axis]
-        if group is None:
-            continue
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        tensor = torch.cat(parts, dim=1)
+    with outside_transforms():  # (gathered values carry no derivative)
+        tensor = plain(tensor)
+        for axis in (1, 0):
+            group = mesh.groups[axis]
+            if group is None:
+                continue
+            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, tensor.contiguous(), group=group)
+            tensor = torch.cat(parts, dim=1)
     return tensor

@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+from .._transforms import outside_transforms, plain
+
 __all__ = ["process_grid_groups", "GridAxis", "GridGroups", "agreement_checks"]
 
 # Length of the descriptor every rank sends before a collective (see GridGroups.agree):
@@ -234,7 +236,7 @@ class _SumOverGrid(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tensor, groups):
+    def forward(tensor, groups):
         import torch.distributed as dist
 
         result = _to_control(tensor.detach().clone().contiguous(), groups)
@@ -243,8 +245,17 @@ class _SumOverGrid(torch.autograd.Function):
         return result.to(tensor.device)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+    @staticmethod
+    def vmap(info, in_dims, tensor, groups):
+        # elementwise over the ranks: a vmapped dimension is summed as any other
+        return _SumOverGrid.apply(tensor, groups), in_dims[0]
 
 
 class _ReplicatedInput(torch.autograd.Function):
@@ -257,18 +268,28 @@ class _ReplicatedInput(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, tensor, groups):
-        ctx.groups = groups
+    def forward(tensor, groups):
         return tensor.view_as(tensor)
 
     @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
+    def setup_context(ctx, inputs, output):
+        ctx.groups = inputs[1]
 
-        summed = _to_control(grad.contiguous().clone(), ctx.groups)
-        for group in ctx.groups:
-            dist.all_reduce(summed, group=group)
-        return summed.to(grad.device), None
+    @staticmethod
+    def vmap(info, in_dims, tensor, groups):
+        return _ReplicatedInput.apply(tensor, groups), in_dims[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        # the sum as a function of its own: differentiable again (second derivatives), and
+        # run on plain tensors under torch.func transforms
+        return _SumOverGrid.apply(grad, ctx.groups), None
+
+
+def _is_replicated_input(node) -> bool:
+    """Whether an autograd node is :class:`_ReplicatedInput`'s (under a torch.func
+    transform, that of the function torch generates from it for the transform's level)."""
+    return isinstance(node, _ReplicatedInput._backward_cls) or type(node).__name__ == "_ReplicatedInputGeneratedBackward"
 
 
 def unsummed_leaves(tensor, stop: Sequence[torch.Tensor] = ()) -> list:
@@ -291,7 +312,7 @@ def unsummed_leaves(tensor, stop: Sequence[torch.Tensor] = ()) -> list:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if isinstance(node, _ReplicatedInput._backward_cls) or node in stop_nodes:
+        if _is_replicated_input(node) or node in stop_nodes:
             continue
         variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf
         if isinstance(variable, torch.Tensor):
@@ -351,10 +372,11 @@ class GridGroups:
         reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op)
         if reduce_op is None:
             raise ValueError(f"all_reduce: `op` must be 'sum', 'max' or 'min', got {op!r}")
-        result = _to_control(tensor.detach().clone().contiguous(), groups)
-        for group in groups:
-            dist.all_reduce(result, op=reduce_op, group=group)
-        return result.to(tensor.device)
+        with outside_transforms():  # (a control value: no derivative)
+            result = _to_control(plain(tensor).detach().clone().contiguous(), groups)
+            for group in groups:
+                dist.all_reduce(result, op=reduce_op, group=group)
+            return result.to(tensor.device)
 
     @eager(local=_single_rank)
     def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -383,10 +405,11 @@ class GridGroups:
         per grid axis; for the rare failure path only)."""
         import torch.distributed as dist
 
-        for group in self._groups():
-            parts = [None] * dist.get_world_size(group)
-            dist.all_gather_object(parts, items, group=group)
-            items = [item for part in parts for item in part]
+        with outside_transforms():  # its byte tensors made plain under torch.func transforms
+            for group in self._groups():
+                parts = [None] * dist.get_world_size(group)
+                dist.all_gather_object(parts, items, group=group)
+                items = [item for part in parts for item in part]
         return items
 
     @eager(local=_single_rank)

@@ -104,18 +104,28 @@ class _Halo(torch.autograd.Function):
     itself, so the gradient is the adjoint bit for bit (and differentiable again)."""
 
     @staticmethod
-    def forward(ctx, field, widths, axes, inplace, add):
+    def forward(field, widths, axes, inplace, add):
+        return _exchange(field if inplace else field.clone(), widths, axes, add)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        field, widths, axes, inplace, add = inputs
         ctx.widths, ctx.axes, ctx.add = widths, axes, add
         if inplace:
             ctx.mark_dirty(field)
-        else:
-            field = field.clone()
-        return _exchange(field, widths, axes, add)
 
     @staticmethod
     def backward(ctx, grad):
         adjoint = fill_halo if ctx.add else add_halo
         return adjoint(grad, ctx.widths, ctx.axes), None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, field, widths, axes, inplace, add):
+        # (torch.func.vmap, e.g. jacrev's pull-backs) the exchange acts on the last three
+        # dimensions: a vmapped one goes in front, with the batch
+        if in_dims[0] is None:
+            return _Halo.apply(field, widths, axes, False, add), None
+        return _Halo.apply(field.movedim(in_dims[0], 0), widths, axes, False, add), 0
 
 
 def _no_halo(widths) -> bool:
