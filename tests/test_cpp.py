@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 
@@ -229,6 +230,46 @@ def test_cpp_package_holds_its_library_and_says_whether_it_has_cuda(example, req
         assert with_cuda == torchpm.has_cuda_kernels()
     else:  # CMake's decision: CUDA kernels when the LibTorch has CUDA
         assert with_cuda == (torch.version.cuda is not None)
+
+
+def _configure_consumer(directory, prefix_path, *extra):
+    """Configures a project that only calls find_package(torchpm REQUIRED)."""
+    source = directory / "consumer"
+    source.mkdir(parents=True)
+    (source / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.18)\nproject(consumer LANGUAGES NONE)\nfind_package(torchpm REQUIRED)\n"
+    )
+    result = subprocess.run(
+        [shutil.which("cmake"), "-S", str(source), "-B", str(directory / "build"),
+         f"-DCMAKE_PREFIX_PATH={prefix_path}", *extra],
+        capture_output=True, text=True, timeout=300,
+    )
+    return result.returncode, " ".join((result.stdout + result.stderr).split())  # CMake wraps its messages
+
+
+def test_cpp_package_refuses_another_or_no_libtorch(example, tmp_path):
+    """torchpmConfig.cmake names the LibTorch the library was built against when
+    that one is not found, and refuses another release (it would configure and
+    link, then fail when loaded, with undefined symbols)."""
+    install = os.path.join(os.path.dirname(os.path.dirname(example)), "install")
+    fake = tmp_path / "fake-torch"
+    fake.mkdir()
+    (fake / "TorchConfig.cmake").write_text('set(TORCH_LIBRARIES "")\n')
+    (fake / "TorchConfigVersion.cmake").write_text(
+        'set(PACKAGE_VERSION "2.0.0")\nset(PACKAGE_VERSION_COMPATIBLE TRUE)\n'
+    )
+    with open(os.path.join(torch.utils.cmake_prefix_path, "Torch", "TorchConfigVersion.cmake")) as f:
+        (built_against,) = re.findall(r'set\(PACKAGE_VERSION "([^"]+)"\)', f.read())
+    rc, output = _configure_consumer(tmp_path / "other", install, f"-DTorch_DIR={fake}")
+    assert rc != 0
+    assert f"torchpm was built against LibTorch {built_against}, but LibTorch 2.0.0 was found" in output, output
+
+    empty = tmp_path / "no-torch"
+    empty.mkdir()
+    rc, output = _configure_consumer(tmp_path / "none", install, f"-DTorch_DIR={empty}")
+    assert rc != 0
+    assert f"torchpm needs the LibTorch it was built against ({built_against}" in output, output
+    assert "CMAKE_PREFIX_PATH" in output
 
 
 def test_cpp_package_of_a_missing_library_is_refused(tmp_path):
