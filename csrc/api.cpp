@@ -33,24 +33,42 @@ Periodic saved_periodic(AutogradContext* ctx) {
   return {list.get(0), list.get(1), list.get(2)};
 }
 
+using PaintSignature = at::Tensor(
+    const at::Tensor&, const std::optional<at::Tensor>&, at::IntArrayRef, at::IntArrayRef, Periodic,
+    int64_t, bool);
+
 // CUDA paint adds with atomics. Under torch::globalContext deterministic
 // algorithms the C++ API paints node by node instead (_paint_deterministic,
-// node_paint.h), as Python does.
+// node_paint.h), as Python does. check_finite is false in the backwards (a
+// NaN/Inf upstream gradient propagates, as in Python's backwards).
 at::Tensor paint_for_autograd(
     const at::Tensor& positions,
     const std::optional<at::Tensor>& weights,
     at::IntArrayRef shape,
     at::IntArrayRef offset,
-    Periodic periodic) {
+    Periodic periodic,
+    bool check_finite) {
   if (positions.is_cuda() && at::globalContext().deterministicAlgorithms()) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("torchpm::_paint_deterministic", "")
-                         .typed<at::Tensor(
-                             const at::Tensor&, const std::optional<at::Tensor>&,
-                             at::IntArrayRef, at::IntArrayRef, Periodic, int64_t, bool)>();
-    return op.call(positions, weights, shape, offset, periodic, /*order=*/2, /*check_finite=*/true);
+                         .typed<PaintSignature>();
+    return op.call(positions, weights, shape, offset, periodic, /*order=*/2, check_finite);
   }
-  return ops::cic_paint(positions, weights, shape, offset, periodic);
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("torchpm::paint", "").typed<PaintSignature>();
+  return op.call(positions, weights, shape, offset, periodic, /*order=*/2, check_finite);
+}
+
+at::Tensor readout_for_autograd(
+    const at::Tensor& mesh,
+    const at::Tensor& positions,
+    at::IntArrayRef offset,
+    Periodic periodic,
+    bool check_finite) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpm::readout", "")
+                       .typed<at::Tensor(
+                           const at::Tensor&, const at::Tensor&, at::IntArrayRef, Periodic, int64_t, bool)>();
+  return op.call(mesh, positions, offset, periodic, /*order=*/2, check_finite);
 }
 
 struct PositionGradient : torch::autograd::Function<PositionGradient> {
@@ -82,7 +100,16 @@ at::Tensor position_gradient(
   return PositionGradient::apply(mesh, positions, values, offset, periodic);
 }
 
-struct Readout;
+struct Readout : torch::autograd::Function<Readout> {
+  static at::Tensor forward(
+      AutogradContext* ctx,
+      const at::Tensor& mesh,
+      const at::Tensor& positions,
+      at::IntArrayRef offset,
+      Periodic periodic,
+      bool check_finite);
+  static tensor_list backward(AutogradContext* ctx, tensor_list grad_outputs);
+};
 
 struct Paint : torch::autograd::Function<Paint> {
   static at::Tensor forward(
@@ -91,10 +118,11 @@ struct Paint : torch::autograd::Function<Paint> {
       const std::optional<at::Tensor>& weights,
       at::IntArrayRef shape,
       at::IntArrayRef offset,
-      Periodic periodic) {
+      Periodic periodic,
+      bool check_finite) {
     ctx->save_for_backward({positions, weights.value_or(at::Tensor())});
     save_geometry(ctx, offset, periodic);
-    return paint_for_autograd(positions, weights, shape, offset, periodic);
+    return paint_for_autograd(positions, weights, shape, offset, periodic, check_finite);
   }
 
   static tensor_list backward(AutogradContext* ctx, tensor_list grad_outputs) {
@@ -112,41 +140,41 @@ struct Paint : torch::autograd::Function<Paint> {
       grad_positions = position_gradient(grad_mesh, positions, weights, offset, periodic);
     }
     if (weights && ctx->needs_input_grad(1)) {
-      grad_weights = cic_readout(grad_mesh, positions, offset, periodic);
+      grad_weights = Readout::apply(grad_mesh, positions, offset, periodic, /*check_finite=*/false);
     }
-    return {grad_positions, grad_weights, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_positions, grad_weights, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-struct Readout : torch::autograd::Function<Readout> {
-  static at::Tensor forward(
-      AutogradContext* ctx,
-      const at::Tensor& mesh,
-      const at::Tensor& positions,
-      at::IntArrayRef offset,
-      Periodic periodic) {
-    ctx->save_for_backward({mesh, positions});
-    save_geometry(ctx, offset, periodic);
-    return ops::cic_readout(mesh, positions, offset, periodic);
-  }
+at::Tensor Readout::forward(
+    AutogradContext* ctx,
+    const at::Tensor& mesh,
+    const at::Tensor& positions,
+    at::IntArrayRef offset,
+    Periodic periodic,
+    bool check_finite) {
+  ctx->save_for_backward({mesh, positions});
+  save_geometry(ctx, offset, periodic);
+  return readout_for_autograd(mesh, positions, offset, periodic, check_finite);
+}
 
-  static tensor_list backward(AutogradContext* ctx, tensor_list grad_outputs) {
-    auto saved = ctx->get_saved_variables();
-    const at::Tensor& mesh = saved[0];
-    const at::Tensor& positions = saved[1];
-    const auto offset = saved_offset(ctx);
-    const auto periodic = saved_periodic(ctx);
-    const at::Tensor& grad_values = grad_outputs[0];
-    at::Tensor grad_mesh, grad_positions;
-    if (ctx->needs_input_grad(0)) {
-      grad_mesh = cic_paint(positions, grad_values, mesh.sizes().slice(mesh.dim() - 3), offset, periodic);
-    }
-    if (ctx->needs_input_grad(1)) {
-      grad_positions = position_gradient(mesh, positions, grad_values, offset, periodic);
-    }
-    return {grad_mesh, grad_positions, at::Tensor(), at::Tensor()};
+tensor_list Readout::backward(AutogradContext* ctx, tensor_list grad_outputs) {
+  auto saved = ctx->get_saved_variables();
+  const at::Tensor& mesh = saved[0];
+  const at::Tensor& positions = saved[1];
+  const auto offset = saved_offset(ctx);
+  const auto periodic = saved_periodic(ctx);
+  const at::Tensor& grad_values = grad_outputs[0];
+  at::Tensor grad_mesh, grad_positions;
+  if (ctx->needs_input_grad(0)) {
+    grad_mesh = Paint::apply(
+        positions, grad_values, mesh.sizes().slice(mesh.dim() - 3), offset, periodic, /*check_finite=*/false);
   }
-};
+  if (ctx->needs_input_grad(1)) {
+    grad_positions = position_gradient(mesh, positions, grad_values, offset, periodic);
+  }
+  return {grad_mesh, grad_positions, at::Tensor(), at::Tensor(), at::Tensor()};
+}
 
 }  // namespace
 
@@ -156,7 +184,9 @@ at::Tensor cic_paint(
     at::IntArrayRef shape,
     at::IntArrayRef offset,
     Periodic periodic) {
-  return Paint::apply(positions, weights, shape, offset, periodic);
+  TORCH_CHECK_VALUE(positions.defined(), "torchpm::cic_paint: `positions` is undefined; expected a (B, N, 3) "
+                    "float32 or float64 tensor.");
+  return Paint::apply(positions, weights, shape, offset, periodic, /*check_finite=*/true);
 }
 
 at::Tensor cic_readout(
@@ -164,7 +194,11 @@ at::Tensor cic_readout(
     const at::Tensor& positions,
     at::IntArrayRef offset,
     Periodic periodic) {
-  return Readout::apply(mesh, positions, offset, periodic);
+  TORCH_CHECK_VALUE(mesh.defined(), "torchpm::cic_readout: `mesh` is undefined; expected a (B, nx, ny, nz) or "
+                    "(B, C, nx, ny, nz) tensor.");
+  TORCH_CHECK_VALUE(positions.defined(), "torchpm::cic_readout: `positions` is undefined; expected a (B, N, 3) "
+                    "float32 or float64 tensor.");
+  return Readout::apply(mesh, positions, offset, periodic, /*check_finite=*/true);
 }
 
 bool has_cuda_kernels() {

@@ -5,7 +5,9 @@
 //    with x (1, N, 3), w (1, N, 2), f (1, 2, n, n, n); writes dL/dx, dL/dw, dL/df;
 //  * that the dispatcher-level calls (torchpm::ops::*) give the same values;
 //  * that op argument errors reach a C++ caller as c10::Error with the op's
-//    message, and that a second derivative throws instead of being wrong.
+//    message, and that a second derivative throws instead of being wrong;
+//  * that a NaN/Inf upstream gradient propagates through the backwards (as in
+//    Python) and that undefined tensors are named.
 //
 // Usage: api_checks MESH_SIZE INPUT OUTPUT
 //   INPUT: raw float64 x, then w, then f (N from the size); OUTPUT: raw float64
@@ -13,6 +15,7 @@
 #include <torch/torch.h>
 #include <torchpm/ops.h>
 
+#include <cmath>
 #include <fstream>
 #include <iostream>
 #include <string>
@@ -97,5 +100,29 @@ int main(int argc, char** argv) {
         torch::autograd::grad({grad_x.sum()}, {x});
       },
       "second derivatives", "a second derivative through a position gradient throws");
+  {
+    // A NaN/Inf upstream gradient propagates through the backwards, as in Python
+    // (whose backwards pass check_finite=False), instead of being reported as a
+    // bad `mesh` or `weights` the caller never passed.
+    const auto f64 = torch::TensorOptions().dtype(torch::kFloat64);
+    const at::Tensor x1 = torch::tensor({1.3, 2.2, 0.7}, f64).view({1, 1, 3}).requires_grad_(true);
+    const at::Tensor w1 = torch::ones({1, 1}, f64).requires_grad_(true);
+    const at::Tensor m1 = torch::ones({1, n, n, n}, f64).requires_grad_(true);
+    bool propagated = false;
+    try {
+      const at::Tensor grad_mesh = torch::full({1, n, n, n}, INFINITY, f64);
+      const auto paint_grads = torch::autograd::grad({torchpm::cic_paint(x1, w1, shape)}, {w1}, {grad_mesh});
+      const auto readout_grads =
+          torch::autograd::grad({torchpm::cic_readout(m1, x1)}, {m1}, {torch::full({1, 1}, NAN, f64)});
+      propagated = std::isinf(paint_grads[0].item<double>()) && readout_grads[0].isnan().any().item<bool>();
+    } catch (const c10::Error& error) {
+      std::cout << "  (" << std::string(error.what_without_backtrace()).substr(0, 160) << ")\n";
+    }
+    check(propagated, "a NaN/Inf upstream gradient propagates through paint's and readout's backwards");
+  }
+  check_throws([&] { torchpm::cic_paint(at::Tensor(), std::nullopt, shape); },
+               "`positions` is undefined", "paint of undefined positions names them");
+  check_throws([&] { torchpm::cic_readout(at::Tensor(), x); }, "`mesh` is undefined",
+               "readout of an undefined mesh names it");
   return failures == 0 ? 0 : 1;
 }

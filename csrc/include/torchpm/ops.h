@@ -13,8 +13,10 @@
 //    torch::autograd::Function, whose backwards call the same ops as Python's
 //    (readout's mesh gradient is paint, both position gradients are
 //    _position_gradient), so torch::autograd::grad gives the gradients
-//    Python gives. First derivatives only: a second derivative through a
-//    position gradient throws (Python has them, through the pure-torch twin).
+//    Python gives (a NaN or Inf upstream gradient propagates into them
+//    unchecked, as in Python; the forwards check as ops::* do). First
+//    derivatives only: a second derivative through a position gradient throws
+//    (Python has them, through the pure-torch twin).
 //    On CUDA under at::globalContext().setDeterministicAlgorithms(true) their
 //    paint is computed node by node without atomics (_paint_deterministic), as
 //    in Python; ops::cic_paint always calls the atomic kernel (and raises then).
