@@ -197,6 +197,28 @@ def test_bad_cosmology_raises(overrides, match):
         torchpm.Planck15(**overrides)
 
 
+@pytest.mark.parametrize("omega_c,omega_b", [(0.8, 0.2), (0.9514, 0.0486), (0.95, 0.05)])
+def test_einstein_de_sitter_is_accepted_whatever_the_rounding(omega_c, omega_b):
+    # 1 - 0.8 - 0.2 is -5.6e-17 in floating point: no dark energy, not a negative one.
+    cosmology = torchpm.Cosmology(Omega_c=omega_c, Omega_b=omega_b, h=0.7, n_s=1.0, sigma8=0.8)
+    a = torch.tensor([0.1, 0.5], dtype=torch.float64)
+    growth = cosmology.growth(a)
+    np.testing.assert_allclose(growth.D1.numpy(), a.numpy(), rtol=1e-9)  # D1 = a, D2 = a^2 exactly
+    np.testing.assert_allclose(growth.D2.numpy(), a.numpy() ** 2, rtol=1e-9)
+    assert float(growth.D2_norm) == pytest.approx(3.0 / 7.0, rel=1e-9)
+    table = dict(Omega_c=omega_c, Omega_b=omega_b, h=0.7, n_s=1.0, sigma8=0.8)
+    assert torchpm.config._check_cosmology("cosmology", table) == table  # the CLI's check agrees
+
+
+def test_recollapsing_closed_universe_is_refused():
+    # Omega_k = -1.2 with Omega_m = 0.3075: E(a)^2 < 0 around a = 0.46, so E, Gf, gf
+    # were NaN and the simulation failed later in the paint with non-finite positions.
+    with pytest.raises(ValueError, match=r"E\(a\)\^2 .* not positive at a = 0\.4"):
+        torchpm.Planck15(Omega_k=-1.2)
+    # A closed universe that expands throughout is fine.
+    assert bool(torch.isfinite(torchpm.Planck15(Omega_k=-0.3).growth(torch.tensor([0.3, 1.0])).gf).all())
+
+
 @pytest.mark.parametrize("name,canonical,wiggles", [
     ("eisenstein_hu", "eisenstein_hu", True), ("eh", "eisenstein_hu", True),
     ("eisenstein_hu_wiggles", "eisenstein_hu", True),

@@ -254,7 +254,7 @@ def _check_cosmology(name, value):
     if table["Omega_b"] < 0:
         raise _fail(f"{name}.Omega_b", "non-negative", value["Omega_b"])
     dark_energy = 1.0 - table["Omega_c"] - table["Omega_b"] - table.get("Omega_k", 0.0)
-    if dark_energy < 0:
+    if dark_energy < -1e-12:  # rounding (Omega_c = 0.8, Omega_b = 0.2: -5.6e-17) is no dark energy
         raise SettingError(f"`{name}`: the dark-energy density 1 - Omega_m - Omega_k must not be negative, got {dark_energy}")
     return table
 
