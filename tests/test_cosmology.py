@@ -219,6 +219,20 @@ def test_recollapsing_closed_universe_is_refused():
     assert bool(torch.isfinite(torchpm.Planck15(Omega_k=-0.3).growth(torch.tensor([0.3, 1.0])).gf).all())
 
 
+def test_eisenstein_hu_without_baryons():
+    # Omega_b = 0 is a valid Cosmology; the BAO fit is undefined there (colossus refuses it
+    # too) and returned NaN for every k, which a Simulation reported only as NaN "power
+    # spectrum values". The no-wiggle fit matches colossus's eisenstein98_zb at Omega_b = 0.
+    cosmology = torchpm.Cosmology(Omega_c=0.3, Omega_b=0.0, h=0.7, n_s=0.96, sigma8=0.8)
+    k = torch.tensor([0.01, 0.1, 1.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match="`Omega_b` > 0.*wiggles=False"):
+        eisenstein_hu_transfer(k, cosmology, wiggles=True)
+    with pytest.raises(ValueError, match="Omega_b"):
+        torchpm.Simulation(8, 64.0, steps=1, cosmology=cosmology).linear_field(torch.zeros(1, 8, 8, 8))
+    no_wiggle = eisenstein_hu_transfer(k, cosmology, wiggles=False)
+    np.testing.assert_allclose(no_wiggle.numpy(), [0.78784745, 0.17249192, 0.00673656], rtol=1e-6)
+
+
 @pytest.mark.parametrize("name,canonical,wiggles", [
     ("eisenstein_hu", "eisenstein_hu", True), ("eh", "eisenstein_hu", True),
     ("eisenstein_hu_wiggles", "eisenstein_hu", True),

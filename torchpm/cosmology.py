@@ -512,7 +512,17 @@ def eisenstein_hu_transfer(k, cosmology: Cosmology, wiggles: bool = True) -> tor
 
     Returns:
         ``T(k)`` (float64, shape of ``k``), 1 at ``k -> 0``.
+
+    Raises:
+        ValueError: ``wiggles=True`` with ``Omega_b = 0`` (the baryon fit divides by the
+        baryon density: every T would be NaN); the no-wiggle fit handles it.
     """
+    if wiggles and float(cosmology.Omega_b.detach()) <= 0:
+        raise ValueError(
+            "eisenstein_hu_transfer: the Eisenstein & Hu fit with BAO wiggles needs `Omega_b` > 0, got "
+            f"{float(cosmology.Omega_b.detach())}; use wiggles=False ('eisenstein_hu_nowiggle') for a "
+            "universe without baryons"
+        )
     k = torch.as_tensor(k, dtype=torch.float64, device=cosmology.device)
     h = cosmology.h
     omega_m = cosmology.Omega_m * h**2
