@@ -227,8 +227,13 @@ def test_eisenstein_hu_without_baryons():
     k = torch.tensor([0.01, 0.1, 1.0], dtype=torch.float64)
     with pytest.raises(ValueError, match="`Omega_b` > 0.*wiggles=False"):
         eisenstein_hu_transfer(k, cosmology, wiggles=True)
+    with pytest.raises(ValueError, match="`power_spectrum` 'eisenstein_hu'.*Omega_b = 0"):  # when built
+        torchpm.Simulation(8, 64.0, steps=1, cosmology=cosmology)
+    simulation = torchpm.Simulation(8, 64.0, steps=1)
+    simulation.cosmology = cosmology  # (a cosmology set later: at the linear field)
     with pytest.raises(ValueError, match="Omega_b"):
-        torchpm.Simulation(8, 64.0, steps=1, cosmology=cosmology).linear_field(torch.zeros(1, 8, 8, 8))
+        simulation.linear_field(torch.zeros(1, 8, 8, 8))
+    torchpm.Simulation(8, 64.0, steps=1, cosmology=cosmology, power_spectrum="eisenstein_hu_nowiggle")
     no_wiggle = eisenstein_hu_transfer(k, cosmology, wiggles=False)
     np.testing.assert_allclose(no_wiggle.numpy(), [0.78784745, 0.17249192, 0.00673656], rtol=1e-6)
 

@@ -309,6 +309,13 @@ class Simulation(nn.Module):
                 raise
             # A table's own errors (missing file, malformed rows) name the argument too.
             raise ValueError(f"`power_spectrum`: {error}") from None
+        if isinstance(power_spectrum, str) and builtin_power_name(power_spectrum) == "eisenstein_hu" \
+                and float(cosmology.Omega_b.detach()) <= 0:
+            # Said here, naming both settings, rather than at the first linear field.
+            raise ValueError(
+                "`power_spectrum` 'eisenstein_hu' (the fit with BAO wiggles) needs a `cosmology` with Omega_b > 0, "
+                f"got Omega_b = {float(cosmology.Omega_b.detach())}; use 'eisenstein_hu_nowiggle' without baryons"
+            )
         if force_correction is not None and not callable(force_correction):
             raise ValueError("`force_correction` must be a callable (k, a) -> filter, e.g. an nn.Module")
         # An nn.Module correction becomes a submodule: .to() moves it, .parameters() lists it.
