@@ -44,7 +44,7 @@ def case_ids(world_size):
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"migration_dtypes-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
                     f"whole_state_refused-{grid}", f"adjoint_explicit_cosmology-{grid}", f"compiled-{grid}",
-                    f"func_grad-{grid}"]
+                    f"func_grad-{grid}", f"func_grad_correction-{grid}"]
     if world_size == 3:
         ids.append("subgrid_snapshot-2x1")  # a 2-rank grid inside the 3-rank world
     if world_size > 1:
@@ -249,6 +249,33 @@ def case_func_grad(grid, ctx):
         (expected,) = torch.autograd.grad(losses(serial, noise)[row], noise)
         expected = distributed.particle_mesh.local_real_part(expected)
         assert_small(float((jacobian[row] - expected).abs().max()), float(expected.abs().max()), f"jacrev row {row}")
+
+
+def case_func_grad_correction(grid, ctx):
+    # torch.func.grad in a force correction's weights passed by torch.func.functional_call
+    # (a functional training step) on the grid, against serial torch.autograd: the run's
+    # agreement check reads the weights' values, which are torch.func wrappers there
+    import torchpm
+    from torchpm.nn import PGDCorrection
+
+    def make(**mesh):
+        correction = PGDCorrection(0.3, 1.0, alpha=0.4, mu=0.5, dtype=torch.float64)
+        return torchpm.Simulation(**CONFIG, force_correction=correction, **mesh)
+
+    serial, distributed = make(), make(mesh=ctx["groups"][grid])
+    field = global_random((1, *serial.mesh_shape), 5)
+
+    def loss(sim, noise, parameters):
+        density = sim.density(torch.func.functional_call(sim, parameters, (noise,)))
+        return (density * sim.force_mesh.local_real_part(field)).sum() + 1e-3 * (density**2).sum()
+
+    parameters = {name: p.detach().clone() for name, p in serial.named_parameters()}
+    got = torch.func.grad(lambda p: loss(distributed, distributed.white_noise(seed=3), p))(parameters)
+    expected = torch.autograd.grad(loss(serial, serial.white_noise(seed=3), dict(serial.named_parameters())),
+                                   list(serial.parameters()))
+    for (name, value), reference in zip(got.items(), expected):
+        assert float(reference.abs()) > 0, name
+        assert_small(abs(float(value - reference)), abs(float(reference)), f"torch.func.grad: {name}")
 
 
 def case_gradient_b1(grid, ctx):

@@ -764,9 +764,10 @@ class Simulation(nn.Module):
         def weights(module):
             if not isinstance(module, nn.Module):
                 return "none"
-            tensors = [t.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
-                       for t in learned(module) if t.is_floating_point()]
-            return f"crc {zlib.crc32(torch.cat(tensors).numpy().tobytes()) if tensors else 0:08x}"
+            with outside_transforms():  # (their values: plain tensors under torch.func transforms)
+                tensors = [plain(t).detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+                           for t in learned(module) if t.is_floating_point()]
+                return f"crc {zlib.crc32(torch.cat(tensors).numpy().tobytes()) if tensors else 0:08x}"
 
         grad = torch.is_grad_enabled()
         needs = (grad,
