@@ -182,3 +182,23 @@ def test_func_grad_through_the_layers_matches_autograd():
     (expected,) = torch.autograd.grad(loss(leaf), leaf)
     assert float(expected.abs().max()) > 0
     torch.testing.assert_close(torch.func.grad(loss)(positions), expected, rtol=1e-13, atol=1e-13)
+
+
+def test_a_spline_correction_after_grad_of_grad_under_a_plain_grad():
+    # NeuralSplineCorrection caches the spline taps of the simulation's |k| mesh; made
+    # inside grad of grad they were the inner transform's wrappers, and a later
+    # torch.func.grad (one level) failed on them ("escaped?").
+    correction = perturbed_spline(conditions=0, seed=4)
+    sim = _simulation(force_correction=correction)
+    noise = sim.white_noise(seed=12)
+    direction = torch.randn(noise.shape, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+
+    def loss(n):
+        return (sim.density(sim(n)) ** 2).sum()
+
+    torch.func.grad(lambda n: (torch.func.grad(loss)(n) * direction).sum())(noise)
+    got = torch.func.grad(loss)(noise)
+    leaf = noise.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(loss(leaf), leaf)
+    torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13)
+    assert not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in correction._taps_cache[2])

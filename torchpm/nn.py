@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ._transforms import is_transformed, outside_transforms
 from .analysis import _bins_key
 from .distributed import PencilDecomposition
 from .mesh import LocalMesh, as_box_size, as_shape
@@ -408,11 +409,15 @@ class NeuralSplineCorrection(nn.Module):
         # A simulation passes the same |k| mesh at every step: its spline taps are
         # computed once and reused while it is the same, unmodified tensor object (the
         # cache holds a reference to it, so its memory cannot be reused by another k).
-        if k.requires_grad or torch.compiler.is_compiling():
+        # Under a torch.func transform the taps of a plain k are built outside it: made
+        # inside, they would be the transform's wrappers, which fail ("escaped?") under a
+        # later transform of fewer levels.
+        if k.requires_grad or torch.compiler.is_compiling() or is_transformed(k):
             return None
         cache = self._taps_cache
         if cache is None or cache[0] is not k or cache[1] != k._version:
-            cache = self._taps_cache = (k, k._version, _bspline_taps(k, self.knots, self.k_max))
+            with outside_transforms():
+                cache = self._taps_cache = (k, k._version, _bspline_taps(k, self.knots, self.k_max))
         return cache[2]
 
     def forward(self, k: torch.Tensor, a) -> torch.Tensor:
