@@ -5,6 +5,8 @@ themselves. Forward mode (jvp) is refused by the ops: tests/test_forward_mode.py
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from _models import perturbed_spline
@@ -202,3 +204,75 @@ def test_a_spline_correction_after_grad_of_grad_under_a_plain_grad():
     (expected,) = torch.autograd.grad(loss(leaf), leaf)
     torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13)
     assert not any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in correction._taps_cache[2])
+
+def test_vmap_over_the_ops_folds_into_their_batch_and_equals_a_loop():
+    # (torchpm/ops/_vmap.py) vmapped and unvmapped inputs, every mass-assignment order, a
+    # vmapped dimension not in front, and the finite-difference scale vmapped (one call
+    # per row): against calls one row at a time
+    from torchpm.ops import fd4_gradient
+
+    generator = torch.Generator().manual_seed(12)
+    shape = (6, 5, 4)
+    positions = torch.rand(3, 2, 9, 3, generator=generator, dtype=torch.float64) * torch.tensor(shape, dtype=torch.float64)
+    weights = torch.rand(3, 2, 9, generator=generator, dtype=torch.float64)
+    mesh = torch.randn(2, *shape, generator=generator, dtype=torch.float64)
+    meshes = torch.randn(2, 3, *shape, generator=generator, dtype=torch.float64)  # vmapped along dim 1
+    for order in ("ngp", "cic", "tsc", "pcs"):
+        got = torch.func.vmap(lambda x, w: torchpm.paint(x, w, shape, order=order))(positions, weights)
+        expected = torch.stack([torchpm.paint(x, w, shape, order=order) for x, w in zip(positions, weights)])
+        torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-14)
+        got = torch.func.vmap(lambda x: torchpm.readout(mesh, x, order=order))(positions)
+        expected = torch.stack([torchpm.readout(mesh, x, order=order) for x in positions])
+        torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-14)
+        got = torch.func.vmap(lambda m, x: torchpm.readout(m, x, order=order), in_dims=(1, 0))(meshes, positions)
+        expected = torch.stack([torchpm.readout(meshes[:, v], positions[v], order=order) for v in range(3)])
+        torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-14)
+    scales = torch.tensor([[1.0, 2.0, 3.0], [0.5, 0.5, 0.5], [2.0, 1.0, 1.0]], dtype=torch.float64)
+    for in_dims, args in (((None, 0), (mesh, scales)), ((1, None), (meshes, scales[0]))):
+        got = torch.func.vmap(lambda f, s: fd4_gradient(f, s), in_dims=in_dims)(*args)
+        expected = torch.stack([
+            fd4_gradient(args[0] if in_dims[0] is None else args[0].select(in_dims[0], v),
+                         args[1] if in_dims[1] is None else args[1][v])
+            for v in range(3)
+        ])
+        torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-14)
+
+
+def test_jacrev_through_a_simulation_uses_the_ops_batching_rules():
+    sim = _simulation()
+    noise = sim.white_noise(seed=13)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.func.jacrev(lambda n: torch.stack([(sim.density(sim(n)) ** p).sum() for p in (2, 3)]))(noise)
+    fallbacks = [str(w.message) for w in caught if "batching rule" in str(w.message)]
+    assert not fallbacks, fallbacks
+
+
+def test_per_sample_gradients_by_vmap_of_grad_equal_a_loop():
+    generator = torch.Generator().manual_seed(14)
+    shape = (6, 5, 4)
+    positions = torch.rand(4, 1, 12, 3, generator=generator, dtype=torch.float64) * torch.tensor(shape, dtype=torch.float64)
+    field = torch.randn(1, *shape, generator=generator, dtype=torch.float64)
+
+    def loss(x):
+        return (torchpm.paint(x, None, shape, order="tsc") ** 2).sum() + (torchpm.readout(field, x) ** 3).sum()
+
+    got = torch.func.vmap(torch.func.grad(loss))(positions)
+    expected = torch.stack([torch.func.grad(loss)(x) for x in positions])
+    for x, g in zip(positions, expected):
+        leaf = x.clone().requires_grad_()
+        torch.testing.assert_close(torch.autograd.grad(loss(leaf), leaf)[0], g, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(got, expected, rtol=1e-13, atol=1e-13)
+
+
+def test_a_hessian_by_jacrev_of_jacrev_and_func_hessian_refused_saying_so():
+    positions = torch.rand(1, 4, 3, generator=torch.Generator().manual_seed(15), dtype=torch.float64) * 6
+
+    def loss(x):
+        return (torchpm.paint(x, None, (6, 6, 6), order="tsc") ** 2).sum()
+
+    expected = torch.autograd.functional.hessian(loss, positions)
+    assert float(expected.abs().max()) > 0
+    torch.testing.assert_close(torch.func.jacrev(torch.func.jacrev(loss))(positions), expected, rtol=1e-13, atol=1e-13)
+    with pytest.raises(NotImplementedError, match=r"hessian.*torch\.func\.jacrev\(torch\.func\.jacrev\(f\)\)"):
+        torch.func.hessian(loss)(positions)

@@ -39,3 +39,7 @@ __all__ = [
     "cic_paint_reference",
     "cic_readout_reference",
 ]
+
+from . import _vmap as _vmap_rules
+
+_vmap_rules.register()

@@ -27,7 +27,7 @@ _fill_defaults = None
 # autograd.Function.apply without its torch.func dispatch (which cannot run inside an op's
 # Autograd kernel): records the function at the transform's level, as a C++ op's own
 # autograd kernel does.
-_function_base_apply = torch._C._FunctionBase.__dict__["apply"]
+_function_base_apply = getattr(torch._C, "_FunctionBase", object).__dict__.get("apply")
 
 
 def _apply_at_this_level(function, *args):
@@ -120,12 +120,14 @@ def register_autograd(qualname: str, backward, *, setup_context) -> None:
     def kernel(keyset, *args, **keyword_args):
         if getattr(_forward_ad, "_current_level", -1) >= 0 and _has_tangent(args):
             raise NotImplementedError(
-                f"{qualname}: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad dual tensors) is "
-                "not supported by torchpm's ops, which have reverse-mode derivatives only; use "
-                "torch.autograd.grad / backward, or torch.autograd.functional.jvp for a Jacobian-vector "
-                "product (it takes it by double backward)"
+                f"{qualname}: forward-mode AD (torch.func.jvp, jacfwd, hessian, torch.autograd.forward_ad "
+                "dual tensors) is not supported by torchpm's ops, which have reverse-mode derivatives only; "
+                "use torch.autograd.grad / backward or torch.func.grad / vjp / jacrev (a Hessian: "
+                "torch.func.jacrev(torch.func.jacrev(f))), or torch.autograd.functional.jvp for a "
+                "Jacobian-vector product (it takes it by double backward)"
             )
-        if _functorch_active() and torch.is_grad_enabled() and _C._any_requires_grad(*args):
+        if (_functorch_active() and _function_base_apply is not None and torch.is_grad_enabled()
+                and _C._any_requires_grad(*args)):
             return _apply_at_this_level(functorch_function, *args, _CallInfo(keyset, keyword_args))
         return inner(keyset, *args, **keyword_args)
 
