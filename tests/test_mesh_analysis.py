@@ -133,9 +133,32 @@ def test_power_spectrum_options():
     torch.testing.assert_close(batched.power[1], 4 * plain.power)
     custom = power_spectrum(field, box, bins=[0.05, 0.1, 0.2])
     assert custom.power.shape == (2,)
-    with pytest.raises(ValueError, match="field_a"):
+    with pytest.raises(ValueError, match="`field` must be a real tensor"):
         power_spectrum(torch.zeros(8, 8), box)
     with pytest.raises(ValueError, match="NaN"):
         power_spectrum(torch.full((8, 8, 8), float("nan")), box)
     with pytest.raises(ValueError, match="box_size"):
         power_spectrum(field, -1.0)
+
+
+def test_ratios_to_a_field_without_power_raise_and_errors_name_the_argument():
+    # r(k) and T(k) divide by an auto power: where it is zero they were NaN or Inf, passed
+    # on silently. And power_spectrum's own argument is `field` (it said `field_a`).
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randn(2, 8, 8, 8, generator=generator, dtype=torch.float64)
+    constant = torch.full_like(a, 1.5)
+    with pytest.raises(ValueError, match=r"correlation_coefficient: `field_b` has no power in 6 of 6 bins"):
+        correlation_coefficient(a, constant, 100.0)
+    with pytest.raises(ValueError, match=r"correlation_coefficient: `field_a` has no power"):
+        correlation_coefficient(constant, a, 100.0)
+    with pytest.raises(ValueError, match=r"transfer_function: `reference` has no power"):
+        transfer_function(a, constant, 100.0)
+    assert torch.isfinite(transfer_function(constant, a, 100.0).power).all()  # zero T(k) is defined
+    bad = a.clone()
+    bad[0, 1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"^`field` contains NaN"):
+        power_spectrum(bad, 100.0)
+    with pytest.raises(ValueError, match=r"^`reference` contains NaN"):
+        transfer_function(a, bad, 100.0)
+    with pytest.raises(ValueError, match=r"^`field_b` contains NaN"):
+        cross_power(a, bad, 100.0)

@@ -182,6 +182,7 @@ def cross_power(
     compensate_cic: bool = False,
     window: str | None = None,
     mesh=None,
+    _names: tuple[str, str] = ("field_a", "field_b"),
 ) -> PowerSpectrum:
     """Cross power ``V/N^2 <Re(DFT a conj(DFT b))>`` of two fields in shells of |k|.
 
@@ -204,9 +205,10 @@ def cross_power(
     """
     window = _window_argument(window, compensate_cic)
     _check_mesh_argument(mesh, "cross_power")
-    error = _field_error(field_a, "field_a", mesh) or _field_error(field_b, "field_b", mesh)
+    name_a, name_b = _names  # (the caller's argument names, e.g. power_spectrum's `field`)
+    error = _field_error(field_a, name_a, mesh) or _field_error(field_b, name_b, mesh)
     if error is None and field_a.shape != field_b.shape:
-        error = (f"`field_a` and `field_b` must have the same shape, got {tuple(field_a.shape)} and "
+        error = (f"`{name_a}` and `{name_b}` must have the same shape, got {tuple(field_a.shape)} and "
                  f"{tuple(field_b.shape)}")
     try:
         box = as_box_size(box_size)
@@ -220,8 +222,8 @@ def cross_power(
         mesh.raise_together(error, operation="cross_power")
     elif error:
         raise ValueError(error)
-    a, single = _fields(field_a, "field_a")
-    b, _ = _fields(field_b, "field_b")
+    a, single = _fields(field_a, name_a)
+    b, _ = _fields(field_b, name_b)
     if mesh is None:
         _warn_if_block(a.shape[-3:], box_size, "torchpm.analysis")
     mesh = mesh or LocalMesh(a.shape[-3:])
@@ -274,6 +276,7 @@ def power_spectrum(
     shot_noise: float | None = None,
     n_particles: int | None = None,
     mesh=None,
+    _name: str = "field",
 ) -> PowerSpectrum:
     """Power spectrum of a field in shells of |k| (see :func:`cross_power` for the arguments).
 
@@ -289,7 +292,8 @@ def power_spectrum(
     if shot_noise is not None and (isinstance(shot_noise, bool) or not isinstance(shot_noise, numbers.Real)
                                    or not math.isfinite(shot_noise)):
         raise ValueError(f"`shot_noise` must be a finite number in (Mpc/h)^3, got {shot_noise!r}")
-    result = cross_power(field, field, box_size, bins=bins, compensate_cic=compensate_cic, window=window, mesh=mesh)
+    result = cross_power(field, field, box_size, bins=bins, compensate_cic=compensate_cic, window=window, mesh=mesh,
+                         _names=(_name, _name))
     noise = 0.0
     if n_particles is not None:
         noise = math.prod(as_box_size(box_size)) / int(n_particles)
@@ -298,18 +302,37 @@ def power_spectrum(
     return PowerSpectrum(result.k, result.power - noise, result.modes)
 
 
+def _require_power(function: str, name: str, spectrum: PowerSpectrum) -> None:
+    """Raises when ``spectrum`` (the auto power of ``name``) is zero in a bin, where a ratio
+    to it is undefined (0/0 or x/0: a NaN or Inf passed on)."""
+    empty = spectrum.power.detach() <= 0
+    if bool(empty.any()):
+        k = spectrum.k.detach().expand_as(spectrum.power)[empty]
+        raise ValueError(
+            f"{function}: `{name}` has no power in {int(empty.sum())} of {empty.numel()} bins (k = "
+            f"{', '.join(f'{float(v):.4g}' for v in k[:5])}{', ...' if k.numel() > 5 else ''} h/Mpc; a constant "
+            "field?), where the ratio is undefined; pass a field with power in every bin, or bins that leave "
+            "those k out"
+        )
+
+
 def correlation_coefficient(field_a, field_b, box_size, **options) -> PowerSpectrum:
-    """``r(k) = P_ab / sqrt(P_aa P_bb)`` (returned in the ``power`` slot)."""
+    """``r(k) = P_ab / sqrt(P_aa P_bb)`` (returned in the ``power`` slot). Raises where
+    an auto power is zero (r is undefined there)."""
     cross = cross_power(field_a, field_b, box_size, **options)
-    auto_a = power_spectrum(field_a, box_size, **options)
-    auto_b = power_spectrum(field_b, box_size, **options)
+    auto_a = power_spectrum(field_a, box_size, **options, _name="field_a")
+    auto_b = power_spectrum(field_b, box_size, **options, _name="field_b")
+    _require_power("correlation_coefficient", "field_a", auto_a)
+    _require_power("correlation_coefficient", "field_b", auto_b)
     return PowerSpectrum(cross.k, cross.power / torch.sqrt(auto_a.power * auto_b.power), cross.modes)
 
 
 def transfer_function(field, reference, box_size, **options) -> PowerSpectrum:
-    """``T(k) = sqrt(P_field / P_reference)`` (returned in the ``power`` slot)."""
+    """``T(k) = sqrt(P_field / P_reference)`` (returned in the ``power`` slot). Raises
+    where the reference has no power."""
     auto = power_spectrum(field, box_size, **options)
-    auto_ref = power_spectrum(reference, box_size, **options)
+    auto_ref = power_spectrum(reference, box_size, **options, _name="reference")
+    _require_power("transfer_function", "reference", auto_ref)
     return PowerSpectrum(auto.k, torch.sqrt(auto.power / auto_ref.power), auto.modes)
 
 
