@@ -281,6 +281,9 @@ def test_power_table_round_trip(tmp_path):
         ("0.1 abc\n0.2 2.0\n", "not two numbers"),
         ("0.2 1.0\n0.1 2.0\n", "increasing"),
         ("0.1 -1.0\n0.2 2.0\n", "positive"),
+        ("# k P\n0.1 1.0\n\n0.2 2.0\n0.2 3.0\n", r"line 5: k must be strictly increasing, got 0.2 after 0.2"),
+        ("0.1 1.0\n0.2 0\n", r"line 2: k and P must be finite and positive, got 0.2 0.0"),
+        ("0.1 1.0\nnan 2.0\n", r"line 2: k and P must be finite"),
         ("0.1 1.0\n", "at least 2 rows"),
     ],
 )
@@ -289,6 +292,19 @@ def test_power_table_malformed(tmp_path, content, match):
     path.write_text(content)
     with pytest.raises(ValueError, match=match):
         PowerTable(path)
+
+
+def test_power_table_files_as_editors_and_mistakes_leave_them(tmp_path):
+    # a byte-order mark before line 1 (as some editors write) is not part of the table
+    path = tmp_path / "bom.txt"
+    path.write_bytes(b"\xef\xbb\xbf0.1 1.0\n0.2 2.0\n")
+    assert PowerTable(path).k_range == (0.1, 0.2)
+    binary = tmp_path / "binary.dat"
+    binary.write_bytes(bytes(range(128, 256)) * 4)
+    with pytest.raises(ValueError, match="not a UTF-8 text table"):
+        PowerTable(binary)
+    with pytest.raises(ValueError, match="cannot be read"):
+        PowerTable(tmp_path)  # a directory
 
 
 def test_power_table_must_cover_the_mesh(tmp_path):

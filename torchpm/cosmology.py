@@ -652,9 +652,10 @@ class PowerTable:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
-        rows = []
+        rows, lines = [], []
         try:
-            with open(self.path) as handle:
+            # utf-8-sig: a byte-order mark (as some editors write) is not part of line 1
+            with open(self.path, encoding="utf-8-sig") as handle:
                 for number, line in enumerate(handle, start=1):
                     text = line.split("#", 1)[0].strip()
                     if not text:
@@ -671,16 +672,30 @@ class PowerTable:
                         raise ValueError(
                             f"power table {self.path!r}, line {number}: not two numbers: {text!r}"
                         ) from None
+                    lines.append(number)
         except FileNotFoundError:
             raise ValueError(f"power table: file {self.path!r} not found") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"power table {self.path!r}: not a UTF-8 text table (a binary file?)") from None
+        except OSError as error:  # a directory, no permission, ...
+            raise ValueError(f"power table {self.path!r}: cannot be read ({error.strerror or error})") from None
         if len(rows) < 2:
             raise ValueError(f"power table {self.path!r}: needs at least 2 rows, got {len(rows)}")
         table = torch.tensor(rows, dtype=torch.float64)
         k, p = table[:, 0], table[:, 1]
-        if not bool(torch.isfinite(table).all()) or bool((k <= 0).any()) or bool((p <= 0).any()):
-            raise ValueError(f"power table {self.path!r}: k and P must be finite and positive")
+        bad = ~torch.isfinite(table).all(1) | (k <= 0) | (p <= 0)
+        if bool(bad.any()):
+            row = int(torch.nonzero(bad)[0])
+            raise ValueError(
+                f"power table {self.path!r}, line {lines[row]}: k and P must be finite and positive, got "
+                f"{rows[row][0]!r} {rows[row][1]!r}"
+            )
         if bool((k[1:] <= k[:-1]).any()):
-            raise ValueError(f"power table {self.path!r}: k must be strictly increasing")
+            row = int(torch.nonzero(k[1:] <= k[:-1])[0]) + 1
+            raise ValueError(
+                f"power table {self.path!r}, line {lines[row]}: k must be strictly increasing, got {rows[row][0]!r} "
+                f"after {rows[row - 1][0]!r}"
+            )
         self.k, self.power = k, p
         self._log_k, self._log_p = torch.log(k), torch.log(p)
 
