@@ -276,3 +276,22 @@ def test_a_hessian_by_jacrev_of_jacrev_and_func_hessian_refused_saying_so():
     torch.testing.assert_close(torch.func.jacrev(torch.func.jacrev(loss))(positions), expected, rtol=1e-13, atol=1e-13)
     with pytest.raises(NotImplementedError, match=r"hessian.*torch\.func\.jacrev\(torch\.func\.jacrev\(f\)\)"):
         torch.func.hessian(loss)(positions)
+
+
+def test_the_readme_jacrev_example_runs_and_matches_finite_differences():
+    import os
+    import re
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as handle:
+        blocks = re.findall(r"```python\n(.*?)```", handle.read(), flags=re.S)
+    (code,) = [block for block in blocks if "torch.func.jacrev(summaries)" in block]
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    jacobian, summaries, sim = scope["jacobian"], scope["summaries"], scope["sim"]
+    eps = 1e-5
+    plus, minus = (summaries(torch.tensor(0.2589 + s * eps, dtype=torch.float64)) for s in (1, -1))
+    sim.cosmology = torchpm.Planck15()
+    difference = (plus - minus) / (2 * eps)
+    assert jacobian.shape == (2,)
+    assert float(difference.abs().min()) > 0.1
+    torch.testing.assert_close(jacobian, difference, rtol=1e-6, atol=0)
