@@ -277,6 +277,19 @@ def case_func_grad_correction(grid, ctx):
         assert float(reference.abs()) > 0, name
         assert_small(abs(float(value - reference)), abs(float(reference)), f"torch.func.grad: {name}")
 
+    # A plain callable closing over a transformed tensor: its gradient would hold only this
+    # rank's share of the run; refused on every rank, under torch.func as under autograd.
+    held = {"alpha": torch.tensor(0.3, dtype=torch.float64)}
+    closing = torchpm.Simulation(**CONFIG, force_correction=lambda k, a: 1.0 + held["alpha"] * torch.exp(-k),
+                                 mesh=ctx["groups"][grid])
+
+    def closure_loss(alpha):
+        held["alpha"] = alpha
+        return (closing.density(closing(closing.white_noise(seed=3))) ** 2).sum()
+
+    with pytest.raises(ValueError, match="`force_correction` computes with tensors that need gradients"):
+        torch.func.grad(closure_loss)(torch.tensor(0.3, dtype=torch.float64))
+
 
 def case_gradient_b1(grid, ctx):
     _compare_gradients(grid, ctx, 1)
