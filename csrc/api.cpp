@@ -33,10 +33,6 @@ Periodic saved_periodic(AutogradContext* ctx) {
   return {list.get(0), list.get(1), list.get(2)};
 }
 
-using PaintSignature = at::Tensor(
-    const at::Tensor&, const std::optional<at::Tensor>&, at::IntArrayRef, at::IntArrayRef, Periodic,
-    int64_t, bool);
-
 // CUDA paint adds with atomics. Under torch::globalContext deterministic
 // algorithms the C++ API paints node by node instead (_paint_deterministic,
 // node_paint.h), as Python does. check_finite is false in the backwards (a
@@ -51,24 +47,12 @@ at::Tensor paint_for_autograd(
   if (positions.is_cuda() && at::globalContext().deterministicAlgorithms()) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("torchpm::_paint_deterministic", "")
-                         .typed<PaintSignature>();
+                         .typed<at::Tensor(
+                             const at::Tensor&, const std::optional<at::Tensor>&,
+                             at::IntArrayRef, at::IntArrayRef, Periodic, int64_t, bool)>();
     return op.call(positions, weights, shape, offset, periodic, /*order=*/2, check_finite);
   }
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("torchpm::paint", "").typed<PaintSignature>();
-  return op.call(positions, weights, shape, offset, periodic, /*order=*/2, check_finite);
-}
-
-at::Tensor readout_for_autograd(
-    const at::Tensor& mesh,
-    const at::Tensor& positions,
-    at::IntArrayRef offset,
-    Periodic periodic,
-    bool check_finite) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("torchpm::readout", "")
-                       .typed<at::Tensor(
-                           const at::Tensor&, const at::Tensor&, at::IntArrayRef, Periodic, int64_t, bool)>();
-  return op.call(mesh, positions, offset, periodic, /*order=*/2, check_finite);
+  return ops::cic_paint(positions, weights, shape, offset, periodic, check_finite);
 }
 
 struct PositionGradient : torch::autograd::Function<PositionGradient> {
@@ -155,7 +139,7 @@ at::Tensor Readout::forward(
     bool check_finite) {
   ctx->save_for_backward({mesh, positions});
   save_geometry(ctx, offset, periodic);
-  return readout_for_autograd(mesh, positions, offset, periodic, check_finite);
+  return ops::cic_readout(mesh, positions, offset, periodic, check_finite);
 }
 
 tensor_list Readout::backward(AutogradContext* ctx, tensor_list grad_outputs) {

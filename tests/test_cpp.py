@@ -184,7 +184,7 @@ def test_cpp_api_gradients_match_python_and_errors_reach_cpp(api_checks, tmp_pat
         [api_checks, str(n), str(source), str(output)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("ok: ") == 9, result.stdout
+    assert result.stdout.count("ok: ") == 11, result.stdout
 
     inputs = [t.clone().requires_grad_(True) for t in (x, w, f)]
     read = torchpm.cic_readout(inputs[2], inputs[0])

@@ -88,6 +88,16 @@ int main(int argc, char** argv) {
           "torchpm::ops::cic_readout equals torchpm::cic_readout");
   }
   check(painted.requires_grad() && read.requires_grad(), "torchpm::cic_paint / cic_readout are differentiable");
+  {
+    // check_finite: NaN mesh values a particle reads raise by default, and pass with false
+    torch::NoGradGuard no_grad;
+    const at::Tensor nan_mesh = torch::full_like(f, NAN);
+    check_throws([&] { torchpm::ops::cic_readout(nan_mesh, x, {0, 0, 0}, {true, true, true}); },
+                 "NaN", "ops::cic_readout of a NaN mesh raises");
+    check(torchpm::ops::cic_readout(nan_mesh, x, {0, 0, 0}, {true, true, true}, /*check_finite=*/false)
+              .isnan().all().item<bool>(),
+          "ops::cic_readout with check_finite=false propagates NaN");
+  }
 
   check_throws([&] { torchpm::cic_paint(x.narrow(2, 0, 2), std::nullopt, shape); },
                "positions", "paint of (B, N, 2) positions is rejected");

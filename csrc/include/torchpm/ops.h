@@ -48,33 +48,37 @@ namespace ops {
 
 // torch.ops.torchpm.paint with order 2 (cloud in cell): positions (B, N, 3),
 // weights (B, N), (B, N, C) or none (unit mass) -> mesh (B, nx, ny, nz) or
-// (B, C, nx, ny, nz).
+// (B, C, nx, ny, nz). check_finite=false lets NaN/Inf weights through (as
+// Python's check_finite=False; positions are always checked).
 inline at::Tensor cic_paint(
     const at::Tensor& positions,
     const std::optional<at::Tensor>& weights,
     at::IntArrayRef shape,
     at::IntArrayRef offset,
-    Periodic periodic) {
+    Periodic periodic,
+    bool check_finite = true) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchpm::paint", "")
                        .typed<at::Tensor(
                            const at::Tensor&, const std::optional<at::Tensor>&,
                            at::IntArrayRef, at::IntArrayRef, Periodic, int64_t, bool)>();
-  return op.call(positions, weights, shape, offset, periodic, /*order=*/2, /*check_finite=*/true);
+  return op.call(positions, weights, shape, offset, periodic, /*order=*/2, check_finite);
 }
 
 // torch.ops.torchpm.readout with order 2 (cloud in cell): mesh (B, [C,] nx, ny, nz)
-// at positions (B, N, 3) -> (B, N) or (B, N, C).
+// at positions (B, N, 3) -> (B, N) or (B, N, C). check_finite=false lets the NaN/Inf
+// mesh values a particle reads through.
 inline at::Tensor cic_readout(
     const at::Tensor& mesh,
     const at::Tensor& positions,
     at::IntArrayRef offset,
-    Periodic periodic) {
+    Periodic periodic,
+    bool check_finite = true) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchpm::readout", "")
                        .typed<at::Tensor(
                            const at::Tensor&, const at::Tensor&, at::IntArrayRef, Periodic, int64_t, bool)>();
-  return op.call(mesh, positions, offset, periodic, /*order=*/2, /*check_finite=*/true);
+  return op.call(mesh, positions, offset, periodic, /*order=*/2, check_finite);
 }
 
 // torch.ops.torchpm._position_gradient with order 2: d/dx_p of
