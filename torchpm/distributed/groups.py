@@ -227,6 +227,19 @@ class GridAxis:
                 raise ValueError(f"PencilDecomposition: this process is not a member of the group of grid axis {axis}")
 
 
+def _reduced(tensor: torch.Tensor, groups, op=None) -> torch.Tensor:
+    """A new tensor, on ``tensor``'s device: every rank's ``tensor`` reduced over ``groups``
+    (``op`` a ``ReduceOp``, default the sum). Its values only, no derivative (the callers
+    give one where there is): computed on plain tensors outside torch.func transforms."""
+    import torch.distributed as dist
+
+    with outside_transforms():
+        result = _to_control(plain(tensor).detach().clone().contiguous(), groups)
+        for group in groups:
+            dist.all_reduce(result, op=dist.ReduceOp.SUM if op is None else op, group=group)
+        return result.to(tensor.device)
+
+
 class _SumOverGrid(torch.autograd.Function):
     """Sum of every rank's tensor, on every rank. Backward: identity.
 
@@ -237,12 +250,7 @@ class _SumOverGrid(torch.autograd.Function):
 
     @staticmethod
     def forward(tensor, groups):
-        import torch.distributed as dist
-
-        result = _to_control(tensor.detach().clone().contiguous(), groups)
-        for group in groups:
-            dist.all_reduce(result, group=group)
-        return result.to(tensor.device)
+        return _reduced(tensor, groups)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -372,11 +380,7 @@ class GridGroups:
         reduce_op = {"max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}.get(op)
         if reduce_op is None:
             raise ValueError(f"all_reduce: `op` must be 'sum', 'max' or 'min', got {op!r}")
-        with outside_transforms():  # (a control value: no derivative)
-            result = _to_control(plain(tensor).detach().clone().contiguous(), groups)
-            for group in groups:
-                dist.all_reduce(result, op=reduce_op, group=group)
-            return result.to(tensor.device)
+        return _reduced(tensor, groups, reduce_op)
 
     @eager(local=_single_rank)
     def replicate(self, tensor: torch.Tensor) -> torch.Tensor:
