@@ -24,6 +24,10 @@ import os
 import re
 from typing import Any, Callable, Sequence
 
+# How far below 0 rounding may leave 1 - Omega_m - Omega_k (Einstein-de Sitter: -5.6e-17),
+# in the settings' checks and torchpm.Cosmology's.
+DARK_ENERGY_TOLERANCE = 1e-12
+
 __all__ = [
     "SETTINGS",
     "Setting",
@@ -254,7 +258,7 @@ def _check_cosmology(name, value):
     if table["Omega_b"] < 0:
         raise _fail(f"{name}.Omega_b", "non-negative", value["Omega_b"])
     dark_energy = 1.0 - table["Omega_c"] - table["Omega_b"] - table.get("Omega_k", 0.0)
-    if dark_energy < -1e-12:  # rounding (Omega_c = 0.8, Omega_b = 0.2: -5.6e-17) is no dark energy
+    if dark_energy < -DARK_ENERGY_TOLERANCE:  # rounding (Einstein-de Sitter) is no dark energy
         raise SettingError(f"`{name}`: the dark-energy density 1 - Omega_m - Omega_k must not be negative, got {dark_energy}")
     return table
 

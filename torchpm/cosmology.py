@@ -30,6 +30,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from .config import DARK_ENERGY_TOLERANCE
+
 __all__ = [
     "Cosmology",
     "Planck15",
@@ -45,8 +47,6 @@ __all__ = [
 
 _PARAMETERS = ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa")
 T_CMB = 2.7255  # K, the CMB temperature the Eisenstein & Hu fits use
-# How far below 0 rounding may leave 1 - Omega_m - Omega_k (Einstein-de Sitter: -5.6e-17).
-DARK_ENERGY_TOLERANCE = 1e-12
 
 
 class Cosmology:
@@ -109,16 +109,14 @@ class Cosmology:
             )
         if value["Omega_k"] < 0:
             # A closed universe with too little dark energy has H^2 <= 0 somewhere in
-            # 0 < a <= 1 (it recollapses or bounces): E(a) and everything
-            # built on it would be NaN. a^3 E^2 is smooth on [0, 1]: check it on a grid.
+            # 0 < a <= 1 (it recollapses or bounces): E(a) and everything built on it
+            # would be NaN. E^2 is smooth on (0, 1]: checked on a grid.
             grid = torch.linspace(0.0, 1.0, 4097, dtype=torch.float64)[1:]
             with torch.no_grad():
-                de = torch.exp(-3.0 * (value["w0"] + value["wa"]) * torch.log(grid) + 3.0 * value["wa"] * (grid - 1.0))
-                e2a3 = value["Omega_c"] + value["Omega_b"] + value["Omega_k"] * grid + max(dark_energy, 0.0) * de
+                e2a3 = self.E_squared(grid).cpu() * grid**3  # (a^3: the deepest point, not the nearest to 0)
             if bool((e2a3 <= 0).any()):
-                worst = float(grid[int(torch.argmin(e2a3))])
                 raise ValueError(
-                    f"Cosmology: E(a)^2 = (H/H0)^2 is not positive at a = {worst:.4g} (Omega_k = "
+                    f"Cosmology: E(a)^2 = (H/H0)^2 is not positive at a = {float(grid[e2a3.argmin()]):.4g} (Omega_k = "
                     f"{value['Omega_k']}, Omega_m = {value['Omega_c'] + value['Omega_b']}): this closed "
                     "universe has no expanding history from a = 0 to a = 1 (it recollapses or bounces); "
                     "raise the dark-energy density or Omega_k"

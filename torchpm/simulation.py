@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .config import BY_NAME, as_bool, as_int, simulation_arguments
-from .cosmology import Cosmology, Planck15, growth_table, resolve_power, PowerTable, builtin_power_name
+from .cosmology import _BUILTIN_POWER, Cosmology, Planck15, growth_table, resolve_power, PowerTable, builtin_power_name
 from .ic import (
     check_lpt_normalisation,
     grid_positions,
@@ -302,7 +302,6 @@ class Simulation(nn.Module):
         self.cosmology = cosmology
         try:
             self.power = resolve_power(power_spectrum)
-            self._builtin_power = not callable(power_spectrum)  # a name or a table's path
         except UnicodeDecodeError:
             raise ValueError(f"`power_spectrum`: {power_spectrum!r} is not a UTF-8 text table (a binary file?)") from None
         except ValueError as error:
@@ -310,13 +309,17 @@ class Simulation(nn.Module):
                 raise
             # A table's own errors (missing file, malformed rows) name the argument too.
             raise ValueError(f"`power_spectrum`: {error}") from None
-        if isinstance(power_spectrum, str) and builtin_power_name(power_spectrum) == "eisenstein_hu" \
-                and float(cosmology.Omega_b.detach()) <= 0:
-            # Said here, naming both settings, rather than at the first linear field.
-            raise ValueError(
-                "`power_spectrum` 'eisenstein_hu' (the fit with BAO wiggles) needs a `cosmology` with Omega_b > 0, "
-                f"got Omega_b = {float(cosmology.Omega_b.detach())}; use 'eisenstein_hu_nowiggle' without baryons"
-            )
+        # A spectrum of the cosmology alone (a name or a table; not a callable, which may
+        # hold tensors of a torch.func transform) is a constant of the run: cached.
+        self._pure_power = not callable(power_spectrum) or isinstance(power_spectrum, PowerTable)
+        if isinstance(power_spectrum, str) and power_spectrum in _BUILTIN_POWER:
+            # A built-in fit the cosmology does not suit (e.g. the BAO fit without baryons)
+            # is refused here, naming both settings, rather than at the first linear field.
+            try:
+                with torch.no_grad():
+                    self.power(torch.tensor([0.1], dtype=torch.float64, device=cosmology.device), cosmology)
+            except ValueError as error:
+                raise ValueError(f"`power_spectrum` {power_spectrum!r} with this `cosmology`: {error}") from None
         if force_correction is not None and not callable(force_correction):
             raise ValueError("`force_correction` must be a callable (k, a) -> filter, e.g. an nn.Module")
         # An nn.Module correction becomes a submodule: .to() moves it, .parameters() lists it.
@@ -595,8 +598,8 @@ class Simulation(nn.Module):
         power = self._replicated_callable(self.power)
         build = lambda: power_kernel(kernels, self.box_size, power, cosmology)  # noqa: E731
         # A spectrum module's values follow its weights, not only the cosmology: not cached.
-        pure = isinstance(self.power, PowerTable) or getattr(self, "_builtin_power", False)
-        evaluate = build if isinstance(self.power, nn.Module) else (lambda: self._cached("power", cosmology, build, pure))
+        evaluate = build if isinstance(self.power, nn.Module) else (
+            lambda: self._cached("power", cosmology, build, self._pure_power))
         if self.force_mesh.is_local:
             amplitude = evaluate()
         else:
