@@ -40,6 +40,7 @@ def case_ids(world_size):
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}", f"paint_layers-{grid}",
+                    f"redshift_multipoles-{grid}",
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}"]
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"migration_dtypes-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
@@ -968,6 +969,51 @@ def case_interlaced_tsc(grid, ctx):
     spectrum = power_spectrum(local, box, window="tsc", mesh=mesh)
     reference = power_spectrum(serial, box, window="tsc")
     assert_small(float((spectrum.power - reference.power).abs().max()), float(reference.power.abs().max()), "P(k)")
+
+
+def case_redshift_multipoles(grid, ctx):
+    """The redshift-space state of a run on the grid, its density and its multipoles (the
+    function and the layer) equal the serial ones on every rank, and so does the gradient
+    of a loss of the quadrupole in the white noise and Omega_c; a rank with another line
+    of sight raises on every rank."""
+    import torchpm
+    from torchpm.analysis import power_multipoles
+    from torchpm.nn import PowerSpectrum
+
+    # (ending at a = 0.5: at a = 1, E = 1 in a flat universe whatever Omega_c)
+    serial, distributed = simulations(grid, ctx, steps=2, a_end=0.5)
+    box = serial.box_size
+    results = []
+    for sim in (serial, distributed):
+        omega_c = torch.tensor(0.2589, dtype=torch.float64, requires_grad=True)
+        sim.cosmology = torchpm.Planck15(Omega_c=omega_c)
+        noise = sim.white_noise(batch=2, seed=7).requires_grad_()
+        mesh = sim.force_mesh
+        moved = sim.redshift_space(sim(noise, return_mesh_units=True), axis=0)
+        delta = sim.density(moved) - 1.0
+        multipoles = power_multipoles(delta, box, axis="x", window="cic", mesh=None if mesh.is_local else mesh)
+        layer = PowerSpectrum(mesh.global_shape, box, ells=(0, 2, 4), axis=0, compensate_cic=True,
+                              dtype=torch.float64, mesh=mesh)
+        assert_small(float((layer(delta) - multipoles.power).detach().abs().max()),
+                     float(multipoles.power.detach().abs().max()), "layer against the function")
+        loss = (multipoles.power[:, 1] ** 2).sum()
+        loss.backward()
+        results.append((delta.detach(), multipoles, noise.grad, omega_c.grad))
+    (density, expected, noise_grad, omega_grad), (local_density, got, local_grad, local_omega_grad) = results
+    expected_density = distributed.force_mesh.local_real_part(density)
+    assert_small(float((local_density - expected_density).abs().max()), float(expected_density.abs().max()),
+                 "redshift-space density")
+    assert torch.equal(got.modes, expected.modes) and got.ells == expected.ells
+    assert_small(float((got.power - expected.power).detach().abs().max()), float(expected.power.detach().abs().max()),
+                 "multipoles")
+    expected_grad = distributed.particle_mesh.local_real_part(noise_grad)
+    assert_small(float((local_grad - expected_grad).abs().max()), float(expected_grad.abs().max()),
+                 "d loss / d white noise")
+    assert_small(abs(float(local_omega_grad - omega_grad)), abs(float(omega_grad)), "d loss / d Omega_c")
+    field = distributed.force_mesh.local_real_part(global_random((1, *serial.mesh_shape), 8))
+    expect_error_everywhere(
+        lambda: power_multipoles(field, box, axis=2 if ctx["rank"] == 0 else 1, mesh=distributed.force_mesh),
+        "`axis`", "rank 0")
 
 
 def case_power_layer(grid, ctx):

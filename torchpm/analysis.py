@@ -46,6 +46,11 @@ __all__ = [
     "correlation_coefficient",
     "transfer_function",
     "paint_density",
+    "Multipoles",
+    "power_multipoles",
+    "cross_multipoles",
+    "redshift_space",
+    "legendre",
 ]
 
 
@@ -173,6 +178,57 @@ def _bins_key(bins):
         return repr(bins)
 
 
+def _measure(function, fields, box_size, bins, compensate_cic, window, mesh, options=()):
+    """Checks ``fields`` (``{argument name: tensor}``, the same shape) and the options (on a
+    grid: on every rank together, before any collective), then transforms each field once.
+    Returns ``(mesh, box, window, transforms, single)`` with ``transforms`` the float64 rfft
+    of each field in the order given, batched ``(B, ...)``."""
+    window = _window_argument(window, compensate_cic)
+    _check_mesh_argument(mesh, function)
+    names = list(fields)
+    error = None
+    for name in names:
+        error = error or _field_error(fields[name], name, mesh)
+    if error is None:
+        for name in names[1:]:
+            if fields[name].shape != fields[names[0]].shape:
+                error = (f"`{names[0]}` and `{name}` must have the same shape, got "
+                         f"{tuple(fields[names[0]].shape)} and {tuple(fields[name].shape)}")
+                break
+    try:
+        box = as_box_size(box_size)
+    except ValueError as exc:
+        box, error = None, error or str(exc)
+    if hasattr(mesh, "agree"):
+        # The shell sums are all-reduced: their number depends on the bins and the box,
+        # so the ranks must agree on those before any collective.
+        mesh.agree(function, [("`box_size`", box), ("`bins`", _bins_key(bins)), ("`window`", window),
+                              *options], error)
+    elif mesh is not None:
+        mesh.raise_together(error, operation=function)
+    elif error:
+        raise ValueError(error)
+    batched = [_fields(fields[name], name)[0] for name in names]
+    single = fields[names[0]].dim() == 3
+    if mesh is None:
+        _warn_if_block(batched[0].shape[-3:], box_size, "torchpm.analysis")
+    mesh = mesh or LocalMesh(batched[0].shape[-3:])
+    transforms = []
+    for name, field in zip(names, batched):
+        same = next((t for n, t in zip(names, transforms) if fields[n] is fields[name]), None)
+        transforms.append(same if same is not None else mesh.rfftn(field.to(torch.float64)))
+    return mesh, box, window, transforms, single
+
+
+def _product(a_k, b_k, mesh, box):
+    """``V/N^2 Re(a conj b)`` per mode."""
+    if a_k is b_k:
+        product = a_k.real**2 + a_k.imag**2
+    else:
+        product = a_k.real * b_k.real + a_k.imag * b_k.imag
+    return product * (math.prod(box) / mesh.size**2)
+
+
 def cross_power(
     field_a: torch.Tensor,
     field_b: torch.Tensor,
@@ -182,7 +238,6 @@ def cross_power(
     compensate_cic: bool = False,
     window: str | None = None,
     mesh=None,
-    _names: tuple[str, str] = ("field_a", "field_b"),
 ) -> PowerSpectrum:
     """Cross power ``V/N^2 <Re(DFT a conj(DFT b))>`` of two fields in shells of |k|.
 
@@ -203,35 +258,19 @@ def cross_power(
     Returns:
         :class:`PowerSpectrum`; ``power`` is ``(B, n_bins)`` for batched input.
     """
-    window = _window_argument(window, compensate_cic)
-    _check_mesh_argument(mesh, "cross_power")
-    name_a, name_b = _names  # (the caller's argument names, e.g. power_spectrum's `field`)
-    error = _field_error(field_a, name_a, mesh) or _field_error(field_b, name_b, mesh)
-    if error is None and field_a.shape != field_b.shape:
-        error = (f"`{name_a}` and `{name_b}` must have the same shape, got {tuple(field_a.shape)} and "
-                 f"{tuple(field_b.shape)}")
-    try:
-        box = as_box_size(box_size)
-    except ValueError as exc:
-        box, error = None, error or str(exc)
-    if hasattr(mesh, "agree"):
-        # The shell sums are all-reduced: their number depends on the bins and the box,
-        # so the ranks must agree on those before any collective.
-        mesh.agree("cross_power", [("`box_size`", box), ("`bins`", _bins_key(bins)), ("`window`", window)], error)
-    elif mesh is not None:
-        mesh.raise_together(error, operation="cross_power")
-    elif error:
-        raise ValueError(error)
-    a, single = _fields(field_a, name_a)
-    b, _ = _fields(field_b, name_b)
-    if mesh is None:
-        _warn_if_block(a.shape[-3:], box_size, "torchpm.analysis")
-    mesh = mesh or LocalMesh(a.shape[-3:])
-    a_k = mesh.rfftn(a.to(torch.float64))
-    b_k = a_k if field_b is field_a else mesh.rfftn(b.to(torch.float64))
-    product = (a_k * b_k.conj()).real * (math.prod(box) / mesh.size**2)
-    k, power, modes = _binned(product, mesh, box, bins, window)
-    return PowerSpectrum(k, power[0] if single else power, modes)
+    fields = {"field_a": field_a, "field_b": field_b} if field_b is not field_a else {"field_a": field_a}
+    return _spectra("cross_power", fields, [(0, -1)], box_size, bins, compensate_cic, window, mesh)[0]
+
+
+def _spectra(function, fields, pairs, box_size, bins, compensate_cic, window, mesh):
+    """The binned spectra of ``pairs`` (indices into ``fields``; -1: the last field) with one
+    transform per field and one all-reduce for all of them."""
+    mesh, box, window, transforms, single = _measure(function, fields, box_size, bins, compensate_cic, window, mesh)
+    products = torch.stack([_product(transforms[i], transforms[j], mesh, box) for i, j in pairs])
+    count, batch = products.shape[:2]
+    k, power, modes = _binned(products.reshape(count * batch, *products.shape[2:]), mesh, box, bins, window)
+    power = power.reshape(count, batch, -1)
+    return [PowerSpectrum(k, p[0] if single else p, modes) for p in power]
 
 
 def _warn_if_block(shape, box_size, function: str) -> None:
@@ -266,6 +305,21 @@ def _outside_torchpm() -> int:
     return level
 
 
+def _shot_noise(shot_noise, n_particles, box_size) -> float:
+    """The constant to subtract from the auto power (0.0: none)."""
+    if shot_noise is not None and n_particles is not None:
+        raise ValueError("pass at most one of `shot_noise` and `n_particles`")
+    if n_particles is not None and (isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral)
+                                    or n_particles <= 0):
+        raise ValueError(f"`n_particles` must be a positive integer, got {n_particles!r}")
+    if shot_noise is not None and (isinstance(shot_noise, bool) or not isinstance(shot_noise, numbers.Real)
+                                   or not math.isfinite(shot_noise)):
+        raise ValueError(f"`shot_noise` must be a finite number in (Mpc/h)^3, got {shot_noise!r}")
+    if n_particles is not None:
+        return math.prod(as_box_size(box_size)) / int(n_particles)
+    return 0.0 if shot_noise is None else float(shot_noise)
+
+
 def power_spectrum(
     field: torch.Tensor,
     box_size: float | Sequence[float],
@@ -276,7 +330,6 @@ def power_spectrum(
     shot_noise: float | None = None,
     n_particles: int | None = None,
     mesh=None,
-    _name: str = "field",
 ) -> PowerSpectrum:
     """Power spectrum of a field in shells of |k| (see :func:`cross_power` for the arguments).
 
@@ -284,21 +337,8 @@ def power_spectrum(
         shot_noise: a constant (Mpc/h)^3 to subtract, or
         n_particles: subtract the Poisson shot noise ``V / n_particles``.
     """
-    if shot_noise is not None and n_particles is not None:
-        raise ValueError("pass at most one of `shot_noise` and `n_particles`")
-    if n_particles is not None and (isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral)
-                                    or n_particles <= 0):
-        raise ValueError(f"`n_particles` must be a positive integer, got {n_particles!r}")
-    if shot_noise is not None and (isinstance(shot_noise, bool) or not isinstance(shot_noise, numbers.Real)
-                                   or not math.isfinite(shot_noise)):
-        raise ValueError(f"`shot_noise` must be a finite number in (Mpc/h)^3, got {shot_noise!r}")
-    result = cross_power(field, field, box_size, bins=bins, compensate_cic=compensate_cic, window=window, mesh=mesh,
-                         _names=(_name, _name))
-    noise = 0.0
-    if n_particles is not None:
-        noise = math.prod(as_box_size(box_size)) / int(n_particles)
-    elif shot_noise is not None:
-        noise = float(shot_noise)
+    noise = _shot_noise(shot_noise, n_particles, box_size)
+    result = _spectra("power_spectrum", {"field": field}, [(0, 0)], box_size, bins, compensate_cic, window, mesh)[0]
     return PowerSpectrum(result.k, result.power - noise, result.modes)
 
 
@@ -316,24 +356,211 @@ def _require_power(function: str, name: str, spectrum: PowerSpectrum) -> None:
         )
 
 
-def correlation_coefficient(field_a, field_b, box_size, **options) -> PowerSpectrum:
-    """``r(k) = P_ab / sqrt(P_aa P_bb)`` (returned in the ``power`` slot). Raises where
-    an auto power is zero (r is undefined there)."""
-    cross = cross_power(field_a, field_b, box_size, **options)
-    auto_a = power_spectrum(field_a, box_size, **options, _name="field_a")
-    auto_b = power_spectrum(field_b, box_size, **options, _name="field_b")
+def correlation_coefficient(field_a, field_b, box_size, *, bins=None, compensate_cic: bool = False,
+                            window: str | None = None, mesh=None) -> PowerSpectrum:
+    """``r(k) = P_ab / sqrt(P_aa P_bb)`` (returned in the ``power`` slot; the arguments of
+    :func:`cross_power`). Each field is transformed once. Raises where an auto power is zero
+    (r is undefined there)."""
+    cross, auto_a, auto_b = _spectra("correlation_coefficient", {"field_a": field_a, "field_b": field_b},
+                                     [(0, 1), (0, 0), (1, 1)], box_size, bins, compensate_cic, window, mesh)
     _require_power("correlation_coefficient", "field_a", auto_a)
     _require_power("correlation_coefficient", "field_b", auto_b)
     return PowerSpectrum(cross.k, cross.power / torch.sqrt(auto_a.power * auto_b.power), cross.modes)
 
 
-def transfer_function(field, reference, box_size, **options) -> PowerSpectrum:
-    """``T(k) = sqrt(P_field / P_reference)`` (returned in the ``power`` slot). Raises
-    where the reference has no power."""
-    auto = power_spectrum(field, box_size, **options)
-    auto_ref = power_spectrum(reference, box_size, **options, _name="reference")
+def transfer_function(field, reference, box_size, *, bins=None, compensate_cic: bool = False,
+                      window: str | None = None, mesh=None) -> PowerSpectrum:
+    """``T(k) = sqrt(P_field / P_reference)`` (returned in the ``power`` slot; the arguments
+    of :func:`cross_power`). Raises where the reference has no power."""
+    auto, auto_ref = _spectra("transfer_function", {"field": field, "reference": reference}, [(0, 0), (1, 1)],
+                              box_size, bins, compensate_cic, window, mesh)
     _require_power("transfer_function", "reference", auto_ref)
     return PowerSpectrum(auto.k, torch.sqrt(auto.power / auto_ref.power), auto.modes)
+
+
+# ----------------------------------------------------------------------------
+# Redshift space: multipoles of the power spectrum.
+
+
+class Multipoles(NamedTuple):
+    """Binned Legendre multipoles of a power spectrum. ``k``: ``(n_bins,)`` mean |k|
+    (h/Mpc) of the modes in each bin; ``power``: ``(B, n_ells, n_bins)`` or
+    ``(n_ells, n_bins)`` in (Mpc/h)^3, ``power[..., i, :]`` the multipole ``ells[i]``;
+    ``modes``: ``(n_bins,)``; ``ells``: the multipoles' orders. Empty bins are dropped."""
+
+    k: torch.Tensor
+    power: torch.Tensor
+    modes: torch.Tensor
+    ells: tuple[int, ...]
+
+
+_AXES = {"x": 0, "y": 1, "z": 2}
+
+
+def line_of_sight_axis(axis, function: str) -> int:
+    """``axis`` (0, 1, 2 or "x", "y", "z") as an index."""
+    if isinstance(axis, str) and axis in _AXES:
+        return _AXES[axis]
+    if isinstance(axis, numbers.Integral) and not isinstance(axis, bool) and 0 <= int(axis) <= 2:
+        return int(axis)
+    raise ValueError(f"{function}: `axis` (the line of sight) must be 0, 1, 2 or 'x', 'y', 'z', got {axis!r}")
+
+
+def _ells_argument(ells, function: str) -> tuple[int, ...]:
+    message = (f"{function}: `ells` must be distinct even integers >= 0 (the multipoles of an auto or cross "
+               f"power of real fields in the plane-parallel limit; odd ones vanish), got {ells!r}")
+    if isinstance(ells, numbers.Integral) and not isinstance(ells, bool):
+        ells = (ells,)
+    try:
+        values = tuple(ells)
+    except TypeError:
+        raise ValueError(message) from None
+    if not values or any(isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 or v % 2 for v in values) \
+            or len(set(int(v) for v in values)) != len(values):
+        raise ValueError(message)
+    return tuple(int(v) for v in values)
+
+
+def legendre(ells: Sequence[int], mu: torch.Tensor) -> torch.Tensor:
+    """``(len(ells), *mu.shape)``: the Legendre polynomials ``L_ell(mu)`` (Bonnet's recursion)."""
+    previous, current = torch.ones_like(mu), mu
+    values = {0: previous, 1: current}
+    for n in range(1, max(ells)):
+        previous, current = current, ((2 * n + 1) * mu * current - n * previous) / (n + 1)
+        values[n + 1] = current
+    return torch.stack([values[ell] for ell in ells])
+
+
+def _multipoles(function, fields, box_size, ells, axis, bins, compensate_cic, window, mesh, noise=0.0):
+    ells = _ells_argument(ells, function)
+    axis = line_of_sight_axis(axis, function)
+    mesh, box, window, transforms, single = _measure(function, fields, box_size, bins, compensate_cic, window, mesh,
+                                                     [("`ells`", ells), ("`axis`", axis)])
+    product = _product(transforms[0], transforms[-1], mesh, box)
+    w = mesh.wavevectors(dtype=torch.float64, device=product.device)
+    k_axes = [wi * n / b for wi, n, b in zip(w, mesh.global_shape, box)]
+    k = torch.sqrt(sum(ki**2 for ki in k_axes)).expand(*mesh.local_fourier_shape)
+    # mu = k_los / |k| (0 at k = 0, a mode every bin leaves out)
+    mu = torch.where(k > 0, k_axes[axis].expand_as(k) / torch.where(k > 0, k, torch.ones_like(k)), torch.zeros_like(k))
+    factors = legendre(ells, mu) * torch.tensor([2.0 * ell + 1 for ell in ells], dtype=torch.float64,
+                                                device=mu.device).view(-1, 1, 1, 1)
+    batch = product.shape[0]
+    weighted = (product.unsqueeze(1) * factors).reshape(batch * len(ells), *product.shape[1:])
+    k_mean, power, modes = _binned(weighted, mesh, box, bins, window)
+    power = power.reshape(batch, len(ells), -1)
+    if noise and 0 in ells:  # Poisson noise is isotropic: the monopole's alone
+        power = power - torch.tensor([noise if ell == 0 else 0.0 for ell in ells], dtype=power.dtype,
+                                     device=power.device).view(1, -1, 1)
+    return Multipoles(k_mean, power[0] if single else power, modes, ells)
+
+
+def power_multipoles(
+    field: torch.Tensor,
+    box_size: float | Sequence[float],
+    *,
+    ells: Sequence[int] = (0, 2, 4),
+    axis: int | str = 2,
+    bins=None,
+    compensate_cic: bool = False,
+    window: str | None = None,
+    shot_noise: float | None = None,
+    n_particles: int | None = None,
+    mesh=None,
+) -> Multipoles:
+    """Legendre multipoles of the power spectrum about a fixed line of sight
+    (plane-parallel), in shells of |k|::
+
+        P_ell(k) = (2 ell + 1) V/N^2 < |DFT delta|^2 L_ell(mu) >_shell,   mu = k_axis / |k|
+
+    the shell average and its mode counting as in :func:`power_spectrum` (so ``P_0`` is
+    :func:`power_spectrum`'s P(k)). For a field in redshift space (e.g. the density of
+    :meth:`torchpm.Simulation.redshift_space`'s state) linear theory gives Kaiser's
+    ``P_0 = (1 + 2f/3 + f^2/5) P``, ``P_2 = (4f/3 + 4f^2/7) P``, ``P_4 = 8f^2/35 P``.
+
+    Args:
+        ells: even multipole orders (default ``(0, 2, 4)``).
+        axis: the line of sight: 0, 1, 2 or ``"x"``, ``"y"``, ``"z"``.
+        shot_noise, n_particles: subtracted from the monopole only (Poisson noise is
+            isotropic); see :func:`power_spectrum`.
+        bins, compensate_cic, window, mesh: as in :func:`cross_power` (on a process grid
+            every rank gets the global multipoles).
+
+    Returns:
+        :class:`Multipoles`; ``power`` is ``(B, len(ells), n_bins)`` for batched input.
+    """
+    noise = _shot_noise(shot_noise, n_particles, box_size)
+    return _multipoles("power_multipoles", {"field": field}, box_size, ells, axis, bins, compensate_cic, window,
+                       mesh, noise)
+
+
+def cross_multipoles(
+    field_a: torch.Tensor,
+    field_b: torch.Tensor,
+    box_size: float | Sequence[float],
+    *,
+    ells: Sequence[int] = (0, 2, 4),
+    axis: int | str = 2,
+    bins=None,
+    compensate_cic: bool = False,
+    window: str | None = None,
+    mesh=None,
+) -> Multipoles:
+    """Legendre multipoles of the cross power ``V/N^2 Re(DFT a conj(DFT b))`` about a fixed
+    line of sight; the arguments of :func:`power_multipoles`."""
+    fields = {"field_a": field_a, "field_b": field_b} if field_b is not field_a else {"field_a": field_a}
+    return _multipoles("cross_multipoles", fields, box_size, ells, axis, bins, compensate_cic, window, mesh)
+
+
+def redshift_space(
+    positions: torch.Tensor,
+    momenta: torch.Tensor,
+    a,
+    cosmology,
+    box_size: float | Sequence[float] | None,
+    *,
+    axis: int | str = 2,
+) -> torch.Tensor:
+    """Positions moved to redshift space along a fixed line of sight (plane-parallel)::
+
+        s = x + (v . e) / (a H(a)) e = x + p_axis / (a^2 E(a)) e
+
+    with ``p = a^3 E dx/da`` the simulation's momenta, in the same length unit as the
+    positions (Mpc/h, or mesh cells for a :class:`~torchpm.MeshUnitsState`). Differentiable
+    in the positions, the momenta and the cosmology's parameters.
+
+    Args:
+        positions, momenta: ``(B, N, 3)`` (any leading shape, 3 components last).
+        a: the scale factor of the particles (a float or a 0-dim tensor).
+        cosmology: a :class:`~torchpm.Cosmology` (for ``E(a)``).
+        box_size: the periodic box in the positions' unit (the result is wrapped into
+            ``[0, box)``), or ``None`` to leave it unwrapped.
+        axis: the line of sight, 0, 1, 2 or ``"x"``, ``"y"``, ``"z"``.
+    """
+    axis = line_of_sight_axis(axis, "redshift_space")
+    for name, value in (("positions", positions), ("momenta", momenta)):
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() < 1 \
+                or value.shape[-1] != 3:
+            raise ValueError(f"redshift_space: `{name}` must be a real floating-point tensor of shape (..., 3), got "
+                             f"{getattr(value, 'shape', type(value).__name__)}")
+    if momenta.shape != positions.shape:
+        raise ValueError(f"redshift_space: `momenta` of shape {tuple(momenta.shape)} must have the shape of `positions`, "
+                         f"{tuple(positions.shape)}")
+    if not callable(getattr(cosmology, "E", None)):
+        raise TypeError(f"redshift_space: `cosmology` must be a torchpm.Cosmology, got {type(cosmology).__name__}")
+    a_value = float(a.detach()) if isinstance(a, torch.Tensor) and a.numel() == 1 else a
+    if isinstance(a_value, bool) or not isinstance(a_value, numbers.Real) or not (0 < float(a_value) <= 1):
+        raise ValueError(f"redshift_space: `a` must be a scale factor in (0, 1], got {a!r}")
+    box = None if box_size is None else torch.tensor(as_box_size(box_size), dtype=positions.dtype,
+                                                     device=positions.device)
+    a_tensor = a if isinstance(a, torch.Tensor) else torch.tensor(float(a), dtype=torch.float64)
+    factor = 1.0 / (a_tensor.to(torch.float64) ** 2 * cosmology.E(a_tensor.to(torch.float64)))
+    shift = momenta[..., axis] * factor.to(device=momenta.device, dtype=momenta.dtype)
+    moved = torch.cat([positions[..., :axis], (positions[..., axis] + shift).unsqueeze(-1),
+                       positions[..., axis + 1:]], dim=-1)
+    if box is not None:
+        moved = torch.remainder(moved, box)
+        moved = torch.where(moved >= box, moved - box, moved)  # (rounding up to the box)
+    return moved
 
 
 def _owned(mesh, positions, weights):

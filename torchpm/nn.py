@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ._transforms import is_transformed, outside_transforms
-from .analysis import _bins_key
+from .analysis import _bins_key, _ells_argument, legendre, line_of_sight_axis
 from .distributed import PencilDecomposition
 from .mesh import LocalMesh, as_box_size, as_shape
 from .ops import cic_paint, cic_readout
@@ -174,6 +174,11 @@ class PowerSpectrum(nn.Module):
             smallest Nyquist frequency), a number of equal-width bins up to the
             largest |k|, or increasing bin edges in h/Mpc. Empty bins are dropped.
         compensate_cic: divide each field by the CIC window ``prod sinc^2(w/2pi)``.
+        ells: None (the power spectrum), or even multipole orders such as ``(0, 2, 4)``:
+            the Legendre multipoles about the line of sight ``axis`` of
+            :func:`torchpm.analysis.power_multipoles` (redshift space), ``(B, len(ells),
+            n_bins)``.
+        axis: the line of sight of ``ells``: 0, 1, 2 or ``"x"``, ``"y"``, ``"z"``.
         dtype: of the computation and of the ``k`` / ``modes`` buffers.
         mesh: the mesh the fields live on, of global shape ``shape``: None (the whole
             mesh on this device) or a :class:`~torchpm.distributed.PencilDecomposition`
@@ -189,7 +194,7 @@ class PowerSpectrum(nn.Module):
 
     ``forward(field, other=None)``: ``(B, nx, ny, nz)`` real fields (this rank's
     block on a grid); returns ``(B, n_bins)`` power in (Mpc/h)^3 (the cross power
-    with ``other`` when given). Attributes ``k`` (mean |k| of each bin, h/Mpc) and
+    with ``other`` when given), or ``(B, len(ells), n_bins)`` multipoles. Attributes ``k`` (mean |k| of each bin, h/Mpc) and
     ``modes`` are buffers.
     """
 
@@ -200,6 +205,8 @@ class PowerSpectrum(nn.Module):
         *,
         bins=None,
         compensate_cic: bool = False,
+        ells: Sequence[int] | None = None,
+        axis: int | str = 2,
         dtype: torch.dtype = torch.float32,
         device=None,
         mesh: PencilDecomposition | None = None,
@@ -208,6 +215,8 @@ class PowerSpectrum(nn.Module):
         self.shape = as_shape(shape, "shape")
         self.box_size = as_box_size(box_size)
         self.compensate_cic = bool(compensate_cic)
+        self.ells = None if ells is None else _ells_argument(ells, "PowerSpectrum")
+        self.axis = line_of_sight_axis(axis, "PowerSpectrum")
         if mesh is None:
             mesh = LocalMesh(self.shape)
         _check_mesh_type("PowerSpectrum", mesh)
@@ -215,7 +224,8 @@ class PowerSpectrum(nn.Module):
         # The shells' mode counts are all-reduced below, as many as there are bins: the
         # ranks agree on what sets them first (one rank's error raises on every rank).
         mesh.agree("PowerSpectrum", [("`shape`", self.shape), ("`box_size`", self.box_size),
-                                     ("`bins`", _bins_key(bins)), ("`compensate_cic`", self.compensate_cic)], error)
+                                     ("`bins`", _bins_key(bins)), ("`compensate_cic`", self.compensate_cic),
+                                     ("`ells`", self.ells), ("`axis`", self.axis)], error)
         # On one device the forward pass calls torch.fft directly, as before.
         self._mesh = None if mesh.is_local else mesh
         w = mesh.wavevectors(dtype=torch.float64)
@@ -257,6 +267,12 @@ class PowerSpectrum(nn.Module):
                 window = window * torch.sinc(wi / (2 * math.pi)) ** 2
             scale = scale / (window**2).expand(*mesh.local_fourier_shape).reshape(-1)
         scale = scale / torch.cat([modes[keep], torch.ones(1, dtype=torch.float64)])[index]
+        if self.ells is not None:
+            # (2 ell + 1) L_ell(mu) per mode, mu = k_axis / |k| (0 at k = 0, in no bin)
+            k_axis = k_axes[self.axis].expand(*mesh.local_fourier_shape).reshape(-1)
+            mu = torch.where(k > 0, k_axis / torch.where(k > 0, k, torch.ones_like(k)), torch.zeros_like(k))
+            orders = torch.tensor([2.0 * ell + 1 for ell in self.ells], dtype=torch.float64).unsqueeze(1)
+            scale = scale * orders * legendre(self.ells, mu)
         self.n_bins = int(keep.sum())
         self._local_shape = tuple(mesh.local_real_shape)
         self.register_buffer("k", (k_sum[keep] / modes[keep]).to(dtype=dtype, device=device), persistent=False)
@@ -294,18 +310,21 @@ class PowerSpectrum(nn.Module):
         else:
             other_k = self._rfftn(other).reshape(field.shape[0], -1)
             product = field_k.real * other_k.real + field_k.imag * other_k.imag
+        if self.ells is not None:  # (B, len(ells), modes)
+            product = product.unsqueeze(1)
         values = product * self._mode_scale.to(product.dtype)
-        sums = values.new_zeros(field.shape[0], self.n_bins + 1).index_add(1, self._bin_index, values)
+        sums = values.new_zeros(*values.shape[:-1], self.n_bins + 1).index_add(-1, self._bin_index, values)
         if self._mesh is None:
-            return sums[:, : self.n_bins]
+            return sums[..., : self.n_bins]
         # The global shell sums on every rank (cross_power's reduction and its autograd convention).
-        return self._mesh.all_reduce(sums[:, : self.n_bins])
+        return self._mesh.all_reduce(sums[..., : self.n_bins])
 
     def extra_repr(self) -> str:
         grid = "" if self._mesh is None else f", grid={self._mesh.grid_shape}"
         return (
             f"shape={self.shape}, box_size={self.box_size}, n_bins={self.n_bins}, "
-            f"compensate_cic={self.compensate_cic}{grid}"
+            f"compensate_cic={self.compensate_cic}"
+            f"{'' if self.ells is None else f', ells={self.ells}, axis={self.axis}'}{grid}"
         )
 
 

@@ -1349,6 +1349,24 @@ class Simulation(nn.Module):
         weights = (ids >= 0).to(cells.dtype) if bool((ids < 0).any()) else None
         return self.force_mesh.paint(cells, weights) * self.particle_mass
 
+    def redshift_space(self, state: SimulationState, axis: int | str = 2,
+                       cosmology: Cosmology | None = None) -> SimulationState:
+        """The state with its positions moved to redshift space along ``axis`` (0, 1, 2 or
+        ``"x"``, ``"y"``, ``"z"``, plane-parallel): ``s = x + p_axis / (a^2 E(a))``, wrapped
+        into the box (:func:`torchpm.analysis.redshift_space`); momenta, ``a``, ids and the
+        state's type (Mpc/h or force-mesh cells) unchanged. ``density`` of the result is the
+        redshift-space density; :func:`~torchpm.analysis.power_multipoles` measures its
+        multipoles. Differentiable like the state (and in the cosmology's parameters)."""
+        from .analysis import redshift_space
+
+        if not isinstance(state, SimulationState):
+            raise TypeError(f"redshift_space: `state` must be a SimulationState (as the simulation returns), got "
+                            f"{type(state).__name__}")
+        cosmology = self._replicated(cosmology or self.cosmology)
+        box = self.mesh_shape if isinstance(state, MeshUnitsState) else self.box_size
+        positions = redshift_space(state.positions, state.momenta, state.a, cosmology, box, axis=axis)
+        return type(state)(positions, state.momenta, state.a, state.ids)
+
     def gather(self, state: SimulationState) -> SimulationState:
         """The whole state on every rank: ``(B, N, 3)`` positions and momenta sorted by id,
         ids ``arange(N)``. For small runs and tests (every rank holds every particle); not
