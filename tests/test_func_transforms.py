@@ -295,3 +295,26 @@ def test_the_readme_jacrev_example_runs_and_matches_finite_differences():
     assert jacobian.shape == (2,)
     assert float(difference.abs().min()) > 0.1
     torch.testing.assert_close(jacobian, difference, rtol=1e-6, atol=0)
+
+
+def test_torch_compile_and_func_grad_compose_in_either_order():
+    """``torch.compile(torch.func.grad(f))`` and ``torch.func.grad(torch.compile(f))`` through a
+    run (the ops' functorch path under Dynamo) give the eager gradient of a loss of the
+    redshift-space multipoles."""
+    from torchpm.analysis import power_multipoles
+
+    sim = torchpm.Simulation(n_particles=8, box_size=64.0, mesh_factor=1, a_start=0.2, steps=2, dtype=torch.float64)
+    noise = sim.white_noise(1, seed=0)
+
+    def loss(x):
+        delta = sim.density(sim.redshift_space(sim(x))) - 1.0
+        return power_multipoles(delta, 64.0, ells=(0, 2)).power.pow(2).sum()
+
+    x = noise.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(loss(x), x)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for function in (torch.compile(torch.func.grad(loss)), torch.func.grad(torch.compile(loss))):
+            got = function(noise)
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12 * float(expected.abs().max()))
