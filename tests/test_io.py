@@ -4,6 +4,7 @@ round trips, multi-file sets written by 2 gloo ranks, atomic writes, and exact r
 from __future__ import annotations
 
 import math
+import re
 import os
 
 import numpy as np
@@ -494,8 +495,43 @@ def run_case(case_id, ctx):
         assert torch.equal(expected[0], got[0])
         torch.testing.assert_close(got[1], expected[1], rtol=0, atol=1e-9)
         torch.testing.assert_close(got[2], expected[2], rtol=1e-9, atol=1e-12)
+    elif kind == "fields":
+        # The ranks of a 2x1 and a 1x2 grid write their blocks of the density into one file
+        # in turn: the file holds the serial run's density (read with h5py, whole), each
+        # rank reads its own block back; one rank's bad field raises on both, no file left.
+        from torchpm.io import read_fields, write_fields
+
+        for grid in ((world_size, 1), (1, world_size)):
+            grid_sim = _sim(torch.float64, grid=grid, n_particles=(6, 5, 4), a_start=0.2, steps=2)
+            serial = _sim(torch.float64, n_particles=(6, 5, 4), a_start=0.2, steps=2)
+            density = grid_sim.density(grid_sim(grid_sim.white_noise(2, seed=5)))
+            expected = serial.density(serial(serial.white_noise(2, seed=5)))
+            fields_path = os.path.join(folder, f"density_{grid[0]}x{grid[1]}.hdf5")
+            write_fields(fields_path, {"density": density, "twice": 2 * density}, grid_sim.box_size, a=1.0,
+                         mesh=grid_sim.force_mesh)
+            with h5py.File(fields_path, "r") as handle:
+                whole_file = torch.from_numpy(handle["density"][...])
+            torch.testing.assert_close(whole_file, expected, rtol=0, atol=1e-10 * float(expected.abs().max()))
+            mine, _ = read_fields(fields_path, mesh=grid_sim.force_mesh)
+            assert torch.equal(mine["density"], density) and torch.equal(mine["twice"], 2 * density)
+            bad = density if rank == 0 else density[:, :-1]
+            try:
+                write_fields(os.path.join(folder, "bad.hdf5"), {"density": bad}, grid_sim.box_size,
+                             mesh=grid_sim.force_mesh)
+            except ValueError as error:  # rank 1's message, on both ranks
+                assert "rank 1" in str(error) and "field 'density' of shape" in str(error), str(error)
+            else:
+                raise AssertionError("rank 1's block of another shape was written")
+            dist.barrier()
+            assert not [name for name in os.listdir(folder) if name.startswith(("bad", ".bad"))]
     else:
         raise ValueError(case_id)
+
+
+def test_fields_written_by_two_ranks(tmp_path):
+    outcome = run_world(2, __name__, [f"fields:{tmp_path}"], tmp_path, timeout_s=240)
+    for rank in range(2):
+        assert outcome[f"fields:{tmp_path}"][rank] is None, f"rank {rank}:\n{outcome[f'fields:{tmp_path}'][rank]}"
 
 
 def test_multifile_snapshot_from_two_ranks(tmp_path):
@@ -527,3 +563,64 @@ def test_multifile_snapshot_from_two_ranks(tmp_path):
     snap = pynbody.load(str(good / "snap_000"))
     assert len(snap) == sim.n_total
     np.testing.assert_array_equal(np.sort(np.asarray(snap.dm["iord"])), np.arange(sim.n_total))
+
+
+# ----------------------------------------------------------------------------
+# Mesh fields.
+
+
+def test_fields_written_and_read_back_exactly_as_h5py_sees_them(tmp_path):
+    from torchpm.io import read_fields, write_fields
+
+    sim = torchpm.Simulation(n_particles=(6, 5, 4), box_size=(60.0, 50.0, 40.0), mesh_factor=2, a_start=0.2,
+                             steps=2)
+    state = sim(sim.white_noise(2, seed=1))
+    density = sim.density(state)
+    moved = sim.density(sim.redshift_space(state, axis=2))
+    path = tmp_path / "density.hdf5"
+    assert write_fields(path, {"density": density, "density_rsd_z": moved.double()}, sim.box_size, a=state.a,
+                        attributes={"seed": 1, "window": "cic"}) == str(path)
+    with h5py.File(path, "r") as handle:  # the file as any HDF5 reader sees it
+        assert set(handle) == {"density", "density_rsd_z"}
+        assert handle["density"].dtype == np.float32 and handle["density_rsd_z"].dtype == np.float64
+        assert handle["density"].shape == (2, 12, 10, 8)
+        np.testing.assert_array_equal(handle["density"][...], density.numpy())
+        np.testing.assert_array_equal(handle["density_rsd_z"][...], moved.double().numpy())
+        np.testing.assert_array_equal(handle.attrs["BoxSize"], [60.0, 50.0, 40.0])
+        assert handle.attrs["Time"] == state.a and handle.attrs["window"] == "cic" and handle.attrs["seed"] == 1
+    fields, attributes = read_fields(path, names=["density"])
+    assert list(fields) == ["density"] and torch.equal(fields["density"], density)
+    assert attributes["mesh_shape"] == [12, 10, 8]
+    assert [p.name for p in tmp_path.iterdir()] == ["density.hdf5"], "a temporary file was left"
+
+
+def test_bad_fields_are_refused_and_leave_no_file(tmp_path):
+    from torchpm.io import read_fields, write_fields
+
+    field = torch.rand(1, 4, 4, 4)
+    path = tmp_path / "f.hdf5"
+    cases = [
+        ({}, 10.0, "non-empty dict"),
+        ({"a/b": field}, 10.0, "without '/'"),
+        ({"d": field[0]}, 10.0, "(B, nx, ny, nz)"),
+        ({"d": field.to(torch.complex64)}, 10.0, "real floating-point"),
+        ({"d": field.masked_fill(field > 0.5, float("nan"))}, 10.0, "NaN or infinite"),
+        ({"d": field}, -1.0, "box_size"),
+    ]
+    for fields, box, fragment in cases:
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            write_fields(path, fields, box)
+        assert not any(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="`a` must be None or a scale factor"):
+        write_fields(path, {"d": field}, 10.0, a=2.0)
+    with pytest.raises(ValueError, match="`path` must be a file name"):
+        write_fields(None, {"d": field}, 10.0)
+    write_fields(path, {"d": field}, 10.0)
+    with pytest.raises(ValueError, match="exists; pass overwrite=True"):
+        write_fields(path, {"d": 2 * field}, 10.0)
+    write_fields(path, {"d": 2 * field}, 10.0, overwrite=True)
+    assert torch.equal(read_fields(path)[0]["d"], 2 * field)
+    with pytest.raises(KeyError, match="holds no field 'e'"):
+        read_fields(path, names=["e"])
+    with pytest.raises(ValueError, match=re.escape("is on a (4, 4, 4) mesh")):
+        read_fields(path, mesh=torchpm.mesh.LocalMesh((4, 4, 5)))

@@ -30,6 +30,10 @@ contiguous share per reader. Writing streams: one chunk of particles at a time i
 copied to the host. A write goes to a temporary name and is renamed at the end,
 so a failed write leaves nothing under the final name.
 
+Mesh fields (densities on the force mesh) go to their own HDF5 file, one dataset
+``(B, nx, ny, nz)`` per field (:func:`write_fields`, :func:`read_fields`); on a process
+grid the ranks write their blocks into it in turn.
+
 h5py is needed by this module only (``pip install h5py``).
 """
 
@@ -52,6 +56,8 @@ __all__ = [
     "scale_factor_index",
     "snapshot_files",
     "to_toml",
+    "write_fields",
+    "read_fields",
     "CRITICAL_DENSITY",
 ]
 
@@ -821,3 +827,157 @@ def _in_slots(positions, momenta, ids, slots, count: int, padding_position):
     positions = corner.expand(count, 3).index_copy(0, slots, positions)
     return (place_empty_slots(positions[None], ids[None], corner)[0],
             momenta.new_zeros(count, 3).index_copy(0, slots, momenta), ids)
+
+
+# ----------------------------------------------------------------------------------
+# Mesh fields (densities) in HDF5.
+
+
+def write_fields(
+    path,
+    fields: dict,
+    box_size,
+    *,
+    mesh=None,
+    a: float | None = None,
+    attributes: dict | None = None,
+    overwrite: bool = False,
+) -> str:
+    """Writes mesh fields (e.g. densities) to one HDF5 file, one dataset per field of shape
+    ``(B, nx, ny, nz)`` (the global mesh) in the fields' dtype, with the attributes
+    ``BoxSize`` (3 values, Mpc/h), ``Time`` and ``Redshift`` (when ``a`` is given), and
+    ``attributes`` (numbers and strings) on the file.
+
+    Args:
+        path: the file; written under a temporary name and renamed once complete.
+        fields: ``{name: (B, *local_real_shape) real tensor}``; on a process grid each
+            rank passes its block of each field (e.g. ``sim.density(state)``).
+        box_size: the box side(s) in Mpc/h.
+        mesh: the mesh the fields live on (``sim.force_mesh``), or None for whole fields
+            on this device. On a grid the call is collective: the ranks write their
+            blocks into the one file in turn (the folder must be shared by the ranks), a
+            failure on any rank raises on every rank and leaves no file.
+        overwrite: replace an existing file.
+
+    Returns the path. :func:`read_fields` reads the file whole or in blocks.
+    """
+    from .mesh import as_box_size
+
+    h5py = _h5py()
+    error = None
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        path, error = None, f"`path` must be a file name, got {path!r}"
+    if not isinstance(fields, dict) or not fields:
+        error = error or f"`fields` must be a non-empty dict of name -> tensor, got {type(fields).__name__}"
+    names = list(fields) if error is None else []
+    local = tuple(mesh.local_real_shape) if mesh is not None else None
+    shapes = []
+    for name in names:
+        field = fields[name]
+        if isinstance(field, torch.Tensor):  # (what the ranks agree on: the bad one included)
+            shapes.append((str(name), int(field.shape[0]) if field.dim() else -1, str(field.dtype)))
+        if not isinstance(name, str) or not name or "/" in name:
+            error = error or f"field names must be non-empty strings without '/', got {name!r}"
+        elif not isinstance(field, torch.Tensor) or field.dim() != 4 or field.is_complex() \
+                or not field.is_floating_point():
+            error = error or (f"field {name!r} must be a real floating-point tensor (B, nx, ny, nz), got "
+                              f"{getattr(field, 'shape', type(field).__name__)}")
+        elif local is not None and tuple(field.shape[1:]) != local:
+            error = error or (f"field {name!r} of shape {tuple(field.shape)} is not this rank's block "
+                              f"(B, {', '.join(map(str, local))}) of the mesh {tuple(mesh.global_shape)}")
+        elif not bool(torch.isfinite(field).all()):
+            error = error or f"field {name!r} holds NaN or infinite values"
+    try:
+        box = as_box_size(box_size)
+    except ValueError as exc:
+        box, error = None, error or str(exc)
+    if a is not None and (isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 < float(a) <= 1):
+        error = error or f"`a` must be None or a scale factor in (0, 1], got {a!r}"
+    for key, value in (attributes or {}).items():
+        if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+            error = error or f"`attributes` must map strings to numbers or strings, got {key!r}: {value!r}"
+    if path is not None and os.path.exists(path) and not overwrite:
+        error = error or f"{path!r} exists; pass overwrite=True to replace it"
+    distributed = mesh is not None and not mesh.is_local
+    if distributed:
+        # The file's layout follows from these: the ranks must agree before writing.
+        mesh.agree("write_fields", [("`path`", path and os.path.abspath(path)), ("the fields (name, batch, dtype)", shapes),
+                                    ("`box_size`", box), ("`a`", a)], error)
+    elif error:
+        raise ValueError(f"write_fields: {error}")
+    global_shape = tuple(mesh.global_shape) if mesh is not None else tuple(fields[names[0]].shape[1:])
+    offset = tuple(mesh.local_real_offset) if mesh is not None else (0, 0, 0)
+    directory = os.path.dirname(os.path.abspath(path))
+    temporary = os.path.join(directory, f".{os.path.basename(path)}.partial")
+    rank, size = (mesh.grid.rank, mesh.grid.size) if distributed else (0, 1)
+
+    def write(create: bool):
+        with h5py.File(temporary, "w" if create else "r+") as handle:
+            for name in names:
+                field = fields[name].detach()
+                if create:
+                    dataset = handle.create_dataset(name, (field.shape[0], *global_shape),
+                                                    dtype="f8" if field.dtype == torch.float64 else "f4")
+                else:
+                    dataset = handle[name]
+                index = (slice(None), *(slice(o, o + n) for o, n in zip(offset, field.shape[1:])))
+                dataset[index] = field.to(torch.float64 if field.dtype == torch.float64 else torch.float32).cpu().numpy()
+            if create:
+                handle.attrs["BoxSize"] = list(box)
+                handle.attrs["mesh_shape"] = list(global_shape)
+                if a is not None:
+                    handle.attrs["Time"] = float(a)
+                    handle.attrs["Redshift"] = 1.0 / float(a) - 1.0
+                for key, value in (attributes or {}).items():
+                    handle.attrs[key] = value
+                from . import __version__
+
+                handle.attrs["torchpm_version"] = __version__
+
+    for turn in range(size):
+        failure = None
+        if rank == turn:
+            try:
+                write(create=turn == 0)
+                if turn == size - 1:
+                    os.replace(temporary, path)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                failure = f"rank {rank} could not write {path!r}: {type(exc).__name__}: {exc}"
+                try:
+                    os.remove(temporary)
+                except OSError:
+                    pass
+        if distributed:
+            mesh.raise_together(failure, OSError, operation="write_fields")
+        elif failure:
+            raise OSError(f"write_fields: {failure}")
+    return path
+
+
+def read_fields(path, *, mesh=None, names=None) -> tuple[dict, dict]:
+    """Reads a file of :func:`write_fields`: ``({name: (B, *block) tensor}, attributes)``,
+    each field whole, or this rank's block of ``mesh`` (e.g. ``sim.force_mesh``; each
+    rank reads only its block). ``names``: the fields to read (default: all)."""
+    h5py = _h5py()
+    with h5py.File(os.fspath(path), "r") as handle:
+        attributes = {key: _python(value) for key, value in handle.attrs.items()}
+        available = [name for name in handle if isinstance(handle[name], h5py.Dataset)]
+        wanted = available if names is None else list(names)
+        missing = [name for name in wanted if name not in available]
+        if missing:
+            raise KeyError(f"read_fields: {path!r} holds no field {missing[0]!r} (it holds {available})")
+        result = {}
+        for name in wanted:
+            dataset = handle[name]
+            if mesh is not None and tuple(dataset.shape[1:]) != tuple(mesh.global_shape):
+                raise ValueError(f"read_fields: field {name!r} of {path!r} is on a {tuple(dataset.shape[1:])} mesh, "
+                                 f"`mesh` is {tuple(mesh.global_shape)}")
+            if mesh is None:
+                values = dataset[...]
+            else:
+                block = tuple(slice(o, o + n) for o, n in zip(mesh.local_real_offset, mesh.local_real_shape))
+                values = dataset[(slice(None), *block)]
+            result[name] = torch.from_numpy(values)
+    return result, attributes
