@@ -9,6 +9,13 @@ Linear field (DESIGN.md normalisation): with ``N`` cells, box volume ``V``
 so that ``<|DFT delta_L|^2> = P N^2 / V`` (the estimator of :mod:`torchpm.analysis`
 returns ``P``).
 
+Paired and fixed initial conditions (Angulo & Pontzen 2016; Villaescusa-Navarro et al.
+2018). :func:`fixed_amplitude` sets every Fourier amplitude of the noise to its
+expectation, ``|DFT(omega)(k)| = sqrt(N)`` (``<|DFT omega|^2> = N`` for unit white
+noise), keeping the phases, so ``|DFT delta_L|^2 = P N^2 / V`` holds mode by mode: the
+linear field has no cosmic variance in its amplitudes. The second member of a pair is
+made from ``-omega``: every phase shifted by pi.
+
 LPT (positions in force-mesh cells ``c``; ``phi_ij = d_i d_j grad^-2 delta``)::
 
     Psi1 = -grad grad^-2 delta,   S = sum_{i<j} (phi_ii phi_jj - phi_ij^2),   Psi2 = -grad grad^-2 S
@@ -34,10 +41,12 @@ from typing import Callable, Sequence
 import torch
 
 from .cosmology import Cosmology, GrowthValues
-from .mesh import as_shape
+from .distributed.decomposition import PencilDecomposition
+from .mesh import LocalMesh, as_shape
 from .fourier import FourierKernels, _real_space_scale, gradient_inverse_laplacian, multiply_real, stack_products
 
-__all__ = ["white_noise", "plane_seed", "linear_field", "lpt_displacements", "lpt_initial_state", "check_finite"]
+__all__ = ["white_noise", "fixed_amplitude", "plane_seed", "linear_field", "lpt_displacements", "lpt_initial_state",
+           "check_finite"]
 
 LPT_NORMALISATIONS = ("fastpm", "exact")
 
@@ -123,6 +132,64 @@ def white_noise(
             plane = torch.randn((ny, nz), generator=generator, dtype=torch.float64)
             noise[member, i] = plane[oy : oy + ly, oz : oz + lz]
     return noise.to(dtype=dtype, device=device)
+
+
+def fixed_amplitude(noise: torch.Tensor, mesh=None) -> torch.Tensor:
+    """White noise with every Fourier amplitude set to its expectation, phases kept.
+
+    ``IDFT( sqrt(N) DFT(noise) / |DFT(noise)| )`` with ``N`` the cells of the global
+    grid: ``<|DFT(omega)|^2> = N`` for standard normal white noise ``omega``, so the
+    result has the unfixed noise's power in every mode and none of its scatter, and
+    :func:`linear_field` of it has ``|delta(k)|^2 = P(k) N / V`` exactly. Every mode is
+    fixed, ``k = 0`` included. A self-conjugate mode (``k = -k``: each component 0 or,
+    on an even axis, the Nyquist frequency) is real and becomes ``+-sqrt(N)`` with its
+    sign kept. A mode whose amplitude is exactly zero has no phase and becomes
+    ``+sqrt(N)`` (its gradient is 0, never NaN). Otherwise the map is odd,
+    ``fixed_amplitude(-noise) = -fixed_amplitude(noise)``: a pair stays a pair.
+
+    Uses the mesh's transforms, so on a process grid each rank passes its block and
+    gets its block of the same field as on one device. Differentiable (collective
+    backward on a grid).
+
+    Args:
+        noise: real ``(..., *local_real_shape)`` of ``mesh`` (float32 or float64).
+        mesh: the particle-grid mesh (a :class:`~torchpm.mesh.LocalMesh` or a
+            :class:`~torchpm.distributed.PencilDecomposition`); default: the whole
+            grid ``noise.shape[-3:]`` on one device.
+
+    Returns:
+        The fixed noise, shaped and typed like ``noise``.
+    """
+    if mesh is not None and not isinstance(mesh, PencilDecomposition):
+        raise ValueError(
+            f"fixed_amplitude: `mesh` must be a LocalMesh or a PencilDecomposition, got {type(mesh).__name__}")
+    error = None
+    if not isinstance(noise, torch.Tensor):
+        error = f"fixed_amplitude: `noise` must be a tensor, got {type(noise).__name__}"
+    elif noise.is_complex() or noise.dtype not in (torch.float32, torch.float64):
+        error = f"fixed_amplitude: `noise` must be a real float32 or float64 tensor, got {noise.dtype}"
+    elif mesh is None and noise.dim() < 3:
+        error = f"fixed_amplitude: `noise` must have at least 3 dimensions (..., nx, ny, nz), got {tuple(noise.shape)}"
+    elif mesh is not None and tuple(noise.shape[-3:]) != tuple(mesh.local_real_shape):
+        error = (f"fixed_amplitude: `noise` must have shape (..., {', '.join(map(str, mesh.local_real_shape))}), "
+                 f"the local block of `mesh` (global shape {tuple(mesh.global_shape)}), got {tuple(noise.shape)}")
+    elif noise.numel() and not bool(torch.isfinite(noise).all()):
+        error = f"fixed_amplitude: `noise` contains {int((~torch.isfinite(noise)).sum())} NaN or infinite values"
+    if mesh is None:
+        if error is not None:
+            raise ValueError(error)
+        mesh = LocalMesh(noise.shape[-3:])
+    else:
+        # On a grid one rank's bad block raises on every rank (none waits in the transform).
+        mesh.raise_together(error, operation="fixed_amplitude")
+    noise_k = mesh.rfftn(noise)
+    modulus = noise_k.abs()
+    nonzero = modulus > 0
+    # Both wheres: no 0/0 in the value, and none in the gradient (the masked branch
+    # divides by 1; abs's own gradient at 0 is 0).
+    phase = torch.where(nonzero, noise_k / torch.where(nonzero, modulus, torch.ones_like(modulus)),
+                        torch.ones_like(noise_k))
+    return mesh.irfftn(phase * math.sqrt(mesh.size))
 
 
 def power_kernel(

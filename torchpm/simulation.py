@@ -15,6 +15,7 @@ from .config import BY_NAME, as_bool, as_int, simulation_arguments
 from .cosmology import _BUILTIN_POWER, Cosmology, Planck15, growth_table, resolve_power, PowerTable, builtin_power_name
 from .ic import (
     check_lpt_normalisation,
+    fixed_amplitude as fix_amplitude,
     grid_positions,
     linear_field,
     lpt_displacements,
@@ -483,19 +484,40 @@ class Simulation(nn.Module):
                 )
         return self._kernels[key]
 
-    def white_noise(self, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    def white_noise(self, batch: int = 1, seed: int = 0, *, fixed_amplitude: bool = False,
+                    paired: bool = False) -> torch.Tensor:
         """Seeded white noise ``(batch, *local block of the particle grid)`` on this module's
         device and dtype; the global field is the same on every process grid. Collective on
-        a grid: the ranks check that they agree on ``seed`` and ``batch``."""
+        a grid: the ranks check that they agree on every argument.
+
+        Args:
+            batch: number of independent fields (members ``0 .. batch - 1``).
+            seed: integer seed (:func:`torchpm.ic.white_noise`).
+            fixed_amplitude: set every Fourier amplitude of each member to its expectation,
+                phases kept (:func:`torchpm.ic.fixed_amplitude`): the linear field's
+                ``|delta(k)|^2`` is then ``P(k) N / V`` mode by mode, with no cosmic
+                variance (Angulo & Pontzen 2016).
+            paired: return the partner of the field ``seed`` makes: its negative, every
+                Fourier phase shifted by pi (with ``fixed_amplitude``, the negative of
+                the fixed field). The two runs ``paired=False`` and ``paired=True`` of one
+                seed are a pair, whose average cancels the leading-order effect of the
+                phases (Villaescusa-Navarro et al. 2018).
+        """
         batch = as_int("batch", batch, 1)
         seed = as_int("seed", seed, 0, 2**63 - 1)
+        fixed_amplitude = as_bool("fixed_amplitude", fixed_amplitude)
+        paired = as_bool("paired", paired)
         # On a grid each rank makes its block of the field of `seed`: ranks with other
         # seeds would make blocks of other fields (collective there).
-        self.particle_mesh.agree("Simulation.white_noise", [("`seed`", seed), ("`batch`", batch)])
+        self.particle_mesh.agree("Simulation.white_noise", [
+            ("`seed`", seed), ("`batch`", batch), ("`fixed_amplitude`", fixed_amplitude), ("`paired`", paired)])
         self._check_memory(self.device, batch)
-        return make_white_noise(
+        noise = make_white_noise(
             self.particle_shape, batch=batch, seed=seed, dtype=self.dtype, device=self.device, mesh=self.particle_mesh
         )
+        if fixed_amplitude:
+            noise = fix_amplitude(noise, self.particle_mesh)
+        return -noise if paired else noise
 
     def _check_field(self, field, name) -> torch.Tensor:
         """This rank's block ``(B, *local shape)`` of a particle-grid field given as the local
