@@ -398,3 +398,80 @@ def test_config_window_compensation_reaches_the_simulation(tmp_path):
     # the advice works from a config
     path.write_text('n_particles = 8\nbox_size = 64.0\npaint_order = "tsc"\nwindow_compensation = true\n')
     assert build_simulation(load_config(str(path))).window_compensation
+
+
+# ----------------------------------------------------------------------------------
+# Paired-and-fixed initial conditions and the shot noise of the P(k) table.
+
+
+def _snapshot_state(path, sim):
+    from torchpm.io import read_snapshot, restart_state
+
+    return restart_state(read_snapshot(path), sim)
+
+
+def test_fixed_and_paired_keys_reach_the_white_noise(tmp_path, capsys, monkeypatch):
+    """`fixed_amplitude` and `paired` make the run's white noise (its 1LPT particles at
+    a_start are those of sim.white_noise(seed, fixed_amplitude=..., paired=...)); the
+    P(k) header names them; a paired run's 1LPT displacements are the partner's negated."""
+    monkeypatch.chdir(tmp_path)
+    base = ('n_particles = 6\nbox_size = 60.0\nmesh_factor = 1\nsteps = 0\nlpt_order = 1\n'
+            'dtype = "float64"\nseed = 3\nsnapshots = [0.1]\n')
+    sim = torchpm.Simulation(6, 60.0, mesh_factor=1, steps=0, lpt_order=1, dtype=torch.float64)
+    states = {}
+    for fixed in (False, True):
+        for paired in (False, True):
+            name = f"run_{int(fixed)}{int(paired)}"
+            config = tmp_path / f"{name}.toml"
+            config.write_text(base + f'output = "{name}"\nfixed_amplitude = {str(fixed).lower()}\n'
+                              f'paired = {str(paired).lower()}\n')
+            assert main(["run", str(config)]) == 0
+            header = (tmp_path / name / "power_spectrum.txt").read_text().splitlines()[1]
+            assert ("fixed amplitudes" in header) == fixed and ("paired" in header) == paired, header
+            states[fixed, paired] = _snapshot_state(tmp_path / name / "snap_000.hdf5", sim)
+            expected = sim(sim.white_noise(seed=3, fixed_amplitude=fixed, paired=paired), return_mesh_units=True)
+            torch.testing.assert_close(states[fixed, paired].positions, expected.positions, rtol=0, atol=1e-12)
+    grid = torchpm.ic.grid_positions((6, 6, 6), 1, dtype=torch.float64, device="cpu")
+    for fixed in (False, True):
+        displacement = states[fixed, False].positions[0] - grid
+        torch.testing.assert_close(states[fixed, True].positions[0] - grid, -displacement, rtol=0, atol=1e-12)
+    assert not torch.allclose(states[True, False].positions, states[False, False].positions)
+
+
+def test_resume_refuses_a_snapshot_of_other_fixed_or_paired_initial_conditions(tmp_path, capsys, monkeypatch):
+    """A snapshot is a run's history: one written with other `fixed_amplitude` or `paired`
+    is refused by --resume, naming the key; so is a snapshot from before the keys existed
+    (its config has `seed` but not them: a run at their defaults) under a fixed or paired
+    configuration."""
+    import h5py
+
+    monkeypatch.chdir(tmp_path)
+    base = 'n_particles = 6\nbox_size = 60.0\nsteps = [0.3, 0.6]\nsnapshots = [0.3]\noutput = "out"\n'
+    config = tmp_path / "run.toml"
+    config.write_text(base + "fixed_amplitude = true\n")
+    assert main(["run", str(config)]) == 0
+    snapshot = str(tmp_path / "out" / "snap_000.hdf5")
+    assert main(["run", str(config), "--check", "--resume", snapshot]) == 0
+    capsys.readouterr()
+    for text, named in [("fixed_amplitude = false\n", "fixed_amplitude True (this configuration: False)"),
+                        ("fixed_amplitude = true\npaired = true\n", "paired False (this configuration: True)")]:
+        config.write_text(base + text)
+        assert main(["run", str(config), "--check", "--resume", snapshot]) == 2
+        error = capsys.readouterr().err
+        assert named in error and _line_count(error) == 1, error
+    # the same snapshot as written before the keys existed (its config without them)
+    with h5py.File(snapshot, "r+") as handle:
+        text = handle["torchpm"].attrs["config"]
+        text = text.decode() if isinstance(text, bytes) else text
+        kept = [line for line in text.splitlines() if not line.startswith(("fixed_amplitude", "paired"))]
+        assert "seed = 0" in kept and len(kept) == len(text.splitlines()) - 2
+        handle["torchpm"].attrs["config"] = "\n".join(kept) + "\n"
+    config.write_text(base)
+    assert main(["run", str(config), "--check", "--resume", snapshot]) == 0
+    capsys.readouterr()
+    for text, named in [("fixed_amplitude = true\n", "fixed_amplitude False (this configuration: True)"),
+                        ("paired = true\n", "paired False (this configuration: True)")]:
+        config.write_text(base + text)
+        assert main(["run", str(config), "--check", "--resume", snapshot]) == 2
+        assert named in capsys.readouterr().err
+

@@ -267,15 +267,23 @@ def _agree(context, error: str | None) -> None:
 
 # The settings that made a snapshot's particles before it was written, beyond those
 # torchpm.io.check_restart compares with the simulation (box, mesh, cosmology, ...).
-_HISTORY = ("seed", "a_start", "lpt_order", "lpt_normalisation", "power_spectrum")
+_HISTORY = ("seed", "fixed_amplitude", "paired", "a_start", "lpt_order", "lpt_normalisation", "power_spectrum")
+# Keys of _HISTORY added after snapshots were first written: a config written by the CLI
+# (it records `seed`) without one of them was written by a run at its default.
+_HISTORY_DEFAULTS = {"fixed_amplitude": False, "paired": False}
 
 
 def _check_history(written: dict, config: dict) -> None:
     """ValueError naming each of :data:`_HISTORY` in which the run that wrote a snapshot
     (its stored config ``written``) differs from ``config``: resuming it would continue
     another run under this one's name. A power spectrum is compared by its built-in
-    name; a table file is not compared (a path may name one table in two ways)."""
+    name; a table file is not compared (a path may name one table in two ways). A key of
+    :data:`_HISTORY_DEFAULTS` missing from a CLI run's config (one with ``seed``) counts
+    as its default: the snapshot was written before the key existed."""
     from .cosmology import _BUILTIN_POWER, builtin_power_name
+
+    if "seed" in written:
+        written = {**_HISTORY_DEFAULTS, **written}
 
     def differs(key):
         if key not in written:
@@ -414,7 +422,8 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         state = start_state
         for index, a in enumerate(snapshots + [simulation.scale_factors[-1]]):
             if state is None:
-                noise = simulation.white_noise(batch=batch, seed=config["seed"])
+                noise = simulation.white_noise(batch=batch, seed=config["seed"],
+                                               fixed_amplitude=config["fixed_amplitude"], paired=config["paired"])
                 state = simulation(noise, callback=callback, until=a, return_mesh_units=True)
             elif a <= state.a:
                 continue  # reached already (or the snapshot resumed from, which is not rewritten)
@@ -462,8 +471,11 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         f"torchpm {torchpm.__version__}: matter power spectrum at a = {state.a:.4f}\n"
         f"{simulation.particle_shape} particles, mesh {simulation.mesh_shape}, box {box} Mpc/h, "
         f"{simulation.steps} {simulation.integrator} steps from a = {simulation.a_start}, "
-        f"{cosmology!r}, seed {config['seed']}" + (f", resumed from {resume}" if resume else "") + "\n"
-        "P(k): CIC-compensated, Poisson shot noise V/N_particles subtracted\n"
+        f"{cosmology!r}, seed {config['seed']}"
+        + (", fixed amplitudes" if config["fixed_amplitude"] else "")
+        + (", paired (white noise negated)" if config["paired"] else "")
+        + (f", resumed from {resume}" if resume else "") + "\n"
+        + "P(k): CIC-compensated, Poisson shot noise V/N_particles subtracted\n"
         + ("columns: k [h/Mpc]  P(k) [(Mpc/h)^3]  modes  P_linear(k) [(Mpc/h)^3]" if batch == 1 else
            f"columns: k [h/Mpc]  P(k) [(Mpc/h)^3] of batch member 0, ..., of member {batch - 1} (one column "
            "each)  modes  P_linear(k) [(Mpc/h)^3]")

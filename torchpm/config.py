@@ -447,6 +447,16 @@ SETTINGS: tuple[Setting, ...] = (
         check=_int(0, 2**63 - 1),
     ),
     Setting(
+        "fixed_amplitude", "bool", default=False, unit="", allowed="true, false",
+        help="fixed initial conditions: every Fourier amplitude of the white noise set to its expectation, phases kept",
+        check=lambda n, v: as_bool(n, v),
+    ),
+    Setting(
+        "paired", "bool", default=False, unit="", allowed="true, false",
+        help="the paired partner of `seed`'s initial conditions: the negated white noise (phases shifted by pi)",
+        check=lambda n, v: as_bool(n, v),
+    ),
+    Setting(
         "batch", "int", default=1, unit="", allowed="1 to 1000000",
         help="independent simulations run together",
         check=_int(1, 1_000_000),
