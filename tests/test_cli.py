@@ -102,6 +102,10 @@ BAD_VALUES = [
     ("lpt_normalisation = \"pmwd\"", "`lpt_normalisation`"),
     ("collective_timeout = -1", "`collective_timeout`"),
     ("paint_order = \"quadratic\"", "`paint_order`"),
+    ("shot_noise = \"none\"", "`shot_noise`"),
+    ("shot_noise = false", "`shot_noise`"),
+    ("fixed_amplitude = \"true\"", "`fixed_amplitude`"),
+    ("paired = 1", "`paired`"),
     ("power_spectrum = \"missing_table.txt\"", "`power_spectrum`"),
     ("n_particle = 8", "unknown keys"),
     ("n_particles = [8, 8", "not valid TOML"),
@@ -475,3 +479,30 @@ def test_resume_refuses_a_snapshot_of_other_fixed_or_paired_initial_conditions(t
         assert main(["run", str(config), "--check", "--resume", snapshot]) == 2
         assert named in capsys.readouterr().err
 
+
+def test_shot_noise_key_keeps_or_subtracts_poisson_noise(tmp_path, capsys, monkeypatch):
+    """A coarse lattice start (8^3 particles in 128 Mpc/h) has far less small-scale power
+    than Poisson noise: subtracting V/N makes P(k) negative at high k. `shot_noise = "keep"`
+    writes the measured spectrum, which is the subtracted one plus V/N; the header says which."""
+    monkeypatch.chdir(tmp_path)
+    base = 'n_particles = 8\nbox_size = 128.0\nsteps = 3\nseed = 1\n'
+    tables, headers = {}, {}
+    for choice in ("subtract", "keep", None):
+        name = choice or "default"
+        config = tmp_path / f"{name}.toml"
+        config.write_text(base + f'output = "{name}"\n' + (f'shot_noise = "{choice}"\n' if choice else ""))
+        assert main(["run", str(config)]) == 0
+        path = tmp_path / name / "power_spectrum.txt"
+        headers[name] = [line for line in path.read_text().splitlines() if line.startswith("#")]
+        tables[name] = np.loadtxt(path)
+    shot = 128.0**3 / 8**3
+    assert any(f"V/N_particles = {shot:.6e} (Mpc/h)^3 subtracted" in line for line in headers["subtract"])
+    assert any(f"V/N_particles = {shot:.6e} (Mpc/h)^3 kept (not subtracted)" in line for line in headers["keep"])
+    assert headers["default"] == headers["subtract"] and np.array_equal(tables["default"], tables["subtract"])
+    subtracted, kept = tables["subtract"][:, 1], tables["keep"][:, 1]
+    assert np.any(subtracted < 0), subtracted  # the reason for the key
+    assert np.all(kept >= 0)  # a mean of |delta(k)|^2 over a positive window
+    # the file's 7 significant digits
+    np.testing.assert_array_less(np.abs(kept - (subtracted + shot)), 1e-6 * (np.abs(kept) + np.abs(subtracted) + shot))
+    for column in (0, 2, 3):  # k, modes, linear P: the same
+        np.testing.assert_array_equal(tables["keep"][:, column], tables["subtract"][:, column])

@@ -5,8 +5,9 @@
 progress bar over the steps, and writes into the run's output folder (default ``out/``):
 
 * ``config.toml``: the resolved settings of the run;
-* ``power_spectrum.txt``: k [h/Mpc], P(k) [(Mpc/h)^3] (CIC-compensated, shot noise
-  subtracted; a batch run: one column per member), the number of modes, and the
+* ``power_spectrum.txt``: k [h/Mpc], P(k) [(Mpc/h)^3] (CIC-compensated; the Poisson
+  shot noise V/N_particles subtracted, or kept with ``shot_noise = "keep"``, as the
+  header says; a batch run: one column per member), the number of modes, and the
   linear P(k) at the final a;
 * ``power_spectrum.png``: P(k) against linear theory, and a slice of the density;
 * ``snap_000.hdf5``, ...: Gadget-4 HDF5 snapshots at the scale factors listed in
@@ -448,7 +449,9 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     mesh = simulation.force_mesh
     # Every member's spectrum, one at a time (the transforms of the whole batch at once
     # would raise the run's peak memory at its end); the figure shows member 0's.
-    spectra = [power_spectrum(density[member] - 1.0, box, compensate_cic=True, n_particles=n_particles, mesh=mesh)
+    subtract = config["shot_noise"] == "subtract"
+    spectra = [power_spectrum(density[member] - 1.0, box, compensate_cic=True,
+                              n_particles=n_particles if subtract else None, mesh=mesh)
                for member in range(density.shape[0])]
     spectrum = spectra[0]
     growth = cosmology.growth(state.a)
@@ -475,7 +478,9 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         + (", fixed amplitudes" if config["fixed_amplitude"] else "")
         + (", paired (white noise negated)" if config["paired"] else "")
         + (f", resumed from {resume}" if resume else "") + "\n"
-        + "P(k): CIC-compensated, Poisson shot noise V/N_particles subtracted\n"
+        + "P(k): CIC-compensated, "
+        + f"Poisson shot noise V/N_particles = {math.prod(box) / n_particles:.6e} (Mpc/h)^3 "
+        + ("subtracted" if subtract else "kept (not subtracted)") + "\n"
         + ("columns: k [h/Mpc]  P(k) [(Mpc/h)^3]  modes  P_linear(k) [(Mpc/h)^3]" if batch == 1 else
            f"columns: k [h/Mpc]  P(k) [(Mpc/h)^3] of batch member 0, ..., of member {batch - 1} (one column "
            "each)  modes  P_linear(k) [(Mpc/h)^3]")
@@ -488,7 +493,7 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         fmt=["%.6e"] * (1 + batch) + ["%d", "%.6e"],
     )
     figure_path = os.path.join(output, "power_spectrum.png")
-    plot(spectrum, linear, slab, thickness, simulation, state.a, figure_path)
+    plot(spectrum, linear, slab, thickness, simulation, state.a, figure_path, shot_noise=config["shot_noise"])
 
     per_step = float(np.median(step_times)) if step_times else float("nan")
     lpt_time = marks["lpt"] - start if "lpt" in marks else 0.0
@@ -516,8 +521,9 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     return summary
 
 
-def plot(spectrum, linear, slab, thickness, simulation, a, path):
-    """P(k) against linear theory, and ``slab`` (the density averaged over ``thickness`` cells in z)."""
+def plot(spectrum, linear, slab, thickness, simulation, a, path, shot_noise="subtract"):
+    """P(k) against linear theory, and ``slab`` (the density averaged over ``thickness`` cells in z).
+    ``shot_noise``: the config's choice (``"subtract"`` or ``"keep"``), named in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -526,7 +532,8 @@ def plot(spectrum, linear, slab, thickness, simulation, a, path):
 
     k = spectrum.k.cpu().numpy()
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.6))
-    left.loglog(k, spectrum.power.cpu().numpy(), "o-", ms=3, label=f"torchpm, a = {a:.2f}")
+    left.loglog(k, spectrum.power.cpu().numpy(), "o-", ms=3, label=f"torchpm, a = {a:.2f}, shot noise "
+                + ("subtracted" if shot_noise == "subtract" else "kept"))
     left.loglog(k, linear.detach().cpu().numpy(), "k--", label="linear theory")
     left.set_xlabel("k [h/Mpc]")
     left.set_ylabel("P(k) [(Mpc/h)$^3$]")

@@ -487,6 +487,11 @@ SETTINGS: tuple[Setting, ...] = (
         check=lambda n, v: as_scale_factors(n, v),
     ),
     Setting(
+        "shot_noise", "string", default="subtract", unit="", allowed="subtract, keep",
+        help="the Poisson shot noise V/N_particles in the P(k) table and figure: subtracted or kept",
+        check=_choice("subtract", "keep"),
+    ),
+    Setting(
         "sort_every", "int", default=0, unit="steps", allowed=f"0 to {MAX_STEPS}",
         help="sort the particles into spatial order after the LPT and every this many steps (0: never)",
         check=_int(0, MAX_STEPS),
