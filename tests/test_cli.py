@@ -506,3 +506,56 @@ def test_shot_noise_key_keeps_or_subtracts_poisson_noise(tmp_path, capsys, monke
     np.testing.assert_array_less(np.abs(kept - (subtracted + shot)), 1e-6 * (np.abs(kept) + np.abs(subtracted) + shot))
     for column in (0, 2, 3):  # k, modes, linear P: the same
         np.testing.assert_array_equal(tables["keep"][:, column], tables["subtract"][:, column])
+
+
+def test_redshift_space_multipoles_and_density_outputs(tmp_path, capsys, monkeypatch):
+    """`redshift_space = "x"` writes power_multipoles.txt (the multipoles of the final
+    redshift-space density, Kaiser's linear theory beside them) and `write_density = true`
+    density.hdf5 (the real- and redshift-space densities of the Python API's run); a later
+    --overwrite run without them removes both, and without --overwrite they are refused."""
+    import h5py
+
+    from torchpm.analysis import power_multipoles
+
+    monkeypatch.chdir(tmp_path)
+    base = ('n_particles = 8\nbox_size = 64.0\nmesh_factor = 2\nsteps = 2\ndtype = "float64"\nseed = 2\n'
+            'batch = 2\n')
+    config = tmp_path / "rsd.toml"
+    config.write_text(base + 'redshift_space = "x"\nwrite_density = true\n')
+    assert main(["run", str(config)]) == 0
+    output = capsys.readouterr().out
+    assert "redshift space along x: P_2/P_0" in output and "density.hdf5" in output, output
+    sim = torchpm.Simulation(8, 64.0, mesh_factor=2, steps=2, dtype=torch.float64)
+    state = sim(sim.white_noise(2, seed=2))
+    density = sim.density(state)
+    moved = sim.density(sim.redshift_space(state, axis="x"))
+    with h5py.File(tmp_path / "out" / "density.hdf5", "r") as handle:
+        assert set(handle) == {"density", "density_redshift_space_x"}
+        np.testing.assert_allclose(handle["density"][...], density.numpy(), rtol=0, atol=1e-12)
+        np.testing.assert_allclose(handle["density_redshift_space_x"][...], moved.numpy(), rtol=0, atol=1e-12)
+        assert handle.attrs["Time"] == 1.0
+    table = np.loadtxt(tmp_path / "out" / "power_multipoles.txt")
+    spectrum = np.loadtxt(tmp_path / "out" / "power_spectrum.txt")
+    assert table.shape == (spectrum.shape[0], 1 + 3 * 2 + 1 + 3)
+    np.testing.assert_array_equal(table[:, 0], spectrum[:, 0])
+    for member in range(2):
+        expected = power_multipoles(moved[member] - 1.0, 64.0, axis=0, compensate_cic=True, n_particles=512).power
+        np.testing.assert_allclose(table[:, 1 + 3 * member: 4 + 3 * member], expected.T.numpy(), rtol=1e-6,
+                                   atol=1e-6 * float(expected.abs().max()))
+    # Kaiser's factors of P_linear, with f = dlnD/dlna at a = 1 from colossus (Planck15, no
+    # radiation; its spline derivative is good to a few 1e-4 there)
+    colossus = pytest.importorskip("colossus.cosmology.cosmology")
+    reference = colossus.setCosmology("torchpm-cli", params=dict(
+        flat=True, H0=67.74, Om0=0.2589 + 0.0486, Ob0=0.0486, sigma8=0.8159, ns=0.9667, relspecies=False,
+        Tcmb0=2.7255))
+    f = float(-reference.growthFactor(0.0, derivative=1) / reference.growthFactor(0.0))
+    factors = (1 + 2 * f / 3 + f**2 / 5, 4 * f / 3 + 4 * f**2 / 7, 8 * f**2 / 35)
+    for column, factor in zip((8, 9, 10), factors):
+        np.testing.assert_allclose(table[:, column], factor * spectrum[:, 4], rtol=2e-3)
+    # Without --overwrite the folder's outputs are refused; with it, a run without the
+    # options leaves no multipoles or density from the run before.
+    config.write_text(base)
+    assert main(["run", str(config)]) == 2
+    assert "already holds outputs" in capsys.readouterr().err
+    assert main(["run", str(config), "--overwrite"]) == 0
+    assert not (tmp_path / "out" / "power_multipoles.txt").exists() and not (tmp_path / "out" / "density.hdf5").exists()

@@ -33,7 +33,7 @@ def _run(command, tmp_path):
 
 def test_torchrun_four_ranks_matches_single_process(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG)
+    config.write_text(CONFIG + 'redshift_space = "y"\nwrite_density = true\n')
     _run([sys.executable, "-m", "torchpm", "run", str(config), "--output", str(tmp_path / "single")], tmp_path)
     result = _run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
@@ -46,6 +46,19 @@ def test_torchrun_four_ranks_matches_single_process(tmp_path):
     np.testing.assert_array_equal(grid[:, 2], single[:, 2])  # mode counts
     relative = np.abs(grid[:, :2] - single[:, :2]) / np.abs(single[:, :2])
     assert relative.max() <= 1e-10, f"P(k) tables differ by {relative.max():.3e} (relative)"
+    # The redshift-space multipoles, and the densities the 4 ranks wrote into one file in turn.
+    single = np.loadtxt(tmp_path / "single" / "power_multipoles.txt")
+    grid = np.loadtxt(tmp_path / "grid" / "power_multipoles.txt")
+    assert single.shape == grid.shape == (single.shape[0], 8)
+    scale = np.abs(single[:, 1:4]).max(axis=1, keepdims=True)
+    assert (np.abs(grid[:, 1:4] - single[:, 1:4]) / scale).max() <= 1e-10
+    import h5py
+
+    with h5py.File(tmp_path / "single" / "density.hdf5", "r") as one, \
+            h5py.File(tmp_path / "grid" / "density.hdf5", "r") as four:
+        assert set(one) == set(four) == {"density", "density_redshift_space_y"}
+        for name in one:
+            np.testing.assert_allclose(four[name][...], one[name][...], rtol=0, atol=1e-10)
     # Only rank 0 prints the summary and writes the outputs.
     assert result.stdout.count("torchpm run:") == 1, result.stdout
     assert (tmp_path / "grid" / "power_spectrum.png").exists()

@@ -10,6 +10,13 @@ progress bar over the steps, and writes into the run's output folder (default ``
   header says; a batch run: one column per member), the number of modes, and the
   linear P(k) at the final a;
 * ``power_spectrum.png``: P(k) against linear theory, and a slice of the density;
+* ``power_multipoles.txt`` (with ``redshift_space = "x" | "y" | "z"``): the multipoles
+  P_0, P_2, P_4 of the final density in redshift space along that axis
+  (CIC-compensated; shot noise on P_0 as in the P(k) table), the number of modes, and
+  linear theory (Kaiser);
+* ``density.hdf5`` (with ``write_density = true``): the final density (mean 1) on the
+  force mesh, ``(batch, nx, ny, nz)``, and with ``redshift_space`` its redshift-space
+  counterpart (:func:`torchpm.io.write_fields`);
 * ``snap_000.hdf5``, ...: Gadget-4 HDF5 snapshots at the scale factors listed in
   ``snapshots`` (numbered in that order; see :mod:`torchpm.io`).
 
@@ -42,6 +49,8 @@ from .config import SETTINGS, SettingError, defaults, load_config, markdown_tabl
 
 DEFAULTS = defaults()
 OUTPUT_NAMES = ("config.toml", "power_spectrum.txt", "power_spectrum.png")
+# Written by some runs only: with --overwrite removed first, so none is left from another run.
+OPTIONAL_OUTPUTS = ("power_multipoles.txt", "density.hdf5")
 
 
 class UserError(Exception):
@@ -142,7 +151,7 @@ def prepare_output(folder: str, overwrite: bool, keep: frozenset = frozenset()) 
             pass
     except OSError as error:
         raise UserError(f"output folder {folder!r} is not writable: {error.strerror}") from None
-    existing = [name for name in OUTPUT_NAMES if os.path.exists(os.path.join(folder, name))]
+    existing = [name for name in OUTPUT_NAMES + OPTIONAL_OUTPUTS if os.path.exists(os.path.join(folder, name))]
     snapshots = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "snap_*.hdf5")))
     existing += snapshots
     if existing and not overwrite:
@@ -152,6 +161,14 @@ def prepare_output(folder: str, overwrite: bool, keep: frozenset = frozenset()) 
             "(--output) or pass --overwrite to replace them"
         )
     if overwrite:
+        for name in OPTIONAL_OUTPUTS:
+            try:
+                os.remove(os.path.join(folder, name))
+            except FileNotFoundError:
+                pass
+            except OSError as error:
+                raise UserError(f"--overwrite: cannot remove the earlier run's {os.path.join(folder, name)!r}: "
+                                f"{error.strerror}") from None
         for name in snapshots:
             match = _SNAPSHOT_FILE.match(name)
             if match and int(match["index"]) not in keep:
@@ -235,7 +252,7 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
     import torchpm
     from torchpm.analysis import power_spectrum
     from torchpm.distributed.launch import finish, gather_blocks, init_from_environment
-    from torchpm.io import read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot
+    from torchpm.io import read_snapshot, restart_state, scale_factor_index, to_toml, write_fields, write_snapshot
 
     # Under torchrun (WORLD_SIZE > 1): join the process group; `grid = []` then means a
     # balanced grid over the ranks. Rank 0 prints and writes the shared outputs.
@@ -245,7 +262,7 @@ def run(config: dict, *, overwrite: bool = False, resume: str | None = None, che
         raise UserError(str(error)) from None
     try:
         summary = _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gather_blocks,
-                       read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot)
+                       read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot, write_fields)
         # On CUDA bad particles are reported by the next torchpm op; after the last
         # one, only torchpm.check() can (torchpm.ops.error_checking).
         torchpm.check()
@@ -334,7 +351,7 @@ def _kept_history(resume, output, snapshots, start_state) -> frozenset:
 
 
 def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gather_blocks,
-         read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot):
+         read_snapshot, restart_state, scale_factor_index, to_toml, write_snapshot, write_fields):
     import numpy as np
 
     main_rank = context.is_main
@@ -442,6 +459,8 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         bar.close()
         state = simulation.to_physical(state.positions, state.momenta, state.a, state.ids)
         density = simulation.density(state)  # this rank's block of the force mesh
+        axis = config["redshift_space"]
+        density_rsd = None if axis == "none" else simulation.density(simulation.redshift_space(state, axis=axis))
 
     box = simulation.box_size
     n_particles = simulation.n_total
@@ -465,7 +484,24 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     thickness = max(1, simulation.mesh_shape[2] // 8)
     slab = gather_blocks(density[0, :, :, :thickness].mean(-1), mesh.local_real_offset[:2],
                          simulation.mesh_shape[:2], mesh)
+    multipoles = None
+    if density_rsd is not None:
+        from torchpm.analysis import power_multipoles
+
+        multipoles = [power_multipoles(density_rsd[member] - 1.0, box, ells=(0, 2, 4), axis=axis, compensate_cic=True,
+                                       n_particles=n_particles if subtract else None, mesh=mesh)
+                      for member in range(density_rsd.shape[0])]
     summary = dict(steps=simulation.steps, snapshots=written)
+    if config["write_density"]:
+        # Collective on a grid: every rank writes its block of the file in turn.
+        fields = {"density": density} if density_rsd is None else {"density": density,
+                                                                   f"density_redshift_space_{axis}": density_rsd}
+        density_path = os.path.join(output, "density.hdf5")
+        write_fields(density_path, fields, box, mesh=mesh, a=state.a, overwrite=True, attributes=dict(
+            content="density (mean 1) on the force mesh, CIC-painted" + (
+                f"; density_redshift_space_{axis}: the particles moved to redshift space along {axis}"
+                if density_rsd is not None else ""), seed=config["seed"]))
+        summary["density"] = density_path
     if not main_rank:
         return summary
 
@@ -494,6 +530,37 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     )
     figure_path = os.path.join(output, "power_spectrum.png")
     plot(spectrum, linear, slab, thickness, simulation, state.a, figure_path, shot_noise=config["shot_noise"])
+    kaiser_line = ""
+    if multipoles is not None:
+        # Linear theory in redshift space (Kaiser): P_0, P_2, P_4 = (1 + 2f/3 + f^2/5,
+        # 4f/3 + 4f^2/7, 8f^2/35) P_linear, with f = dlnD/dlna at the final a.
+        f = float(growth.f1)
+        factors = (1 + 2 * f / 3 + f**2 / 5, 4 * f / 3 + 4 * f**2 / 7, 8 * f**2 / 35)
+        linear_rsd = simulation.linear_power(multipoles[0].k).detach().cpu() * float(growth.D1) ** 2
+        multipoles_path = os.path.join(output, "power_multipoles.txt")
+        member_columns = "P_0 P_2 P_4 [(Mpc/h)^3]" + ("" if batch == 1 else
+                                                     f" of batch member 0, ..., of member {batch - 1} (three each)")
+        np.savetxt(
+            multipoles_path,
+            np.column_stack([multipoles[0].k.cpu(), *(m.power[i].cpu() for m in multipoles for i in range(3)),
+                             multipoles[0].modes.cpu(), *(factor * linear_rsd for factor in factors)]),
+            header=header.splitlines()[0].replace("matter power spectrum", "redshift-space power multipoles") + "\n"
+            + "\n".join(header.splitlines()[1:2]) + "\n"
+            f"line of sight: the {axis} axis (plane-parallel: x + p_{axis} / (a^2 E(a))); P_ell = (2 ell + 1) "
+            "<|delta_k|^2 L_ell(mu)> over the shells of power_spectrum.txt, CIC-compensated; shot noise "
+            + ("subtracted from P_0\n" if subtract else "kept\n")
+            + f"columns: k [h/Mpc]  {member_columns}  modes  linear (Kaiser, f = {f:.5f}) P_0 P_2 P_4",
+            fmt=["%.6e"] * (1 + 3 * batch) + ["%d"] + ["%.6e"] * 3,
+        )
+        summary["multipoles"] = multipoles_path
+        low = multipoles[0].k < 0.1
+        label = "k < 0.1 h/Mpc"
+        if not bool(low.any()):
+            low = multipoles[0].k <= multipoles[0].k.min()
+            label = f"its lowest k, {float(multipoles[0].k.min()):.3g} h/Mpc"
+        measured = float((multipoles[0].power[1][low] / multipoles[0].power[0][low]).mean())
+        kaiser_line = (f"  redshift space along {axis}: P_2/P_0 at {label}: {measured:.3f} "
+                       f"(linear Kaiser {factors[1] / factors[0]:.3f})\n")
 
     per_step = float(np.median(step_times)) if step_times else float("nan")
     lpt_time = marks["lpt"] - start if "lpt" in marks else 0.0
@@ -515,7 +582,10 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         + f"  time per step (median): {per_step * 1e3:.1f} ms; total {total:.2f} s\n"
         f"  density: std {density_std:.3f}, max {density_max:.1f}; "
         f"P/P_linear at {ratio_label}: {ratio:.3f}\n"
-        f"  wrote {table_path} and {figure_path}" + (f" and {len(written)} snapshot(s)" if written else ""),
+        + kaiser_line
+        + f"  wrote {table_path} and {figure_path}"
+        + "".join(f", {summary[key]}" for key in ("multipoles", "density") if key in summary)
+        + (f" and {len(written)} snapshot(s)" if written else ""),
         flush=True,
     )
     return summary

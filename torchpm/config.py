@@ -487,6 +487,16 @@ SETTINGS: tuple[Setting, ...] = (
         check=lambda n, v: as_scale_factors(n, v),
     ),
     Setting(
+        "redshift_space", "string", default="none", unit="", allowed="none, x, y, z",
+        help="line of sight of the redshift-space P(k) multipoles P_0, P_2, P_4 written to power_multipoles.txt",
+        check=_choice("none", "x", "y", "z"),
+    ),
+    Setting(
+        "write_density", "bool", default=False, unit="", allowed="true, false",
+        help="write the final density on the force mesh (and in redshift space) to density.hdf5",
+        check=lambda n, v: as_bool(n, v),
+    ),
+    Setting(
         "shot_noise", "string", default="subtract", unit="", allowed="subtract, keep",
         help="the Poisson shot noise V/N_particles in the P(k) table and figure: subtracted or kept",
         check=_choice("subtract", "keep"),
