@@ -35,7 +35,6 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .fourier import window as window_transform
 from .mesh import LocalMesh, as_box_size
 from .ops._arguments import ORDER_NAMES, order_number, tensor_argument
 
@@ -97,61 +96,98 @@ def _fields(field, name):
     return field.unsqueeze(0) if field.dim() == 3 else field, field.dim() == 3
 
 
-def _binned(
-    spectrum_k: torch.Tensor,
-    mesh: LocalMesh,
-    box: Sequence[float],
-    bins,
-    window: str | None,
-):
-    """Shell averages of ``spectrum_k`` (B, *fourier block, real) -> (k, mean, modes)."""
-    device = spectrum_k.device
-    w = mesh.wavevectors(dtype=torch.float64, device=device)
-    k_axes = [wi * n / b for wi, n, b in zip(w, mesh.global_shape, box)]
-    k = torch.sqrt(sum(ki**2 for ki in k_axes)).expand(*mesh.local_fourier_shape)
-    weight = mesh.hermitian_weights(dtype=torch.float64, device=device).expand(*mesh.local_fourier_shape)
-    values = spectrum_k.to(torch.float64)
-    if window is not None:
-        values = values / window_transform(mesh, window, device=device) ** 2
+# Fourier entries binned per pass: the shell sums go plane by plane (along x of the local
+# Fourier block) so no temporary holds more than about this many entries, whatever the mesh.
+_BIN_CHUNK = 1 << 21
+
+
+def _bin_edges(k_axes, mesh, box, bins, device):
+    """The shells' edges (h/Mpc) for ``bins`` (see :func:`cross_power`)."""
     k_fundamental = min(2 * math.pi / b for b in box)
     if bins is None:
         k_nyquist = min(math.pi * n / b for n, b in zip(mesh.global_shape, box))
         count = max(1, int(math.floor(k_nyquist / k_fundamental - 0.5)))
-        edges = k_fundamental * (torch.arange(count + 1, dtype=torch.float64, device=device) + 0.5)
-    elif isinstance(bins, numbers.Integral) and not isinstance(bins, bool):
+        return k_fundamental * (torch.arange(count + 1, dtype=torch.float64, device=device) + 0.5)
+    if isinstance(bins, numbers.Integral) and not isinstance(bins, bool):
         bins = int(bins)
         if bins < 1:
             raise ValueError(f"`bins` must be a positive number of bins or increasing bin edges, got {bins}")
-        local_max = k.max() if k.numel() else torch.zeros((), dtype=k.dtype, device=device)
+        # |k|^2 is a sum over the axes and the block a product of ranges: its largest |k|
+        # is the root of the sum of each axis's largest k_i^2.
+        if math.prod(mesh.local_fourier_shape):
+            local_max = torch.sqrt(sum((ki**2).max() for ki in k_axes)).to(torch.float64)
+        else:
+            local_max = torch.zeros((), dtype=torch.float64, device=device)
         k_max = float(mesh.all_reduce(local_max.reshape(1), "max")[0])
-        edges = torch.linspace(0.5 * k_fundamental, k_max * (1 + 1e-12), bins + 1, dtype=torch.float64, device=device)
-    else:
-        message = f"`bins` must be None, a positive int or at least 2 finite increasing bin edges in h/Mpc, got {bins!r}"
-        if isinstance(bins, (str, bytes, bool, numbers.Real)):
-            raise ValueError(message)
-        try:
-            edges = torch.as_tensor(bins, dtype=torch.float64, device=device)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(message) from None
-        if edges.dim() != 1 or edges.numel() < 2 or not bool(torch.isfinite(edges).all()) \
-                or bool((edges[1:] <= edges[:-1]).any()):
-            raise ValueError(message)
+        return torch.linspace(0.5 * k_fundamental, k_max * (1 + 1e-12), bins + 1, dtype=torch.float64, device=device)
+    message = f"`bins` must be None, a positive int or at least 2 finite increasing bin edges in h/Mpc, got {bins!r}"
+    if isinstance(bins, (str, bytes, bool, numbers.Real)):
+        raise ValueError(message)
+    try:
+        edges = torch.as_tensor(bins, dtype=torch.float64, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(message) from None
+    if edges.dim() != 1 or edges.numel() < 2 or not bool(torch.isfinite(edges).all()) \
+            or bool((edges[1:] <= edges[:-1]).any()):
+        raise ValueError(message)
+    return edges
+
+
+def _binned(values_of, count: int, mesh: LocalMesh, box: Sequence[float], bins, window: str | None, device,
+            ells: tuple[int, ...] | None = None, axis: int = 2):
+    """Shell averages over the modes of the local Fourier block, all-reduced over the grid.
+
+    ``values_of(start, end)``: ``(count, end - start, ly, lz)`` float64 values of the x
+    planes ``start:end`` of the block (a product of transforms), asked for a few planes
+    at a time so that no temporary of the size of the mesh is made. With ``ells``, each
+    value is weighted by ``(2 ell + 1) L_ell(mu)``, ``mu = k_axis / |k|``.
+
+    Returns ``(k, means, modes)``: ``means`` is ``(count, n_bins)``, or ``(count,
+    len(ells), n_bins)`` with ``ells``; empty bins dropped."""
+    w = mesh.wavevectors(dtype=torch.float64, device=device)
+    k_axes = [wi * n / b for wi, n, b in zip(w, mesh.global_shape, box)]
+    weight = mesh.hermitian_weights(dtype=torch.float64, device=device)
+    edges = _bin_edges(k_axes, mesh, box, bins, device)
     n_bins = edges.numel() - 1
-    index = torch.bucketize(k.reshape(-1), edges, right=True) - 1
-    valid = (index >= 0) & (index < n_bins) & (k.reshape(-1) > 0)
-    index = torch.where(valid, index, torch.full_like(index, n_bins))  # overflow bin, dropped
-    flat_weight = weight.reshape(-1) * valid
-    modes = torch.zeros(n_bins + 1, dtype=torch.float64, device=device).index_add_(0, index, flat_weight)
-    k_sum = torch.zeros(n_bins + 1, dtype=torch.float64, device=device).index_add_(0, index, flat_weight * k.reshape(-1))
-    batch = values.shape[0]
-    flat_values = values.reshape(batch, -1) * flat_weight
-    sums = torch.zeros(batch, n_bins + 1, dtype=torch.float64, device=device).index_add_(1, index, flat_values)
+    lx, ly, lz = mesh.local_fourier_shape
+    p = None if window is None else order_number(window, "power_spectrum", "window")
+    extra = () if ells is None else (len(ells),)
+    modes = torch.zeros(n_bins + 1, dtype=torch.float64, device=device)
+    k_sum = torch.zeros(n_bins + 1, dtype=torch.float64, device=device)
+    sums = torch.zeros(count, *extra, n_bins + 1, dtype=torch.float64, device=device)
+    planes = max(1, _BIN_CHUNK // max(1, ly * lz))
+    for start in range(0, lx, planes):
+        end = min(lx, start + planes)
+        kx = k_axes[0][start:end]
+        k = torch.sqrt(kx**2 + k_axes[1] ** 2 + k_axes[2] ** 2)  # (end - start, ly, lz)
+        flat_k = k.reshape(-1)
+        index = torch.bucketize(flat_k, edges, right=True) - 1
+        valid = (index >= 0) & (index < n_bins) & (flat_k > 0)
+        index = torch.where(valid, index, torch.full_like(index, n_bins))  # overflow bin, dropped
+        flat_weight = weight.expand_as(k).reshape(-1) * valid
+        modes = modes.index_add(0, index, flat_weight)
+        k_sum = k_sum.index_add(0, index, flat_weight * flat_k)
+        values = values_of(start, end)
+        if p is not None:
+            window_k = 1.0
+            for wi in (w[0][start:end], w[1], w[2]):
+                window_k = window_k * torch.sinc(wi / (2.0 * math.pi)) ** p
+            values = values / window_k**2
+        if ells is not None:
+            # mu = k_axis / |k| (0 at k = 0, a mode no bin holds)
+            k_axis = (kx, k_axes[1], k_axes[2])[axis].expand_as(k)
+            mu = torch.where(k > 0, k_axis / torch.where(k > 0, k, torch.ones_like(k)), torch.zeros_like(k))
+            orders = torch.tensor([2.0 * ell + 1 for ell in ells], dtype=torch.float64, device=device)
+            values = values.unsqueeze(1) * (legendre(ells, mu) * orders.view(-1, 1, 1, 1))
+        flat_values = values.reshape(*values.shape[:-3], -1) * flat_weight
+        sums = sums + torch.zeros_like(sums).index_add(-1, index, flat_values)
     # One all-reduce of every shell sum: the global spectrum on every rank.
-    totals = mesh.all_reduce(torch.cat([modes[:n_bins].unsqueeze(0), k_sum[:n_bins].unsqueeze(0), sums[:, :n_bins]]))
-    modes, k_sum, sums = totals[0], totals[1], totals[2:]
+    totals = mesh.all_reduce(torch.cat([modes[:n_bins].unsqueeze(0), k_sum[:n_bins].unsqueeze(0),
+                                        sums.reshape(-1, n_bins + 1)[:, :n_bins]]))
+    modes, k_sum, sums = totals[0], totals[1], totals[2:].reshape(count, *extra, n_bins)
     keep = modes > 0
     modes = modes[keep]
-    return k_sum[keep] / modes, sums[:, keep] / modes, modes
+    return k_sum[keep] / modes, sums[..., keep] / modes, modes
 
 
 def _check_mesh_argument(mesh, function):
@@ -220,9 +256,9 @@ def _measure(function, fields, box_size, bins, compensate_cic, window, mesh, opt
     return mesh, box, window, transforms, single
 
 
-def _product(a_k, b_k, mesh, box):
-    """``V/N^2 Re(a conj b)`` per mode."""
-    if a_k is b_k:
+def _product(a_k, b_k, same: bool, mesh, box):
+    """``V/N^2 Re(a conj b)`` per mode (``same``: ``b`` is ``a``)."""
+    if same:
         product = a_k.real**2 + a_k.imag**2
     else:
         product = a_k.real * b_k.real + a_k.imag * b_k.imag
@@ -266,10 +302,17 @@ def _spectra(function, fields, pairs, box_size, bins, compensate_cic, window, me
     """The binned spectra of ``pairs`` (indices into ``fields``; -1: the last field) with one
     transform per field and one all-reduce for all of them."""
     mesh, box, window, transforms, single = _measure(function, fields, box_size, bins, compensate_cic, window, mesh)
-    products = torch.stack([_product(transforms[i], transforms[j], mesh, box) for i, j in pairs])
-    count, batch = products.shape[:2]
-    k, power, modes = _binned(products.reshape(count * batch, *products.shape[2:]), mesh, box, bins, window)
-    power = power.reshape(count, batch, -1)
+    pairs = [(i % len(transforms), j % len(transforms)) for i, j in pairs]
+    batch = transforms[0].shape[0]
+
+    def values_of(start, end):
+        planes = [t[:, start:end] for t in transforms]
+        products = [_product(planes[i], planes[j], i == j or transforms[i] is transforms[j], mesh, box)
+                    for i, j in pairs]
+        return torch.stack(products).reshape(len(pairs) * batch, *products[0].shape[1:])
+
+    k, power, modes = _binned(values_of, len(pairs) * batch, mesh, box, bins, window, transforms[0].device)
+    power = power.reshape(len(pairs), batch, -1)
     return [PowerSpectrum(k, p[0] if single else p, modes) for p in power]
 
 
@@ -436,22 +479,16 @@ def _multipoles(function, fields, box_size, ells, axis, bins, compensate_cic, wi
     axis = line_of_sight_axis(axis, function)
     mesh, box, window, transforms, single = _measure(function, fields, box_size, bins, compensate_cic, window, mesh,
                                                      [("`ells`", ells), ("`axis`", axis)])
-    product = _product(transforms[0], transforms[-1], mesh, box)
-    w = mesh.wavevectors(dtype=torch.float64, device=product.device)
-    k_axes = [wi * n / b for wi, n, b in zip(w, mesh.global_shape, box)]
-    k = torch.sqrt(sum(ki**2 for ki in k_axes)).expand(*mesh.local_fourier_shape)
-    # mu = k_los / |k| (0 at k = 0, a mode every bin leaves out)
-    mu = torch.where(k > 0, k_axes[axis].expand_as(k) / torch.where(k > 0, k, torch.ones_like(k)), torch.zeros_like(k))
-    factors = legendre(ells, mu) * torch.tensor([2.0 * ell + 1 for ell in ells], dtype=torch.float64,
-                                                device=mu.device).view(-1, 1, 1, 1)
-    batch = product.shape[0]
-    weighted = (product.unsqueeze(1) * factors).reshape(batch * len(ells), *product.shape[1:])
-    k_mean, power, modes = _binned(weighted, mesh, box, bins, window)
-    power = power.reshape(batch, len(ells), -1)
+    a_k, b_k = transforms[0], transforms[-1]
+
+    def values_of(start, end):
+        return _product(a_k[:, start:end], b_k[:, start:end], a_k is b_k, mesh, box)
+
+    k, power, modes = _binned(values_of, a_k.shape[0], mesh, box, bins, window, a_k.device, ells=ells, axis=axis)
     if noise and 0 in ells:  # Poisson noise is isotropic: the monopole's alone
         power = power - torch.tensor([noise if ell == 0 else 0.0 for ell in ells], dtype=power.dtype,
                                      device=power.device).view(1, -1, 1)
-    return Multipoles(k_mean, power[0] if single else power, modes, ells)
+    return Multipoles(k, power[0] if single else power, modes, ells)
 
 
 def power_multipoles(
