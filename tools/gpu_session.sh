@@ -164,6 +164,8 @@ bench)
     timeout 60 $python benchmarks/bench_dfft.py --gpu 2>&1 | tee "$out/bench_dfft.log"
     timeout 90 $python benchmarks/bench_adjoint.py --device cuda --size 128 --no-memory --repeats 3 \
         2>&1 | tee "$out/bench_adjoint.log"
+    # P(k) and its multipoles of a 256^3 and a 512^3 field: time and peak GPU memory
+    timeout 60 $python benchmarks/bench_analysis.py --device cuda --sizes 256 512 2>&1 | tee "$out/bench_analysis.log"
     ;;
 determinism)
     build
