@@ -1378,13 +1378,38 @@ class Simulation(nn.Module):
         into the box (:func:`torchpm.analysis.redshift_space`); momenta, ``a``, ids and the
         state's type (Mpc/h or force-mesh cells) unchanged. ``density`` of the result is the
         redshift-space density; :func:`~torchpm.analysis.power_multipoles` measures its
-        multipoles. Differentiable like the state (and in the cosmology's parameters)."""
-        from .analysis import redshift_space
+        multipoles. Differentiable like the state (and in the cosmology's parameters).
+        Collective on a grid: the ranks check that they pass the same ``axis``, cosmology
+        and scale factor."""
+        from .analysis import line_of_sight_axis, redshift_space
 
+        error = None
         if not isinstance(state, SimulationState):
-            raise TypeError(f"redshift_space: `state` must be a SimulationState (as the simulation returns), got "
-                            f"{type(state).__name__}")
-        cosmology = self._replicated(cosmology or self.cosmology)
+            error = TypeError(f"redshift_space: `state` must be a SimulationState (as the simulation returns), got "
+                              f"{type(state).__name__}")
+        cosmology = cosmology or self.cosmology
+        if not self.force_mesh.is_local:
+            # Every rank moves its own particles: a rank with another line of sight, cosmology
+            # or state would make the density painted next mix two redshift spaces, which no
+            # collective notices. The ranks agree first (one rank's bad argument raises on all).
+            axis_index, parameters, a = -1, None, None
+            try:
+                axis_index = line_of_sight_axis(axis, "redshift_space")
+                parameters = repr({key: float(value.detach()) for key, value in cosmology.parameters().items()})
+                a = repr(float(state.a)) if error is None else None
+            except (TypeError, ValueError, AttributeError) as exc:
+                error = error or (exc if isinstance(exc, (TypeError, ValueError)) else
+                                  TypeError(f"redshift_space: `cosmology` must be a torchpm.Cosmology, got "
+                                            f"{type(cosmology).__name__}"))
+            self.force_mesh.agree("Simulation.redshift_space", [
+                ("`axis` (the line of sight)", axis_index),
+                ("the cosmology's parameters", parameters),
+                ("the state's scale factor `a`", a),
+                ("the state's type (Mpc/h or force-mesh cells)", type(state).__name__),
+            ], error)
+        elif error is not None:
+            raise error
+        cosmology = self._replicated(cosmology)
         box = self.mesh_shape if isinstance(state, MeshUnitsState) else self.box_size
         positions = redshift_space(state.positions, state.momenta, state.a, cosmology, box, axis=axis)
         return type(state)(positions, state.momenta, state.a, state.ids)
