@@ -1044,6 +1044,44 @@ def case_redshift_agreement(grid, ctx):
                             "Simulation.redshift_space", "rank 1")
 
 
+def case_memory_check_together(grid, ctx):
+    """A rank whose device has too little memory for the run makes every rank raise
+    MemoryError (naming that rank) at construction and at a larger batch, instead of
+    raising alone with the others waiting in the next collective; "warn" and "off" go on."""
+    import warnings
+
+    import torchpm
+    import torchpm.resources as resources
+
+    original = resources.available_memory
+    short = ctx["rank"] == 1
+    resources.available_memory = lambda device: 1000 if short else original(device)
+    try:
+        try:
+            torchpm.Simulation(**CONFIG, mesh=ctx["groups"][grid])
+        except MemoryError as error:
+            assert "rank 1" in str(error) and "needs about" in str(error), str(error)
+        else:
+            raise AssertionError("a run too large for rank 1 was built")
+        sim = torchpm.Simulation(**CONFIG, mesh=ctx["groups"][grid], memory_check="off")
+        sim.white_noise(batch=1, seed=0)
+        sim.memory_check = "error"
+        try:
+            sim.white_noise(batch=3, seed=0)
+        except MemoryError as error:
+            assert "rank 1" in str(error) and "batch 3" in str(error), str(error)
+        else:
+            raise AssertionError("batch 3, too large for rank 1, was accepted")
+        sim.memory_check = "warn"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            noise = sim.white_noise(batch=3, seed=0)
+        assert any("needs about" in str(w.message) for w in caught) == short
+        sim(noise)  # the run goes on together
+    finally:
+        resources.available_memory = original
+
+
 def case_power_layer(grid, ctx):
     """torchpm.nn.PowerSpectrum with mesh= on an uneven grid: the one-device layer's spectrum of
     the global field on every rank, the same bins, k and modes on every rank (a bin empty

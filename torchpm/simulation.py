@@ -437,10 +437,25 @@ class Simulation(nn.Module):
         return estimate_memory(self.particle_shape, self.mesh_factor, self.dtype, batch=batch, ranks=ranks)
 
     def _check_memory(self, device: torch.device, batch: int) -> None:
-        key = (str(device), int(batch), self.dtype)
-        if self.memory_check == "off" or key in self._memory_checked:
+        """Refuse (or warn about) a ``batch`` that does not fit ``device`` (``memory_check``).
+        Collective on a grid, once per device type, batch, dtype and mode: a rank short of
+        memory raises ``MemoryError`` on every rank, not alone with the others waiting in
+        the next collective (each rank checks its own device; the key leaves out the
+        device index, which differs from rank to rank)."""
+        key = (torch.device(device).type, int(batch), self.dtype, self.memory_check)
+        if key in self._memory_checked:
             return
-        check_memory(self.memory_estimate(batch), device, self.memory_check, what=f"this Simulation (batch {batch})")
+        error = None
+        if self.memory_check != "off":
+            try:
+                check_memory(self.memory_estimate(batch), device, self.memory_check,
+                             what=f"this Simulation (batch {batch})")
+            except MemoryError as exc:
+                error = str(exc)
+        if not self.force_mesh.is_local:
+            self.force_mesh.raise_together(error, MemoryError, operation="Simulation's memory check")
+        elif error is not None:
+            raise MemoryError(error)
         self._memory_checked.add(key)
 
     @property
