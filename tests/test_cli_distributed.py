@@ -141,3 +141,13 @@ def test_torchrun_ranks_with_different_configs_stop_with_one_error(tmp_path):
     from torchpm.io import read_snapshot
 
     assert read_snapshot(str(tmp_path / "out" / "snap_000")).total == 12**3
+
+
+def test_torchrun_check_names_the_grid_and_the_per_rank_estimate(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    result = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   "-m", "torchpm", "run", str(config), "--check"], tmp_path)
+    assert result.stdout.count("# process grid 2 x 1 (2 ranks)") == 1, result.stdout
+    assert "# memory estimate per rank:" in result.stdout, result.stdout
+    assert not (tmp_path / "out").exists()

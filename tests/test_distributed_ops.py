@@ -92,6 +92,24 @@ def test_split_sizes():
     assert split_sizes(8, 2) == [4, 4]
 
 
+def test_balanced_grid_takes_the_most_square_grid_the_meshes_allow():
+    from torchpm.distributed import balanced_grid
+
+    assert [balanced_grid(n) for n in (1, 2, 4, 6, 7, 8, 12)] == [(1, 1), (2, 1), (2, 2), (3, 2), (7, 1), (4, 2), (4, 3)]
+    assert balanced_grid(4, [(8, 8, 8)]) == (2, 2)
+    # (2, 2) leaves 1 x plane per rank where the stencil reaches 2: (4, 1) has nx = 2 < 4
+    # ranks, so the y split (1, 4) with 4 planes per rank
+    assert balanced_grid(4, [(2, 16, 16)], reach=2) == (1, 4)
+    assert balanced_grid(4, [(2, 16, 16)], reach=1) == (2, 2)
+    # 6 ranks: (3, 2) gives x blocks of 2 planes, below a reach of 3; (2, 3) gives 3 and 4
+    assert balanced_grid(6, [(6, 12, 12)], reach=3) == (2, 3)
+    # every mesh counts: the particle grid (2, 16, 16) and a finer force mesh
+    assert balanced_grid(4, [(4, 32, 32), (2, 16, 16)], reach=2) == (1, 4)
+    # no grid fits (ny = 1 cannot be split, nor hold the transposed x planes): the most
+    # square one, whose construction names the problem
+    assert balanced_grid(4, [(8, 1, 8)]) == (2, 2)
+
+
 # ----------------------------------------------------------------------------
 # A 1 x 1 grid (no process group): plain torch.fft.
 

@@ -48,6 +48,8 @@ def case_ids(world_size):
                     f"func_grad-{grid}", f"func_grad_correction-{grid}", f"redshift_agreement-{grid}"]
     if world_size == 3:
         ids.append("subgrid_snapshot-2x1")  # a 2-rank grid inside the 3-rank world
+    if world_size == 4:
+        ids.append("auto_grid-2x2")
     if world_size > 1:
         ids.append(f"failfast-{GRIDS[world_size][0][0]}x{GRIDS[world_size][0][1]}")  # last: breaks its groups
     return ids
@@ -1080,6 +1082,27 @@ def case_memory_check_together(grid, ctx):
         sim(noise)  # the run goes on together
     finally:
         resources.available_memory = original
+
+
+def case_auto_grid(grid, ctx):
+    """grid="auto" takes the most square grid the meshes allow: (2, 2) for a cube, and for
+    a particle grid 2 planes thick in x under TSC (a (2, 2) grid would leave x blocks of 1
+    plane, below the stencil's reach of 2; (4, 1) cannot split 2 planes) the y split
+    (1, 4), whose run equals the serial one."""
+    import torchpm
+
+    cube = torchpm.Simulation(n_particles=8, box_size=32.0, mesh_factor=1, steps=1, grid="auto")
+    assert cube.force_mesh.grid_shape == (2, 2), cube.force_mesh.grid_shape
+    config = dict(n_particles=(2, 8, 8), box_size=(8.0, 32.0, 32.0), mesh_factor=1, a_start=0.2, steps=2,
+                  paint_order="tsc", dtype=torch.float64)
+    thin = torchpm.Simulation(**config, grid="auto")
+    assert thin.force_mesh.grid_shape == (1, 4), thin.force_mesh.grid_shape
+    serial = torchpm.Simulation(**config)
+    expected = serial(serial.white_noise(seed=1))
+    whole = thin.gather(thin(thin.white_noise(seed=1)))
+    box = serial.box_size
+    assert_small(float(periodic_difference(whole.positions, expected.positions, box).abs().max()), max(box),
+                 "positions")
 
 
 def case_power_layer(grid, ctx):

@@ -238,9 +238,14 @@ def describe(config: dict, simulation) -> str:
     lines = ["# resolved settings", to_toml(config).rstrip(), "", "# run"]
     lines.append(f"# particles {simulation.particle_shape} = {simulation.n_total}, force mesh {simulation.mesh_shape}")
     lines.append(f"# {simulation.steps} steps, a = {grid[0]:.6g} -> {grid[-1]:.6g}")
-    lines.append(f"# memory estimate: {estimate.describe()}")
+    process_grid = simulation.force_mesh.grid_shape
+    ranks = process_grid[0] * process_grid[1]
+    if ranks > 1:
+        lines.append(f"# process grid {process_grid[0]} x {process_grid[1]} ({ranks} ranks)")
+    lines.append(f"# memory estimate{' per rank' if ranks > 1 else ''}: {estimate.describe()}")
     if available is not None:
-        lines.append(f"# available on {config['device']}: {available / 2**30:.2f} GiB")
+        lines.append(f"# available on {config['device']}{' (rank 0)' if ranks > 1 else ''}: "
+                     f"{available / 2**30:.2f} GiB")
     return "\n".join(lines)
 
 

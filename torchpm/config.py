@@ -513,7 +513,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "grid", "list of 2 ints", default=[], unit="", allowed="[] or [P0, P1]",
-        help="process grid of a distributed run ([] = balanced for the world size)",
+        help="process grid of a distributed run ([] = the most square grid of the world size that can split the meshes)",
         check=_check_grid,
     ),
     Setting(

@@ -33,6 +33,7 @@ from .pm import StepFactors, add_scaled, add_scaled_, compute_forces, force_fiel
 from .resources import check_memory, estimate_memory
 from .adjoint import ParticleMeshForce, adjoint_integrate
 from .ordering import restore_id_order, sort_particles
+from .ops import halo_widths
 from .ops._arguments import ORDER_NAMES, order_number
 
 __all__ = ["Simulation", "SimulationState"]
@@ -65,8 +66,9 @@ class MeshUnitsState(SimulationState):
     __slots__ = ()
 
 
-def _resolve_groups(grid, mesh):
-    """The ``(group_axis0, group_axis1)`` of a ``grid`` or ``mesh`` argument."""
+def _resolve_groups(grid, mesh, shapes=(), reach: int = 0):
+    """The ``(group_axis0, group_axis1)`` of a ``grid`` or ``mesh`` argument (``"auto"``:
+    the most square grid that can split the meshes ``shapes``, see ``balanced_grid``)."""
     if grid is not None and mesh is not None:
         raise ValueError("pass at most one of `grid` and `mesh`")
     if mesh is not None:
@@ -99,7 +101,7 @@ def _resolve_groups(grid, mesh):
     if isinstance(grid, str):
         if grid != "auto":
             raise ValueError(f"`grid` must be (P0, P1) or 'auto', got {grid!r}")
-        grid = balanced_grid(world)
+        grid = balanced_grid(world, shapes, reach)
     try:
         items = list(grid)
     except TypeError:
@@ -201,7 +203,8 @@ class Simulation(nn.Module):
         grid: ``(P0, P1)`` process grid to run on, over the default
             ``torch.distributed`` process group (``P0 * P1`` must equal its world
             size); ``"auto"`` for :func:`torchpm.distributed.balanced_grid` of the
-            world size. Default: one device.
+            world size and the meshes (the most square grid that can split the particle
+            grid and the force mesh for ``paint_order``). Default: one device.
         mesh: instead of ``grid``, a ``DeviceMesh`` (1-D or 2-D), a
             :class:`~torchpm.distributed.PencilDecomposition` (its groups are used) or a
             pair of process groups ``(group_axis0, group_axis1)``.
@@ -356,7 +359,7 @@ class Simulation(nn.Module):
         self.particle_capacity = particle_capacity
 
         self.mesh_shape = tuple(n * self.mesh_factor for n in self.particle_shape)
-        groups = _resolve_groups(grid, mesh)
+        groups = _resolve_groups(grid, mesh, (self.particle_shape, self.mesh_shape), max(halo_widths(self.paint_order)))
         if groups == (None, None):
             self.particle_mesh = LocalMesh(self.particle_shape)
             self.force_mesh = LocalMesh(self.mesh_shape)
