@@ -103,8 +103,10 @@ def test_balanced_grid_takes_the_most_square_grid_the_meshes_allow():
     assert balanced_grid(4, [(2, 16, 16)], reach=1) == (2, 2)
     # 6 ranks: (3, 2) gives x blocks of 2 planes, below a reach of 3; (2, 3) gives 3 and 4
     assert balanced_grid(6, [(6, 12, 12)], reach=3) == (2, 3)
-    # every mesh counts: the particle grid (2, 16, 16) and a finer force mesh
-    assert balanced_grid(4, [(4, 32, 32), (2, 16, 16)], reach=2) == (1, 4)
+    # every mesh counts, each with its own reach: the stencil's on the force mesh (4, 32,
+    # 32) leaves (2, 2) possible; the same reach on the particle grid (2, 16, 16) does not
+    assert balanced_grid(4, [(2, 16, 16), (4, 32, 32)], reach=(1, 2)) == (2, 2)
+    assert balanced_grid(4, [(2, 16, 16), (4, 32, 32)], reach=2) == (1, 4)
     # no grid fits (ny = 1 cannot be split, nor hold the transposed x planes): the most
     # square one, whose construction names the problem
     assert balanced_grid(4, [(8, 1, 8)]) == (2, 2)

@@ -45,7 +45,8 @@ def case_ids(world_size):
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"migration_dtypes-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
                     f"whole_state_refused-{grid}", f"adjoint_explicit_cosmology-{grid}", f"compiled-{grid}",
-                    f"func_grad-{grid}", f"func_grad_correction-{grid}", f"redshift_agreement-{grid}"]
+                    f"func_grad-{grid}", f"func_grad_correction-{grid}", f"redshift_agreement-{grid}",
+                    f"memory_check_together-{grid}"]
     if world_size == 3:
         ids.append("subgrid_snapshot-2x1")  # a 2-rank grid inside the 3-rank world
     if world_size == 4:
@@ -979,7 +980,7 @@ def case_redshift_multipoles(grid, ctx):
     of a loss of the quadrupole in the white noise and Omega_c; a rank with another line
     of sight raises on every rank."""
     import torchpm
-    from torchpm.analysis import power_multipoles
+    from torchpm.analysis import power_multipoles, power_spectrum
     from torchpm.nn import PowerSpectrum
 
     # (ending at a = 0.5: at a = 1, E = 1 in a flat universe whatever Omega_c)
@@ -1013,9 +1014,20 @@ def case_redshift_multipoles(grid, ctx):
                  "d loss / d white noise")
     assert_small(abs(float(local_omega_grad - omega_grad)), abs(float(omega_grad)), "d loss / d Omega_c")
     field = distributed.force_mesh.local_real_part(global_random((1, *serial.mesh_shape), 8))
-    expect_error_everywhere(
-        lambda: power_multipoles(field, box, axis=2 if ctx["rank"] == 0 else 1, mesh=distributed.force_mesh),
-        "`axis`", "rank 0")
+    mesh, first = distributed.force_mesh, ctx["rank"] == 0
+    expect_error_everywhere(lambda: power_multipoles(field, box, axis=2 if first else 1, mesh=mesh), "`axis`", "rank 0")
+    # a bad argument on one rank, or another shot noise: every rank raises (none is left
+    # waiting in the agreement, none gets another spectrum)
+    expect_error_everywhere(lambda: power_multipoles(field, box, ells=(0, 2) if first else (1,), mesh=mesh),
+                            "`ells` must be", "rank 1")
+    expect_error_everywhere(lambda: power_multipoles(field, box, axis=2 if first else 7, mesh=mesh),
+                            "`axis` (the line of sight) must be", "rank 1")
+    expect_error_everywhere(lambda: power_multipoles(field, box, n_particles=None if first else 100, mesh=mesh),
+                            "shot noise", "rank 1")
+    expect_error_everywhere(lambda: power_spectrum(field, box, shot_noise=1.0 if first else float("nan"), mesh=mesh),
+                            "`shot_noise` must be", "rank 1")
+    expect_error_everywhere(lambda: PowerSpectrum(mesh.global_shape, box, ells=(0,) if first else (3,), mesh=mesh),
+                            "`ells` must be", "rank 1")
 
 
 def case_redshift_agreement(grid, ctx):
@@ -1044,6 +1056,14 @@ def case_redshift_agreement(grid, ctx):
     # one rank's bad argument: every rank raises (none waits in the next collective)
     expect_error_everywhere(lambda: distributed.redshift_space(state, axis=5 if odd else 2),
                             "Simulation.redshift_space", "rank 1")
+    # a cosmology whose parameter needs a gradient on one rank only: its backward would sum
+    # that gradient over the grid on that rank alone (a hang), so every rank raises
+    # white_noise: one rank's bad argument raises on every rank too
+    expect_error_everywhere(lambda: distributed.white_noise(seed=7, paired="yes" if odd else False),
+                            "Simulation.white_noise", "`paired` must be true or false", "rank 1")
+    omega_c = torch.tensor(0.2589, dtype=torch.float64, requires_grad=odd)
+    expect_error_everywhere(lambda: distributed.redshift_space(state, cosmology=torchpm.Planck15(Omega_c=omega_c)),
+                            "Simulation.redshift_space", "need gradients", "rank 1")
 
 
 def case_memory_check_together(grid, ctx):

@@ -622,5 +622,9 @@ def test_bad_fields_are_refused_and_leave_no_file(tmp_path):
     assert torch.equal(read_fields(path)[0]["d"], 2 * field)
     with pytest.raises(KeyError, match="holds no field 'e'"):
         read_fields(path, names=["e"])
+    assert list(read_fields(path, names="d")[0]) == ["d"]
+    with pytest.raises(ValueError, match=re.escape("field 'e' of shape (1, 4, 4, 5) is on another mesh")):
+        write_fields(tmp_path / "g.hdf5", {"d": field, "e": torch.rand(1, 4, 4, 5)}, 10.0)
+    assert not (tmp_path / "g.hdf5").exists()
     with pytest.raises(ValueError, match=re.escape("is on a (4, 4, 4) mesh")):
         read_fields(path, mesh=torchpm.mesh.LocalMesh((4, 4, 5)))

@@ -16,6 +16,7 @@ import torch
 import torchpm
 from torchpm.analysis import (
     cross_multipoles,
+    transfer_function,
     paint_density,
     power_multipoles,
     power_spectrum,
@@ -270,3 +271,39 @@ def test_bad_arguments_name_themselves():
         redshift_space(x, p, 0.5, "Planck15", 1.0)
     with pytest.raises(ValueError, match="`box_size`"):
         redshift_space(x, p, 0.5, torchpm.Planck15(), -1.0)
+
+
+def test_binning_in_chunks_of_planes_equals_one_pass(monkeypatch):
+    """The shells are summed a few x planes at a time (torchpm.analysis._BIN_CHUNK entries);
+    forced down to 2 planes per chunk, every spectrum equals the one-pass result."""
+    import torchpm.analysis as analysis
+
+    box = (50.0, 40.0, 30.0)
+    a = torch.randn(2, 10, 8, 6, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    b = torch.randn(2, 10, 8, 6, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    calls = {
+        "power": lambda: analysis.power_spectrum(a, box, window="tsc", bins=5).power,
+        "multipoles": lambda: analysis.power_multipoles(a, box, axis=0, n_particles=100).power,
+        "r": lambda: analysis.correlation_coefficient(a, b, box).power,
+        "transfer": lambda: analysis.transfer_function(a, b[0], box, bins=[0.1, 0.3, 0.5]).power,
+    }
+    whole = {name: call() for name, call in calls.items()}
+    monkeypatch.setattr(analysis, "_BIN_CHUNK", 2 * 8 * 4)  # 2 planes of the (10, 8, 4) half-spectrum
+    for name, call in calls.items():
+        torch.testing.assert_close(call(), whole[name], rtol=1e-12, atol=1e-12 * float(whole[name].abs().max()),
+                                   msg=name)
+
+
+def test_transfer_function_takes_a_batch_against_one_reference_and_shot_noise():
+    box = 40.0
+    fields = torch.randn(3, 8, 8, 8, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    reference = torch.randn(8, 8, 8, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    got = transfer_function(fields, reference, box, n_particles=4096)
+    expected = torch.sqrt(power_spectrum(fields, box, n_particles=4096).power
+                          / power_spectrum(reference, box, n_particles=4096).power)
+    assert got.power.shape == (3, expected.shape[-1])
+    torch.testing.assert_close(got.power, expected, rtol=1e-14, atol=0)
+    with pytest.raises(ValueError, match="same mesh"):
+        transfer_function(fields, torch.randn(8, 8, 6), box)
+    with pytest.raises(ValueError, match="`reference` contains NaN"):
+        transfer_function(fields, torch.full((8, 8, 8), float("nan")), box)

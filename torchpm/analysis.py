@@ -35,6 +35,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from .fourier import window_of
 from .mesh import LocalMesh, as_box_size
 from .ops._arguments import ORDER_NAMES, order_number, tensor_argument
 
@@ -150,7 +151,6 @@ def _binned(values_of, count: int, mesh: LocalMesh, box: Sequence[float], bins, 
     edges = _bin_edges(k_axes, mesh, box, bins, device)
     n_bins = edges.numel() - 1
     lx, ly, lz = mesh.local_fourier_shape
-    p = None if window is None else order_number(window, "power_spectrum", "window")
     extra = () if ells is None else (len(ells),)
     modes = torch.zeros(n_bins + 1, dtype=torch.float64, device=device)
     k_sum = torch.zeros(n_bins + 1, dtype=torch.float64, device=device)
@@ -168,17 +168,10 @@ def _binned(values_of, count: int, mesh: LocalMesh, box: Sequence[float], bins, 
         modes = modes.index_add(0, index, flat_weight)
         k_sum = k_sum.index_add(0, index, flat_weight * flat_k)
         values = values_of(start, end)
-        if p is not None:
-            window_k = 1.0
-            for wi in (w[0][start:end], w[1], w[2]):
-                window_k = window_k * torch.sinc(wi / (2.0 * math.pi)) ** p
-            values = values / window_k**2
+        if window is not None:
+            values = values / window_of((w[0][start:end], w[1], w[2]), window) ** 2
         if ells is not None:
-            # mu = k_axis / |k| (0 at k = 0, a mode no bin holds)
-            k_axis = (kx, k_axes[1], k_axes[2])[axis].expand_as(k)
-            mu = torch.where(k > 0, k_axis / torch.where(k > 0, k, torch.ones_like(k)), torch.zeros_like(k))
-            orders = torch.tensor([2.0 * ell + 1 for ell in ells], dtype=torch.float64, device=device)
-            values = values.unsqueeze(1) * (legendre(ells, mu) * orders.view(-1, 1, 1, 1))
+            values = values.unsqueeze(1) * _multipole_weights(ells, (kx, k_axes[1], k_axes[2])[axis], k)
         flat_values = values.reshape(*values.shape[:-3], -1) * flat_weight
         sums = sums + torch.zeros_like(sums).index_add(-1, index, flat_values)
     # One all-reduce of every shell sum: the global spectrum on every rank.
@@ -214,15 +207,19 @@ def _bins_key(bins):
         return repr(bins)
 
 
-def _measure(function, fields, box_size, bins, compensate_cic, window, mesh, options=()):
+def _measure(function, fields, box_size, bins, compensate_cic, window, mesh, options=(), error=None):
     """Checks ``fields`` (``{argument name: tensor}``, the same shape) and the options (on a
     grid: on every rank together, before any collective), then transforms each field once.
+    ``options``: more ``(name, value)`` pairs the ranks must agree on; ``error``: the
+    caller's own argument error, raised with the others (on every rank of a grid).
     Returns ``(mesh, box, window, transforms, single)`` with ``transforms`` the float64 rfft
     of each field in the order given, batched ``(B, ...)``."""
-    window = _window_argument(window, compensate_cic)
+    try:
+        window = _window_argument(window, compensate_cic)
+    except (TypeError, ValueError) as exc:
+        window, error = None, error or exc
     _check_mesh_argument(mesh, function)
     names = list(fields)
-    error = None
     for name in names:
         error = error or _field_error(fields[name], name, mesh)
     if error is None:
@@ -242,6 +239,8 @@ def _measure(function, fields, box_size, bins, compensate_cic, window, mesh, opt
                               *options], error)
     elif mesh is not None:
         mesh.raise_together(error, operation=function)
+    elif isinstance(error, BaseException):
+        raise error
     elif error:
         raise ValueError(error)
     batched = [_fields(fields[name], name)[0] for name in names]
@@ -298,10 +297,11 @@ def cross_power(
     return _spectra("cross_power", fields, [(0, -1)], box_size, bins, compensate_cic, window, mesh)[0]
 
 
-def _spectra(function, fields, pairs, box_size, bins, compensate_cic, window, mesh):
+def _spectra(function, fields, pairs, box_size, bins, compensate_cic, window, mesh, options=(), error=None):
     """The binned spectra of ``pairs`` (indices into ``fields``; -1: the last field) with one
     transform per field and one all-reduce for all of them."""
-    mesh, box, window, transforms, single = _measure(function, fields, box_size, bins, compensate_cic, window, mesh)
+    mesh, box, window, transforms, single = _measure(function, fields, box_size, bins, compensate_cic, window, mesh,
+                                                     options, error)
     pairs = [(i % len(transforms), j % len(transforms)) for i, j in pairs]
     batch = transforms[0].shape[0]
 
@@ -348,6 +348,14 @@ def _outside_torchpm() -> int:
     return level
 
 
+def _shot_noise_argument(shot_noise, n_particles, box_size) -> tuple[float, str | None]:
+    """``(constant to subtract, None)``, or ``(0.0, what is wrong)``."""
+    try:
+        return _shot_noise(shot_noise, n_particles, box_size), None
+    except ValueError as exc:
+        return 0.0, str(exc)
+
+
 def _shot_noise(shot_noise, n_particles, box_size) -> float:
     """The constant to subtract from the auto power (0.0: none)."""
     if shot_noise is not None and n_particles is not None:
@@ -380,8 +388,15 @@ def power_spectrum(
         shot_noise: a constant (Mpc/h)^3 to subtract, or
         n_particles: subtract the Poisson shot noise ``V / n_particles``.
     """
-    noise = _shot_noise(shot_noise, n_particles, box_size)
-    result = _spectra("power_spectrum", {"field": field}, [(0, 0)], box_size, bins, compensate_cic, window, mesh)[0]
+    return _auto_power("power_spectrum", "field", field, box_size, bins, compensate_cic, window, shot_noise,
+                       n_particles, mesh)
+
+
+def _auto_power(function, name, field, box_size, bins, compensate_cic, window, shot_noise, n_particles, mesh):
+    """:func:`power_spectrum` of the argument ``name`` of ``function`` (its errors name both)."""
+    noise, error = _shot_noise_argument(shot_noise, n_particles, box_size)
+    result = _spectra(function, {name: field}, [(0, 0)], box_size, bins, compensate_cic, window, mesh,
+                      [("the shot noise subtracted", noise)], error)[0]
     return PowerSpectrum(result.k, result.power - noise, result.modes)
 
 
@@ -412,11 +427,20 @@ def correlation_coefficient(field_a, field_b, box_size, *, bins=None, compensate
 
 
 def transfer_function(field, reference, box_size, *, bins=None, compensate_cic: bool = False,
-                      window: str | None = None, mesh=None) -> PowerSpectrum:
+                      window: str | None = None, shot_noise: float | None = None, n_particles: int | None = None,
+                      mesh=None) -> PowerSpectrum:
     """``T(k) = sqrt(P_field / P_reference)`` (returned in the ``power`` slot; the arguments
-    of :func:`cross_power`). Raises where the reference has no power."""
-    auto, auto_ref = _spectra("transfer_function", {"field": field, "reference": reference}, [(0, 0), (1, 1)],
-                              box_size, bins, compensate_cic, window, mesh)
+    of :func:`power_spectrum`, shot noise subtracted from both). A batch of fields may share
+    one reference (``(B, nx, ny, nz)`` against ``(nx, ny, nz)``). Raises where the
+    reference has no power."""
+    if mesh is None and all(isinstance(t, torch.Tensor) and t.dim() >= 3 for t in (field, reference)) \
+            and field.shape[-3:] != reference.shape[-3:]:
+        raise ValueError(f"transfer_function: `field` {tuple(field.shape)} and `reference` {tuple(reference.shape)} "
+                         "must be on the same mesh (the same last three dimensions)")
+    auto = _auto_power("transfer_function", "field", field, box_size, bins, compensate_cic, window, shot_noise,
+                       n_particles, mesh)
+    auto_ref = _auto_power("transfer_function", "reference", reference, box_size, bins, compensate_cic, window,
+                           shot_noise, n_particles, mesh)
     _require_power("transfer_function", "reference", auto_ref)
     return PowerSpectrum(auto.k, torch.sqrt(auto.power / auto_ref.power), auto.modes)
 
@@ -464,6 +488,15 @@ def _ells_argument(ells, function: str) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+def _multipole_weights(ells: Sequence[int], k_axis: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``(len(ells), *k.shape)``: ``(2 ell + 1) L_ell(mu)`` per mode, ``mu = k_axis / |k|``
+    (0 at ``k = 0``, a mode no shell holds)."""
+    k_axis = k_axis.expand_as(k)
+    mu = torch.where(k > 0, k_axis / torch.where(k > 0, k, torch.ones_like(k)), torch.zeros_like(k))
+    orders = torch.tensor([2.0 * ell + 1 for ell in ells], dtype=k.dtype, device=k.device)
+    return legendre(ells, mu) * orders.view(-1, *([1] * k.dim()))
+
+
 def legendre(ells: Sequence[int], mu: torch.Tensor) -> torch.Tensor:
     """``(len(ells), *mu.shape)``: the Legendre polynomials ``L_ell(mu)`` (Bonnet's recursion)."""
     previous, current = torch.ones_like(mu), mu
@@ -474,11 +507,16 @@ def legendre(ells: Sequence[int], mu: torch.Tensor) -> torch.Tensor:
     return torch.stack([values[ell] for ell in ells])
 
 
-def _multipoles(function, fields, box_size, ells, axis, bins, compensate_cic, window, mesh, noise=0.0):
-    ells = _ells_argument(ells, function)
-    axis = line_of_sight_axis(axis, function)
+def _multipoles(function, fields, box_size, ells, axis, bins, compensate_cic, window, mesh, noise=0.0, error=None):
+    try:
+        ells = _ells_argument(ells, function)
+        axis = line_of_sight_axis(axis, function)
+    except ValueError as exc:
+        # (raised with the other ranks' errors: on a grid none is left in the agreement)
+        ells, axis, error = (0,), -1, error or str(exc)
     mesh, box, window, transforms, single = _measure(function, fields, box_size, bins, compensate_cic, window, mesh,
-                                                     [("`ells`", ells), ("`axis`", axis)])
+                                                     [("`ells`", ells), ("`axis`", axis),
+                                                      ("the shot noise subtracted", noise)], error)
     a_k, b_k = transforms[0], transforms[-1]
 
     def values_of(start, end):
@@ -525,9 +563,9 @@ def power_multipoles(
     Returns:
         :class:`Multipoles`; ``power`` is ``(B, len(ells), n_bins)`` for batched input.
     """
-    noise = _shot_noise(shot_noise, n_particles, box_size)
+    noise, error = _shot_noise_argument(shot_noise, n_particles, box_size)
     return _multipoles("power_multipoles", {"field": field}, box_size, ells, axis, bins, compensate_cic, window,
-                       mesh, noise)
+                       mesh, noise, error)
 
 
 def cross_multipoles(
@@ -563,7 +601,10 @@ def redshift_space(
 
     with ``p = a^3 E dx/da`` the simulation's momenta, in the same length unit as the
     positions (Mpc/h, or mesh cells for a :class:`~torchpm.MeshUnitsState`). Differentiable
-    in the positions, the momenta and the cosmology's parameters.
+    in the positions, the momenta and the cosmology's parameters. Local to the particles
+    given: on a process grid each rank's call gives its own particles' share of a gradient
+    in the cosmology; :meth:`torchpm.Simulation.redshift_space` sums it over the grid (and
+    checks that the ranks pass the same arguments).
 
     Args:
         positions, momenta: ``(B, N, 3)`` (any leading shape, 3 components last).

@@ -37,13 +37,20 @@ def window(mesh, order, dtype=torch.float64, device=None) -> torch.Tensor:
     local Fourier block: ``W(w) = prod_i sinc(w_i / 2 pi)^p`` with ``p`` = 1 (NGP),
     2 (CIC), 3 (TSC), 4 (PCS) (``order`` a name or 1..4), ``sinc(x) = sin(pi x)/(pi x)``.
     Real, broadcastable against the complex block like :meth:`mesh.wavevectors`."""
+    return torch.as_tensor(window_of(mesh.wavevectors(dtype=torch.float64, device=device), order),
+                           device=device).to(dtype)
+
+
+def window_of(wavevectors, order) -> torch.Tensor:
+    """:func:`window` of given wavevectors ``(w_x, w_y, w_z)`` (radians per cell, each
+    broadcastable, e.g. a few planes of a block)."""
     from .ops._arguments import order_number
 
     p = order_number(order, "window")
     result = 1.0
-    for wi in mesh.wavevectors(dtype=torch.float64, device=device):
+    for wi in wavevectors:
         result = result * torch.sinc(wi / (2.0 * math.pi)) ** p
-    return torch.as_tensor(result, device=device).to(dtype)
+    return result
 
 
 class FourierKernels:

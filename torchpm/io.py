@@ -884,6 +884,9 @@ def write_fields(
                 or not field.is_floating_point():
             error = error or (f"field {name!r} must be a real floating-point tensor (B, nx, ny, nz), got "
                               f"{getattr(field, 'shape', type(field).__name__)}")
+        elif local is None and tuple(field.shape[1:]) != tuple(fields[names[0]].shape[1:]):
+            error = error or (f"field {name!r} of shape {tuple(field.shape)} is on another mesh than field "
+                              f"{names[0]!r} {tuple(fields[names[0]].shape)}")
         elif local is not None and tuple(field.shape[1:]) != local:
             error = error or (f"field {name!r} of shape {tuple(field.shape)} is not this rank's block "
                               f"(B, {', '.join(map(str, local))}) of the mesh {tuple(mesh.global_shape)}")
@@ -959,12 +962,12 @@ def write_fields(
 def read_fields(path, *, mesh=None, names=None) -> tuple[dict, dict]:
     """Reads a file of :func:`write_fields`: ``({name: (B, *block) tensor}, attributes)``,
     each field whole, or this rank's block of ``mesh`` (e.g. ``sim.force_mesh``; each
-    rank reads only its block). ``names``: the fields to read (default: all)."""
+    rank reads only its block). ``names``: a field's name or the names to read (default: all)."""
     h5py = _h5py()
     with h5py.File(os.fspath(path), "r") as handle:
         attributes = {key: _python(value) for key, value in handle.attrs.items()}
         available = [name for name in handle if isinstance(handle[name], h5py.Dataset)]
-        wanted = available if names is None else list(names)
+        wanted = available if names is None else [names] if isinstance(names, str) else list(names)
         missing = [name for name in wanted if name not in available]
         if missing:
             raise KeyError(f"read_fields: {path!r} holds no field {missing[0]!r} (it holds {available})")

@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from ._transforms import is_transformed, outside_transforms
-from .analysis import _bins_key, _ells_argument, legendre, line_of_sight_axis
+from .analysis import _bin_edges, _bins_key, _ells_argument, _multipole_weights, line_of_sight_axis
+from .fourier import window_of
 from .distributed import PencilDecomposition
 from .mesh import LocalMesh, as_box_size, as_shape
 from .ops import cic_paint, cic_readout
@@ -215,12 +216,16 @@ class PowerSpectrum(nn.Module):
         self.shape = as_shape(shape, "shape")
         self.box_size = as_box_size(box_size)
         self.compensate_cic = bool(compensate_cic)
-        self.ells = None if ells is None else _ells_argument(ells, "PowerSpectrum")
-        self.axis = line_of_sight_axis(axis, "PowerSpectrum")
+        error = None
+        try:
+            self.ells = None if ells is None else _ells_argument(ells, "PowerSpectrum")
+            self.axis = line_of_sight_axis(axis, "PowerSpectrum")
+        except ValueError as exc:  # (raised below with the other ranks' errors)
+            self.ells, self.axis, error = None, -1, str(exc)
         if mesh is None:
             mesh = LocalMesh(self.shape)
         _check_mesh_type("PowerSpectrum", mesh)
-        error = _mesh_shape_error("PowerSpectrum", mesh, self.shape, "the fields live on")
+        error = error or _mesh_shape_error("PowerSpectrum", mesh, self.shape, "the fields live on")
         # The shells' mode counts are all-reduced below, as many as there are bins: the
         # ranks agree on what sets them first (one rank's error raises on every rank).
         mesh.agree("PowerSpectrum", [("`shape`", self.shape), ("`box_size`", self.box_size),
@@ -232,21 +237,10 @@ class PowerSpectrum(nn.Module):
         k_axes = [wi * n / b for wi, n, b in zip(w, self.shape, self.box_size)]
         k = torch.sqrt(sum(ki**2 for ki in k_axes)).expand(*mesh.local_fourier_shape).reshape(-1)
         weight = mesh.hermitian_weights(dtype=torch.float64).expand(*mesh.local_fourier_shape).reshape(-1)
-        k_fundamental = min(2 * math.pi / b for b in self.box_size)
-        if bins is None:
-            k_nyquist = min(math.pi * n / b for n, b in zip(self.shape, self.box_size))
-            count = max(1, int(math.floor(k_nyquist / k_fundamental - 0.5)))
-            edges = k_fundamental * (torch.arange(count + 1, dtype=torch.float64) + 0.5)
-        elif isinstance(bins, int) and not isinstance(bins, bool):
-            if bins < 1:
-                raise ValueError(f"PowerSpectrum: `bins` must be a positive number of bins, got {bins}")
-            local_max = k.max().reshape(1) if k.numel() else torch.zeros(1, dtype=torch.float64)
-            k_max = float(mesh.all_reduce(local_max, "max")[0])
-            edges = torch.linspace(0.5 * k_fundamental, k_max * (1 + 1e-12), bins + 1, dtype=torch.float64)
-        else:
-            edges = torch.as_tensor(bins, dtype=torch.float64)
-            if edges.dim() != 1 or edges.numel() < 2 or bool((edges[1:] <= edges[:-1]).any()):
-                raise ValueError(f"PowerSpectrum: `bins` must be an int or increasing bin edges in h/Mpc, got {bins!r}")
+        try:
+            edges = _bin_edges(k_axes, mesh, self.box_size, bins, None)  # (the same on every rank)
+        except ValueError as exc:
+            raise ValueError(f"PowerSpectrum: {exc}") from None
         n_bins = edges.numel() - 1
         index = torch.bucketize(k, edges, right=True) - 1
         valid = (index >= 0) & (index < n_bins) & (k > 0)
@@ -262,17 +256,11 @@ class PowerSpectrum(nn.Module):
         index = renumber[torch.where(valid, index, torch.full_like(index, n_bins))]
         scale = weight * (math.prod(self.box_size) / mesh.size**2)
         if self.compensate_cic:
-            window = 1.0
-            for wi in w:
-                window = window * torch.sinc(wi / (2 * math.pi)) ** 2
-            scale = scale / (window**2).expand(*mesh.local_fourier_shape).reshape(-1)
+            scale = scale / (window_of(w, "cic") ** 2).expand(*mesh.local_fourier_shape).reshape(-1)
         scale = scale / torch.cat([modes[keep], torch.ones(1, dtype=torch.float64)])[index]
         if self.ells is not None:
-            # (2 ell + 1) L_ell(mu) per mode, mu = k_axis / |k| (0 at k = 0, in no bin)
             k_axis = k_axes[self.axis].expand(*mesh.local_fourier_shape).reshape(-1)
-            mu = torch.where(k > 0, k_axis / torch.where(k > 0, k, torch.ones_like(k)), torch.zeros_like(k))
-            orders = torch.tensor([2.0 * ell + 1 for ell in self.ells], dtype=torch.float64).unsqueeze(1)
-            scale = scale * orders * legendre(self.ells, mu)
+            scale = scale * _multipole_weights(self.ells, k_axis, k)
         self.n_bins = int(keep.sum())
         self._local_shape = tuple(mesh.local_real_shape)
         self.register_buffer("k", (k_sum[keep] / modes[keep]).to(dtype=dtype, device=device), persistent=False)

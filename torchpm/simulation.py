@@ -66,7 +66,12 @@ class MeshUnitsState(SimulationState):
     __slots__ = ()
 
 
-def _resolve_groups(grid, mesh, shapes=(), reach: int = 0):
+def _parameters_repr(cosmology: Cosmology) -> str:
+    """A cosmology's parameter values as text, for the ranks of a grid to compare."""
+    return repr({key: float(value.detach()) for key, value in cosmology.parameters().items()})
+
+
+def _resolve_groups(grid, mesh, shapes=(), reach=0):
     """The ``(group_axis0, group_axis1)`` of a ``grid`` or ``mesh`` argument (``"auto"``:
     the most square grid that can split the meshes ``shapes``, see ``balanced_grid``)."""
     if grid is not None and mesh is not None:
@@ -359,7 +364,9 @@ class Simulation(nn.Module):
         self.particle_capacity = particle_capacity
 
         self.mesh_shape = tuple(n * self.mesh_factor for n in self.particle_shape)
-        groups = _resolve_groups(grid, mesh, (self.particle_shape, self.mesh_shape), max(halo_widths(self.paint_order)))
+        # ("auto": the particle grid needs a plane per rank, the force mesh the paint's reach)
+        groups = _resolve_groups(grid, mesh, (self.particle_shape, self.mesh_shape),
+                                 (1, max(halo_widths(self.paint_order))))
         if groups == (None, None):
             self.particle_mesh = LocalMesh(self.particle_shape)
             self.force_mesh = LocalMesh(self.mesh_shape)
@@ -521,14 +528,18 @@ class Simulation(nn.Module):
                 seed are a pair, whose average cancels the leading-order effect of the
                 phases (Villaescusa-Navarro et al. 2018).
         """
-        batch = as_int("batch", batch, 1)
-        seed = as_int("seed", seed, 0, 2**63 - 1)
-        fixed_amplitude = as_bool("fixed_amplitude", fixed_amplitude)
-        paired = as_bool("paired", paired)
+        error = None
+        try:
+            batch = as_int("batch", batch, 1)
+            seed = as_int("seed", seed, 0, 2**63 - 1)
+            fixed_amplitude = as_bool("fixed_amplitude", fixed_amplitude)
+            paired = as_bool("paired", paired)
+        except (TypeError, ValueError) as exc:  # (raised on every rank of a grid together)
+            error = exc
+        values = [("`seed`", seed), ("`batch`", batch), ("`fixed_amplitude`", fixed_amplitude), ("`paired`", paired)]
         # On a grid each rank makes its block of the field of `seed`: ranks with other
         # seeds would make blocks of other fields (collective there).
-        self.particle_mesh.agree("Simulation.white_noise", [
-            ("`seed`", seed), ("`batch`", batch), ("`fixed_amplitude`", fixed_amplitude), ("`paired`", paired)])
+        self.particle_mesh.agree("Simulation.white_noise", [(name, repr(value)) for name, value in values], error)
         self._check_memory(self.device, batch)
         noise = make_white_noise(
             self.particle_shape, batch=batch, seed=seed, dtype=self.dtype, device=self.device, mesh=self.particle_mesh
@@ -830,8 +841,7 @@ class Simulation(nn.Module):
                  grad and any(t.requires_grad for t in learned(self.force_correction)),
                  grad and any(t.requires_grad for t in learned(self.power)))
         return [
-            ("`cosmology` (its parameters now)",
-             repr({key: float(value.detach()) for key, value in self.cosmology.parameters().items()})),
+            ("`cosmology` (its parameters now)", _parameters_repr(self.cosmology)),
             ("`dtype` (now)", str(self.dtype)),
             ("`force_correction` weights (now)", weights(self.force_correction)),
             ("`power_spectrum` weights (now)", weights(self.power)),
@@ -1402,27 +1412,36 @@ class Simulation(nn.Module):
         from .analysis import line_of_sight_axis, redshift_space
 
         error = None
-        if not isinstance(state, SimulationState):
+        valid_state = isinstance(state, SimulationState)
+        if not valid_state:
             error = TypeError(f"redshift_space: `state` must be a SimulationState (as the simulation returns), got "
                               f"{type(state).__name__}")
-        cosmology = cosmology or self.cosmology
+        cosmology = self.cosmology if cosmology is None else cosmology
+        valid_cosmology = isinstance(cosmology, Cosmology)
+        if not valid_cosmology:
+            error = error or TypeError(f"redshift_space: `cosmology` must be a torchpm.Cosmology or None, got "
+                                       f"{type(cosmology).__name__}")
+        try:
+            axis_index = line_of_sight_axis(axis, "redshift_space")
+        except ValueError as exc:
+            axis_index, error = -1, error or exc
         if not self.force_mesh.is_local:
             # Every rank moves its own particles: a rank with another line of sight, cosmology
             # or state would make the density painted next mix two redshift spaces, which no
-            # collective notices. The ranks agree first (one rank's bad argument raises on all).
-            axis_index, parameters, a = -1, None, None
-            try:
-                axis_index = line_of_sight_axis(axis, "redshift_space")
-                parameters = repr({key: float(value.detach()) for key, value in cosmology.parameters().items()})
-                a = repr(float(state.a)) if error is None else None
-            except (TypeError, ValueError, AttributeError) as exc:
-                error = error or (exc if isinstance(exc, (TypeError, ValueError)) else
-                                  TypeError(f"redshift_space: `cosmology` must be a torchpm.Cosmology, got "
-                                            f"{type(cosmology).__name__}"))
+            # collective notices, and one whose tensors need other gradients would run other
+            # collectives in the backward pass (the cosmology's gradient is summed over the
+            # grid). The ranks agree first (one rank's bad argument raises on all).
+            grad = torch.is_grad_enabled()
             self.force_mesh.agree("Simulation.redshift_space", [
                 ("`axis` (the line of sight)", axis_index),
-                ("the cosmology's parameters", parameters),
-                ("the state's scale factor `a`", a),
+                ("the cosmology's parameters", _parameters_repr(cosmology) if valid_cosmology else None),
+                ("which of the cosmology's parameters need gradients",
+                 tuple(grad and bool(t.requires_grad) for t in cosmology.parameters().values())
+                 if valid_cosmology else None),
+                ("the state's scale factor `a`", repr(state.a) if valid_state else None),
+                ("which of the state's positions and momenta need gradients",
+                 tuple(grad and isinstance(t, torch.Tensor) and t.requires_grad
+                       for t in (state.positions, state.momenta)) if valid_state else None),
                 ("the state's type (Mpc/h or force-mesh cells)", type(state).__name__),
             ], error)
         elif error is not None:

@@ -33,7 +33,7 @@ def split_offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
-def balanced_grid(world_size: int, shapes: Sequence[Sequence[int]] = (), reach: int = 0) -> tuple[int, int]:
+def balanced_grid(world_size: int, shapes: Sequence[Sequence[int]] = (), reach=0) -> tuple[int, int]:
     """The most square ``(P0, P1)`` with ``P0 * P1 == world_size`` and ``P0 >= P1``.
 
     Slabs (``P1 = 1``) for a prime world size; ``(2, 2)`` for 4, ``(4, 2)`` for 8.
@@ -41,7 +41,7 @@ def balanced_grid(world_size: int, shapes: Sequence[Sequence[int]] = (), reach: 
     With ``shapes`` (global meshes, e.g. the particle grid and the force mesh), the most
     square grid that can split every one of them: each rank owning at least one plane of
     every block and, along a split axis, at least ``reach`` planes (a paint stencil's
-    reach); the grids are tried from the most square, ``P0 >= P1`` before ``P0 < P1``
+    reach; one int for every mesh, or one per mesh); the grids are tried from the most square, ``P0 >= P1`` before ``P0 < P1``
     (``(4, 1)`` for 4 ranks and a mesh with ``ny = 1``). When none fits, the most square
     one, whose construction then says why.
     """
@@ -51,9 +51,10 @@ def balanced_grid(world_size: int, shapes: Sequence[Sequence[int]] = (), reach: 
     pairs = [(world_size // d, d) for d in range(1, world_size + 1) if world_size % d == 0]
     # most square first; of two equally square grids, P0 >= P1 first
     pairs.sort(key=lambda p: (max(p) / min(p), p[0] < p[1]))
+    reaches = [int(reach)] * len(shapes) if isinstance(reach, int) else [int(r) for r in reach]
     for p0, p1 in pairs:
         fits = True
-        for shape in shapes:
+        for shape, reach in zip(shapes, reaches):
             try:
                 layout = BlockLayout(shape, (p0, p1))
             except ValueError:
