@@ -307,3 +307,17 @@ def test_transfer_function_takes_a_batch_against_one_reference_and_shot_noise():
         transfer_function(fields, torch.randn(8, 8, 6), box)
     with pytest.raises(ValueError, match="`reference` contains NaN"):
         transfer_function(fields, torch.full((8, 8, 8), float("nan")), box)
+
+
+def test_the_multipole_layer_compiles_into_one_graph():
+    from torchpm.nn import PowerSpectrum
+
+    layer = PowerSpectrum((12, 10, 8), (60.0, 50.0, 40.0), ells=(0, 2, 4), axis="y", compensate_cic=True)
+    field = torch.randn(2, 12, 10, 8, generator=torch.Generator().manual_seed(10), requires_grad=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True)
+    got, expected = compiled(field), layer(field)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    (grad,) = torch.autograd.grad(got[:, 1].sum(), field)
+    (expected_grad,) = torch.autograd.grad(expected[:, 1].sum(), field)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5 * float(expected_grad.abs().max()))
