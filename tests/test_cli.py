@@ -210,7 +210,22 @@ def test_snapshots_resume_and_overwrite(tmp_path, capsys, monkeypatch):
     assert main(["run", str(config)]) == 0
     first = tmp_path / "first"
     assert sorted(p.name for p in first.iterdir()) == [
-        "config.toml", "power_spectrum.png", "power_spectrum.txt", "snap_000.hdf5", "snap_001.hdf5"]
+        "config.toml", "power_spectrum.png", "power_spectrum.txt", "power_spectrum_000.txt", "power_spectrum_001.txt",
+        "snap_000.hdf5", "snap_001.hdf5"]
+    # The spectra at each snapshot: that of the snapshot's particles (read back here), and
+    # at a = 1 the run's final table.
+    def body(path):
+        return [line for line in path.read_text().splitlines() if not line.startswith("#")]
+
+    assert "at a = 0.5000" in (first / "power_spectrum_000.txt").read_text().splitlines()[0]
+    assert body(first / "power_spectrum_001.txt") == body(first / "power_spectrum.txt")
+    from torchpm.analysis import power_spectrum
+
+    sim = torchpm.Simulation(8, 64.0, mesh_factor=2, steps=[0.3, 0.5, 0.7, 1.0])
+    density = sim.density(_snapshot_state(first / "snap_000.hdf5", sim))
+    expected = power_spectrum(density[0] - 1.0, 64.0, compensate_cic=True, n_particles=512)
+    table = np.loadtxt(first / "power_spectrum_000.txt")
+    np.testing.assert_allclose(table[:, 1], expected.power.numpy(), rtol=1e-5, atol=1e-6 * float(expected.power.max()))
     # Not overwritten silently; --overwrite replaces.
     assert main(["run", str(config)]) == 2
     assert "already holds outputs" in capsys.readouterr().err
@@ -218,7 +233,8 @@ def test_snapshots_resume_and_overwrite(tmp_path, capsys, monkeypatch):
     # Resume from a = 0.5 into another folder: the final snapshot is bit-identical.
     assert main(["run", str(config), "--resume", str(first / "snap_000.hdf5"), "--output", "second"]) == 0
     second = tmp_path / "second"
-    assert not (second / "snap_000.hdf5").exists()
+    assert not (second / "snap_000.hdf5").exists() and not (second / "power_spectrum_000.txt").exists()
+    assert body(second / "power_spectrum_001.txt") == body(first / "power_spectrum_001.txt")
     with h5py.File(first / "snap_001.hdf5", "r") as a, h5py.File(second / "snap_001.hdf5", "r") as b:
         for name in ("torchpm/MeshPositions", "torchpm/MeshMomenta", "PartType1/Coordinates", "PartType1/ParticleIDs"):
             np.testing.assert_array_equal(a[name][:], b[name][:])
@@ -253,6 +269,8 @@ def test_overwrite_removes_the_earlier_runs_snapshots_and_resume_refuses_another
     other.write_text(base + "snapshots = [0.5]\nseed = 7\n")
     assert main(["run", str(other), "--overwrite"]) == 0
     assert sorted(p.name for p in out.glob("snap_*")) == ["snap_000.hdf5"]
+    # (and the earlier run's spectrum at its snapshot 001, which this run does not write)
+    assert sorted(p.name for p in out.glob("power_spectrum_*")) == ["power_spectrum_000.txt"]
     # seed 7's snapshot resumed under seed 0's configuration: refused, naming the seed
     capsys.readouterr()
     assert main(["run", str(config), "--resume", str(out / "snap_000.hdf5"), "--output", "again"]) == 2
@@ -270,8 +288,12 @@ def test_overwrite_removes_the_earlier_runs_snapshots_and_resume_refuses_another
     other.write_text(base + "snapshots = [0.5, 1.0]\nseed = 7\n")
     for stale in ("snap_001.0.hdf5", "snap_001.1.hdf5", "snap_004.hdf5"):
         (out / stale).write_bytes((out / "snap_000.hdf5").read_bytes())
+    first_table = (out / "power_spectrum_000.txt").read_text()
     assert main(["run", str(other), "--resume", str(out / "snap_000.hdf5"), "--overwrite"]) == 0
     assert sorted(p.name for p in out.glob("snap_*")) == ["snap_000.hdf5", "snap_001.hdf5"]
+    # the history's spectrum kept as it was, the new snapshot's written
+    assert (out / "power_spectrum_000.txt").read_text() == first_table
+    assert (out / "power_spectrum_001.txt").exists()
     torchpm.io.read_snapshot(str(out / "snap_001.hdf5"))  # not ambiguous
     # resuming from another folder keeps none of this folder's earlier snapshots
     assert main(["run", str(other), "--resume", str(out / "snap_000.hdf5"), "--output", "elsewhere"]) == 0

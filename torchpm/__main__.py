@@ -10,6 +10,8 @@ progress bar over the steps, and writes into the run's output folder (default ``
   header says; a batch run: one column per member), the number of modes, and the
   linear P(k) at the final a;
 * ``power_spectrum.png``: P(k) against linear theory, and a slice of the density;
+* ``power_spectrum_000.txt``, ... (and ``power_multipoles_000.txt``, ...): the same
+  tables at each snapshot, numbered as the snapshots;
 * ``power_multipoles.txt`` (with ``redshift_space = "x" | "y" | "z"``): the multipoles
   P_0, P_2, P_4 of the final density in redshift space along that axis
   (CIC-compensated; shot noise on P_0 as in the P(k) table), the number of modes, and
@@ -130,14 +132,17 @@ def build_simulation(config: dict):
 
 
 _SNAPSHOT_FILE = re.compile(r"^snap_(?P<index>\d{3,})(_member\d+)?(\.\d+)?\.hdf5$")
+# The spectra written at each snapshot (numbered as the snapshots).
+_SNAPSHOT_TABLE = re.compile(r"^power_(spectrum|multipoles)_(?P<index>\d{3,})\.txt$")
 
 
 def prepare_output(folder: str, overwrite: bool, keep: frozenset = frozenset()) -> None:
     """Create ``folder``, prove it writable, and refuse to replace outputs without ``overwrite``.
 
-    With ``overwrite`` the previous run's snapshots are removed (a snapshot this run does
-    not write would otherwise stay beside this run's outputs, and ``--resume`` from it
-    would continue the other run), except those numbered in ``keep``: the history up to
+    With ``overwrite`` the previous run's snapshots and the spectra written with them are
+    removed (a snapshot this run does not write would otherwise stay beside this run's
+    outputs, and ``--resume`` from it would continue the other run), and so are the
+    optional outputs, except the snapshots numbered in ``keep``: the history up to
     the snapshot a run resumes from in this folder, which it does not rewrite (its
     ``--resume`` checked that the snapshot is of this run)."""
     if os.path.exists(folder) and not os.path.isdir(folder):
@@ -153,6 +158,8 @@ def prepare_output(folder: str, overwrite: bool, keep: frozenset = frozenset()) 
         raise UserError(f"output folder {folder!r} is not writable: {error.strerror}") from None
     existing = [name for name in OUTPUT_NAMES + OPTIONAL_OUTPUTS if os.path.exists(os.path.join(folder, name))]
     snapshots = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "snap_*.hdf5")))
+    snapshots += sorted(name for name in (os.path.basename(p) for p in glob.glob(os.path.join(folder, "power_*_*.txt")))
+                        if _SNAPSHOT_TABLE.match(name))
     existing += snapshots
     if existing and not overwrite:
         shown = ", ".join(existing[:4]) + (", ..." if len(existing) > 4 else "")
@@ -170,12 +177,12 @@ def prepare_output(folder: str, overwrite: bool, keep: frozenset = frozenset()) 
                 raise UserError(f"--overwrite: cannot remove the earlier run's {os.path.join(folder, name)!r}: "
                                 f"{error.strerror}") from None
         for name in snapshots:
-            match = _SNAPSHOT_FILE.match(name)
+            match = _SNAPSHOT_FILE.match(name) or _SNAPSHOT_TABLE.match(name)
             if match and int(match["index"]) not in keep:
                 try:
                     os.remove(os.path.join(folder, name))
                 except OSError as error:
-                    raise UserError(f"--overwrite: cannot remove the earlier run's snapshot "
+                    raise UserError(f"--overwrite: cannot remove the earlier run's output "
                                     f"{os.path.join(folder, name)!r}: {error.strerror}") from None
 
 
@@ -436,7 +443,8 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
             bar.set_postfix(a=f"{a:.3f}")
         marks["last"] = now
 
-    written = []
+    written, written_tables = [], []
+    tables = _Tables(simulation, config, output, resume, main_rank, power_spectrum)
     start = time.perf_counter()
     marks["last"] = start
     with torch.no_grad():
@@ -458,28 +466,22 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
                     write_snapshot(path, state, simulation, mesh_units=True, member=member, config=config,
                                    overwrite=overwrite)
                     written.append(path)
+                # The spectra at the snapshot too (collective; rank 0 writes them).
+                _, _, snapshot_spectra, snapshot_multipoles = tables.measure(state)
+                written_tables += tables.write(f"_{index:03d}", state.a, snapshot_spectra, snapshot_multipoles)[:2]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         total = time.perf_counter() - start
         bar.close()
+        # this rank's block of the force mesh (and of the redshift-space density), the spectra
+        density, density_rsd, spectra, multipoles = tables.measure(state)
         state = simulation.to_physical(state.positions, state.momenta, state.a, state.ids)
-        density = simulation.density(state)  # this rank's block of the force mesh
-        axis = config["redshift_space"]
-        density_rsd = None if axis == "none" else simulation.density(simulation.redshift_space(state, axis=axis))
 
     box = simulation.box_size
     n_particles = simulation.n_total
-    cosmology = simulation.cosmology
     mesh = simulation.force_mesh
-    # Every member's spectrum, one at a time (the transforms of the whole batch at once
-    # would raise the run's peak memory at its end); the figure shows member 0's.
-    subtract = config["shot_noise"] == "subtract"
-    spectra = [power_spectrum(density[member] - 1.0, box, compensate_cic=True,
-                              n_particles=n_particles if subtract else None, mesh=mesh)
-               for member in range(density.shape[0])]
+    axis = config["redshift_space"]
     spectrum = spectra[0]
-    growth = cosmology.growth(state.a)
-    linear = simulation.linear_power(spectrum.k) * growth.D1**2
     # Statistics of the whole mesh, and a slab a few cells thick for the figure (z is whole on every rank).
     sums = torch.stack([density.sum(), (density**2).sum()]).to(torch.float64)
     sums = mesh.all_reduce(sums)
@@ -489,13 +491,6 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     thickness = max(1, simulation.mesh_shape[2] // 8)
     slab = gather_blocks(density[0, :, :, :thickness].mean(-1), mesh.local_real_offset[:2],
                          simulation.mesh_shape[:2], mesh)
-    multipoles = None
-    if density_rsd is not None:
-        from torchpm.analysis import power_multipoles
-
-        multipoles = [power_multipoles(density_rsd[member] - 1.0, box, ells=(0, 2, 4), axis=axis, compensate_cic=True,
-                                       n_particles=n_particles if subtract else None, mesh=mesh)
-                      for member in range(density_rsd.shape[0])]
     summary = dict(steps=simulation.steps, snapshots=written)
     if config["write_density"]:
         # Collective on a grid: every rank writes its block of the file in turn.
@@ -510,53 +505,11 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     if not main_rank:
         return summary
 
-    table_path = os.path.join(output, "power_spectrum.txt")
-    header = (
-        f"torchpm {torchpm.__version__}: matter power spectrum at a = {state.a:.4f}\n"
-        f"{simulation.particle_shape} particles, mesh {simulation.mesh_shape}, box {box} Mpc/h, "
-        f"{simulation.steps} {simulation.integrator} steps from a = {simulation.a_start}, "
-        f"{cosmology!r}, seed {config['seed']}"
-        + (", fixed amplitudes" if config["fixed_amplitude"] else "")
-        + (", paired (white noise negated)" if config["paired"] else "")
-        + (f", resumed from {resume}" if resume else "") + "\n"
-        + "P(k): CIC-compensated, "
-        + f"Poisson shot noise V/N_particles = {math.prod(box) / n_particles:.6e} (Mpc/h)^3 "
-        + ("subtracted" if subtract else "kept (not subtracted)") + "\n"
-        + ("columns: k [h/Mpc]  P(k) [(Mpc/h)^3]  modes  P_linear(k) [(Mpc/h)^3]" if batch == 1 else
-           f"columns: k [h/Mpc]  P(k) [(Mpc/h)^3] of batch member 0, ..., of member {batch - 1} (one column "
-           "each)  modes  P_linear(k) [(Mpc/h)^3]")
-    )
-    np.savetxt(
-        table_path,
-        np.column_stack([spectrum.k.cpu(), *(member.power.cpu() for member in spectra), spectrum.modes.cpu(),
-                         linear.detach().cpu()]),
-        header=header,
-        fmt=["%.6e"] * (1 + batch) + ["%d", "%.6e"],
-    )
+    table_path, multipoles_path, linear, kaiser = tables.write("", state.a, spectra, multipoles)
     figure_path = os.path.join(output, "power_spectrum.png")
     plot(spectrum, linear, slab, thickness, simulation, state.a, figure_path, shot_noise=config["shot_noise"])
     kaiser_line = ""
     if multipoles is not None:
-        # Linear theory in redshift space (Kaiser): P_0, P_2, P_4 = (1 + 2f/3 + f^2/5,
-        # 4f/3 + 4f^2/7, 8f^2/35) P_linear, with f = dlnD/dlna at the final a.
-        f = float(growth.f1)
-        factors = (1 + 2 * f / 3 + f**2 / 5, 4 * f / 3 + 4 * f**2 / 7, 8 * f**2 / 35)
-        linear_rsd = simulation.linear_power(multipoles[0].k).detach().cpu() * float(growth.D1) ** 2
-        multipoles_path = os.path.join(output, "power_multipoles.txt")
-        member_columns = "P_0 P_2 P_4 [(Mpc/h)^3]" + ("" if batch == 1 else
-                                                     f" of batch member 0, ..., of member {batch - 1} (three each)")
-        np.savetxt(
-            multipoles_path,
-            np.column_stack([multipoles[0].k.cpu(), *(m.power[i].cpu() for m in multipoles for i in range(3)),
-                             multipoles[0].modes.cpu(), *(factor * linear_rsd for factor in factors)]),
-            header=header.splitlines()[0].replace("matter power spectrum", "redshift-space power multipoles") + "\n"
-            + "\n".join(header.splitlines()[1:2]) + "\n"
-            f"line of sight: the {axis} axis (plane-parallel: x + p_{axis} / (a^2 E(a))); P_ell = (2 ell + 1) "
-            "<|delta_k|^2 L_ell(mu)> over the shells of power_spectrum.txt, CIC-compensated; shot noise "
-            + ("subtracted from P_0\n" if subtract else "kept\n")
-            + f"columns: k [h/Mpc]  {member_columns}  modes  linear (Kaiser, f = {f:.5f}) P_0 P_2 P_4",
-            fmt=["%.6e"] * (1 + 3 * batch) + ["%d"] + ["%.6e"] * 3,
-        )
         summary["multipoles"] = multipoles_path
         low = multipoles[0].k < 0.1
         label = "k < 0.1 h/Mpc"
@@ -565,7 +518,8 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
             label = f"its lowest k, {float(multipoles[0].k.min()):.3g} h/Mpc"
         measured = float((multipoles[0].power[1][low] / multipoles[0].power[0][low]).mean())
         kaiser_line = (f"  redshift space along {axis}: P_2/P_0 at {label}: {measured:.3f} "
-                       f"(linear Kaiser {factors[1] / factors[0]:.3f})\n")
+                       f"(linear Kaiser {kaiser[1] / kaiser[0]:.3f})\n")
+    summary["snapshot_tables"] = [path for path in written_tables if path]
 
     per_step = float(np.median(step_times)) if step_times else float("nan")
     lpt_time = marks["lpt"] - start if "lpt" in marks else 0.0
@@ -594,6 +548,98 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         flush=True,
     )
     return summary
+
+
+class _Tables:
+    """The P(k) (and, with ``redshift_space``, multipoles) tables of a run: measured on
+    every rank (collective), written by rank 0, at the end (``power_spectrum.txt``) and at
+    each snapshot (``power_spectrum_000.txt``, ...)."""
+
+    def __init__(self, simulation, config, output, resume, main_rank, power_spectrum):
+        self.simulation, self.config, self.output, self.resume = simulation, config, output, resume
+        self.main_rank, self.power_spectrum = main_rank, power_spectrum
+        self.axis = config["redshift_space"]
+        self.subtract = config["shot_noise"] == "subtract"
+
+    def measure(self, state):
+        """``(density, redshift-space density or None, spectra, multipoles or None)`` of a
+        state (this rank's blocks; every member's spectra, one at a time: the transforms of
+        the whole batch at once would raise the run's peak memory)."""
+        sim, box = self.simulation, self.simulation.box_size
+        noise = sim.n_total if self.subtract else None
+        density = sim.density(state)
+        spectra = [self.power_spectrum(density[member] - 1.0, box, compensate_cic=True, n_particles=noise,
+                                       mesh=sim.force_mesh) for member in range(density.shape[0])]
+        if self.axis == "none":
+            return density, None, spectra, None
+        from torchpm.analysis import power_multipoles
+
+        density_rsd = sim.density(sim.redshift_space(state, axis=self.axis))
+        multipoles = [power_multipoles(density_rsd[member] - 1.0, box, ells=(0, 2, 4), axis=self.axis,
+                                       compensate_cic=True, n_particles=noise, mesh=sim.force_mesh)
+                      for member in range(density_rsd.shape[0])]
+        return density, density_rsd, spectra, multipoles
+
+    def write(self, suffix: str, a: float, spectra, multipoles):
+        """Rank 0 writes ``power_spectrum{suffix}.txt`` (and ``power_multipoles{suffix}.txt``);
+        returns their paths (None elsewhere or when not written), the linear P(k) at ``a``
+        and Kaiser's three factors."""
+        import numpy as np
+
+        import torchpm
+
+        sim, config, batch = self.simulation, self.config, len(spectra)
+        box, n_particles, cosmology = sim.box_size, sim.n_total, sim.cosmology
+        growth = cosmology.growth(a)
+        linear = sim.linear_power(spectra[0].k) * growth.D1**2
+        f = float(growth.f1)
+        kaiser = (1 + 2 * f / 3 + f**2 / 5, 4 * f / 3 + 4 * f**2 / 7, 8 * f**2 / 35)
+        if not self.main_rank:
+            return None, None, linear, kaiser
+        describe = (
+            f"{sim.particle_shape} particles, mesh {sim.mesh_shape}, box {box} Mpc/h, "
+            f"{sim.steps} {sim.integrator} steps from a = {sim.a_start}, {cosmology!r}, seed {config['seed']}"
+            + (", fixed amplitudes" if config["fixed_amplitude"] else "")
+            + (", paired (white noise negated)" if config["paired"] else "")
+            + (f", resumed from {self.resume}" if self.resume else ""))
+        header = (
+            f"torchpm {torchpm.__version__}: matter power spectrum at a = {a:.4f}\n{describe}\n"
+            + "P(k): CIC-compensated, "
+            + f"Poisson shot noise V/N_particles = {math.prod(box) / n_particles:.6e} (Mpc/h)^3 "
+            + ("subtracted" if self.subtract else "kept (not subtracted)") + "\n"
+            + ("columns: k [h/Mpc]  P(k) [(Mpc/h)^3]  modes  P_linear(k) [(Mpc/h)^3]" if batch == 1 else
+               f"columns: k [h/Mpc]  P(k) [(Mpc/h)^3] of batch member 0, ..., of member {batch - 1} (one column "
+               "each)  modes  P_linear(k) [(Mpc/h)^3]")
+        )
+        table_path = os.path.join(self.output, f"power_spectrum{suffix}.txt")
+        np.savetxt(
+            table_path,
+            np.column_stack([spectra[0].k.cpu(), *(member.power.cpu() for member in spectra), spectra[0].modes.cpu(),
+                             linear.detach().cpu()]),
+            header=header,
+            fmt=["%.6e"] * (1 + batch) + ["%d", "%.6e"],
+        )
+        if multipoles is None:
+            return table_path, None, linear, kaiser
+        # Linear theory in redshift space (Kaiser): P_0, P_2, P_4 = (1 + 2f/3 + f^2/5,
+        # 4f/3 + 4f^2/7, 8f^2/35) P_linear, with f = dlnD/dlna at a.
+        linear_rsd = sim.linear_power(multipoles[0].k).detach().cpu() * float(growth.D1) ** 2
+        multipoles_path = os.path.join(self.output, f"power_multipoles{suffix}.txt")
+        member_columns = "P_0 P_2 P_4 [(Mpc/h)^3]" + ("" if batch == 1 else
+                                                     f" of batch member 0, ..., of member {batch - 1} (three each)")
+        axis = self.axis
+        np.savetxt(
+            multipoles_path,
+            np.column_stack([multipoles[0].k.cpu(), *(m.power[i].cpu() for m in multipoles for i in range(3)),
+                             multipoles[0].modes.cpu(), *(factor * linear_rsd for factor in kaiser)]),
+            header=f"torchpm {torchpm.__version__}: redshift-space power multipoles at a = {a:.4f}\n{describe}\n"
+            f"line of sight: the {axis} axis (plane-parallel: x + p_{axis} / (a^2 E(a))); P_ell = (2 ell + 1) "
+            f"<|delta_k|^2 L_ell(mu)> over the shells of power_spectrum{suffix}.txt, CIC-compensated; shot noise "
+            + ("subtracted from P_0\n" if self.subtract else "kept\n")
+            + f"columns: k [h/Mpc]  {member_columns}  modes  linear (Kaiser, f = {f:.5f}) P_0 P_2 P_4",
+            fmt=["%.6e"] * (1 + 3 * batch) + ["%d"] + ["%.6e"] * 3,
+        )
+        return table_path, multipoles_path, linear, kaiser
 
 
 def plot(spectrum, linear, slab, thickness, simulation, a, path, shot_noise="subtract"):
