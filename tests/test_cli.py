@@ -543,8 +543,11 @@ def test_redshift_space_multipoles_and_density_outputs(tmp_path, capsys, monkeyp
     base = ('n_particles = 8\nbox_size = 64.0\nmesh_factor = 2\nsteps = 2\ndtype = "float64"\nseed = 2\n'
             'batch = 2\n')
     config = tmp_path / "rsd.toml"
-    config.write_text(base + 'redshift_space = "x"\nwrite_density = true\n')
+    config.write_text(base + 'redshift_space = "x"\nwrite_density = true\nsnapshots = [0.55]\n')
     assert main(["run", str(config)]) == 0
+    snapshot_table = (tmp_path / "out" / "power_multipoles_000.txt").read_text().splitlines()
+    assert "redshift-space power multipoles at a = 0.5500" in snapshot_table[0]
+    assert np.loadtxt(tmp_path / "out" / "power_multipoles_000.txt").shape[1] == 1 + 3 * 2 + 1 + 3
     output = capsys.readouterr().out
     assert "redshift space along x: P_2/P_0" in output and "density.hdf5" in output, output
     sim = torchpm.Simulation(8, 64.0, mesh_factor=2, steps=2, dtype=torch.float64)
@@ -581,3 +584,4 @@ def test_redshift_space_multipoles_and_density_outputs(tmp_path, capsys, monkeyp
     assert "already holds outputs" in capsys.readouterr().err
     assert main(["run", str(config), "--overwrite"]) == 0
     assert not (tmp_path / "out" / "power_multipoles.txt").exists() and not (tmp_path / "out" / "density.hdf5").exists()
+    assert not list((tmp_path / "out").glob("power_multipoles_*")) and not list((tmp_path / "out").glob("snap_*"))
