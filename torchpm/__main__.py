@@ -444,7 +444,7 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         marks["last"] = now
 
     written, written_tables = [], []
-    tables = _Tables(simulation, config, output, resume, main_rank, power_spectrum)
+    tables = _Tables(simulation, config, output, resume, power_spectrum)
     start = time.perf_counter()
     marks["last"] = start
     with torch.no_grad():
@@ -468,14 +468,14 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
                     written.append(path)
                 # The spectra at the snapshot too (collective; rank 0 writes them).
                 _, _, snapshot_spectra, snapshot_multipoles = tables.measure(state)
-                written_tables += tables.write(f"_{index:03d}", state.a, snapshot_spectra, snapshot_multipoles)[:2]
+                if main_rank:
+                    written_tables += tables.write(f"_{index:03d}", state.a, snapshot_spectra, snapshot_multipoles)[:2]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         total = time.perf_counter() - start
         bar.close()
         # this rank's block of the force mesh (and of the redshift-space density), the spectra
         density, density_rsd, spectra, multipoles = tables.measure(state)
-        state = simulation.to_physical(state.positions, state.momenta, state.a, state.ids)
 
     box = simulation.box_size
     n_particles = simulation.n_total
@@ -519,7 +519,7 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         measured = float((multipoles[0].power[1][low] / multipoles[0].power[0][low]).mean())
         kaiser_line = (f"  redshift space along {axis}: P_2/P_0 at {label}: {measured:.3f} "
                        f"(linear Kaiser {kaiser[1] / kaiser[0]:.3f})\n")
-    summary["snapshot_tables"] = [path for path in written_tables if path]
+    summary["snapshot_tables"] = [path for path in written_tables if path is not None]
 
     per_step = float(np.median(step_times)) if step_times else float("nan")
     lpt_time = marks["lpt"] - start if "lpt" in marks else 0.0
@@ -552,12 +552,12 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
 
 class _Tables:
     """The P(k) (and, with ``redshift_space``, multipoles) tables of a run: measured on
-    every rank (collective), written by rank 0, at the end (``power_spectrum.txt``) and at
-    each snapshot (``power_spectrum_000.txt``, ...)."""
+    every rank (collective), written by rank 0 alone, at the end (``power_spectrum.txt``)
+    and at each snapshot (``power_spectrum_000.txt``, ...)."""
 
-    def __init__(self, simulation, config, output, resume, main_rank, power_spectrum):
+    def __init__(self, simulation, config, output, resume, power_spectrum):
         self.simulation, self.config, self.output, self.resume = simulation, config, output, resume
-        self.main_rank, self.power_spectrum = main_rank, power_spectrum
+        self.power_spectrum = power_spectrum
         self.axis = config["redshift_space"]
         self.subtract = config["shot_noise"] == "subtract"
 
@@ -581,9 +581,9 @@ class _Tables:
         return density, density_rsd, spectra, multipoles
 
     def write(self, suffix: str, a: float, spectra, multipoles):
-        """Rank 0 writes ``power_spectrum{suffix}.txt`` (and ``power_multipoles{suffix}.txt``);
-        returns their paths (None elsewhere or when not written), the linear P(k) at ``a``
-        and Kaiser's three factors."""
+        """Writes ``power_spectrum{suffix}.txt`` (and ``power_multipoles{suffix}.txt``; rank 0
+        only); returns their paths (None for the multipoles when not measured), the linear
+        P(k) at ``a`` and Kaiser's three factors."""
         import numpy as np
 
         import torchpm
@@ -594,8 +594,6 @@ class _Tables:
         linear = sim.linear_power(spectra[0].k) * growth.D1**2
         f = float(growth.f1)
         kaiser = (1 + 2 * f / 3 + f**2 / 5, 4 * f / 3 + 4 * f**2 / 7, 8 * f**2 / 35)
-        if not self.main_rank:
-            return None, None, linear, kaiser
         describe = (
             f"{sim.particle_shape} particles, mesh {sim.mesh_shape}, box {box} Mpc/h, "
             f"{sim.steps} {sim.integrator} steps from a = {sim.a_start}, {cosmology!r}, seed {config['seed']}"

@@ -220,8 +220,9 @@ def _measure(function, fields, box_size, bins, compensate_cic, window, mesh, opt
         window, error = None, error or exc
     _check_mesh_argument(mesh, function)
     names = list(fields)
-    for name in names:
-        error = error or _field_error(fields[name], name, mesh)
+    for i, name in enumerate(names):
+        if not any(fields[earlier] is fields[name] for earlier in names[:i]):  # (one check per tensor)
+            error = error or _field_error(fields[name], name, mesh)
     if error is None:
         for name in names[1:]:
             if fields[name].shape != fields[names[0]].shape:
@@ -255,13 +256,9 @@ def _measure(function, fields, box_size, bins, compensate_cic, window, mesh, opt
     return mesh, box, window, transforms, single
 
 
-def _product(a_k, b_k, same: bool, mesh, box):
-    """``V/N^2 Re(a conj b)`` per mode (``same``: ``b`` is ``a``)."""
-    if same:
-        product = a_k.real**2 + a_k.imag**2
-    else:
-        product = a_k.real * b_k.real + a_k.imag * b_k.imag
-    return product * (math.prod(box) / mesh.size**2)
+def _product(a_k, b_k, mesh, box):
+    """``V/N^2 Re(a conj b)`` per mode."""
+    return (a_k.real * b_k.real + a_k.imag * b_k.imag) * (math.prod(box) / mesh.size**2)
 
 
 def cross_power(
@@ -293,22 +290,20 @@ def cross_power(
     Returns:
         :class:`PowerSpectrum`; ``power`` is ``(B, n_bins)`` for batched input.
     """
-    fields = {"field_a": field_a, "field_b": field_b} if field_b is not field_a else {"field_a": field_a}
-    return _spectra("cross_power", fields, [(0, -1)], box_size, bins, compensate_cic, window, mesh)[0]
+    return _spectra("cross_power", {"field_a": field_a, "field_b": field_b}, [(0, 1)], box_size, bins,
+                    compensate_cic, window, mesh)[0]
 
 
 def _spectra(function, fields, pairs, box_size, bins, compensate_cic, window, mesh, options=(), error=None):
-    """The binned spectra of ``pairs`` (indices into ``fields``; -1: the last field) with one
-    transform per field and one all-reduce for all of them."""
+    """The binned spectra of ``pairs`` (indices into ``fields``) with one transform per field
+    and one all-reduce for all of them."""
     mesh, box, window, transforms, single = _measure(function, fields, box_size, bins, compensate_cic, window, mesh,
                                                      options, error)
-    pairs = [(i % len(transforms), j % len(transforms)) for i, j in pairs]
     batch = transforms[0].shape[0]
 
     def values_of(start, end):
         planes = [t[:, start:end] for t in transforms]
-        products = [_product(planes[i], planes[j], i == j or transforms[i] is transforms[j], mesh, box)
-                    for i, j in pairs]
+        products = [_product(planes[i], planes[j], mesh, box) for i, j in pairs]
         return torch.stack(products).reshape(len(pairs) * batch, *products[0].shape[1:])
 
     k, power, modes = _binned(values_of, len(pairs) * batch, mesh, box, bins, window, transforms[0].device)
@@ -349,26 +344,21 @@ def _outside_torchpm() -> int:
 
 
 def _shot_noise_argument(shot_noise, n_particles, box_size) -> tuple[float, str | None]:
-    """``(constant to subtract, None)``, or ``(0.0, what is wrong)``."""
-    try:
-        return _shot_noise(shot_noise, n_particles, box_size), None
-    except ValueError as exc:
-        return 0.0, str(exc)
-
-
-def _shot_noise(shot_noise, n_particles, box_size) -> float:
-    """The constant to subtract from the auto power (0.0: none)."""
+    """``(the constant to subtract from the auto power, None)`` (0.0: none), or ``(0.0,
+    what is wrong)`` for the caller to raise with the ranks' other errors."""
     if shot_noise is not None and n_particles is not None:
-        raise ValueError("pass at most one of `shot_noise` and `n_particles`")
-    if n_particles is not None and (isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral)
-                                    or n_particles <= 0):
-        raise ValueError(f"`n_particles` must be a positive integer, got {n_particles!r}")
+        return 0.0, "pass at most one of `shot_noise` and `n_particles`"
+    if n_particles is not None:
+        if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral) or n_particles <= 0:
+            return 0.0, f"`n_particles` must be a positive integer, got {n_particles!r}"
+        try:
+            return math.prod(as_box_size(box_size)) / int(n_particles), None
+        except ValueError as exc:
+            return 0.0, str(exc)
     if shot_noise is not None and (isinstance(shot_noise, bool) or not isinstance(shot_noise, numbers.Real)
                                    or not math.isfinite(shot_noise)):
-        raise ValueError(f"`shot_noise` must be a finite number in (Mpc/h)^3, got {shot_noise!r}")
-    if n_particles is not None:
-        return math.prod(as_box_size(box_size)) / int(n_particles)
-    return 0.0 if shot_noise is None else float(shot_noise)
+        return 0.0, f"`shot_noise` must be a finite number in (Mpc/h)^3, got {shot_noise!r}"
+    return (0.0 if shot_noise is None else float(shot_noise)), None
 
 
 def power_spectrum(
@@ -520,7 +510,7 @@ def _multipoles(function, fields, box_size, ells, axis, bins, compensate_cic, wi
     a_k, b_k = transforms[0], transforms[-1]
 
     def values_of(start, end):
-        return _product(a_k[:, start:end], b_k[:, start:end], a_k is b_k, mesh, box)
+        return _product(a_k[:, start:end], b_k[:, start:end], mesh, box)
 
     k, power, modes = _binned(values_of, a_k.shape[0], mesh, box, bins, window, a_k.device, ells=ells, axis=axis)
     if noise and 0 in ells:  # Poisson noise is isotropic: the monopole's alone
@@ -582,8 +572,7 @@ def cross_multipoles(
 ) -> Multipoles:
     """Legendre multipoles of the cross power ``V/N^2 Re(DFT a conj(DFT b))`` about a fixed
     line of sight; the arguments of :func:`power_multipoles`."""
-    fields = {"field_a": field_a, "field_b": field_b} if field_b is not field_a else {"field_a": field_a}
-    return _multipoles("cross_multipoles", fields, box_size, ells, axis, bins, compensate_cic, window, mesh)
+    return _multipoles("cross_multipoles", {"field_a": field_a, "field_b": field_b}, box_size, ells, axis, bins, compensate_cic, window, mesh)
 
 
 def redshift_space(

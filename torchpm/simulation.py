@@ -1448,7 +1448,7 @@ class Simulation(nn.Module):
             raise error
         cosmology = self._replicated(cosmology)
         box = self.mesh_shape if isinstance(state, MeshUnitsState) else self.box_size
-        positions = redshift_space(state.positions, state.momenta, state.a, cosmology, box, axis=axis)
+        positions = redshift_space(state.positions, state.momenta, state.a, cosmology, box, axis=axis_index)
         return type(state)(positions, state.momenta, state.a, state.ids)
 
     def gather(self, state: SimulationState) -> SimulationState:
