@@ -388,3 +388,48 @@ def paint(positions, mesh_shape):
     else:
         out = jpainting._cic_paint_impl(mesh, pos)
     return np.asarray(out)
+
+
+def density_plane(positions, box_shape, center, width, plane_resolution):
+    """``jaxpm.lensing.density_plane`` (positions (N, 3) in mesh cells, ``box_shape`` the
+    mesh, the slab ``(center - width/2, center + width/2]`` along z in cells): CIC-painted
+    counts per unit cell volume, (plane_resolution, plane_resolution)."""
+    _check()
+    import jaxpm.lensing as jlensing
+
+    pos = jnp.asarray(np.asarray(positions, dtype=np.float64).reshape(-1, 3))
+    return np.asarray(jlensing.density_plane(pos, tuple(int(s) for s in box_shape), float(center), float(width),
+                                             int(plane_resolution)))
+
+
+def convergence_born(cosmo, planes, coords, z_source, source_distances=None):
+    """``jaxpm.lensing.convergence_Born``: ``planes`` a list of dicts (r, a, plane, dx, dz)
+    with numpy planes, ``coords`` (2, ...) radians, ``z_source`` (n_z,). Returns
+    (n_z, ...). JaxPM subtracts each plane's mean and reads the plane at index
+    ``coords r / dx - 1/2`` (pixel centres at ``(j + 1/2) dx``), periodic, bilinear.
+
+    ``source_distances`` (n_z,), Mpc/h: used instead of jax_cosmo's distances to the
+    sources (its table is off by up to 0.3 Mpc/h), by swapping
+    ``jax_cosmo.background.radial_comoving_distance`` for the call."""
+    _check()
+    import jaxpm.lensing as jlensing
+
+    c = make_cosmology(cosmo)
+    entries = [dict(r=float(p["r"]), a=float(p["a"]), plane=jnp.asarray(p["plane"], dtype=jnp.float64),
+                    dx=float(p["dx"]), dz=float(p["dz"])) for p in planes]
+    patch = {}
+    if source_distances is not None:
+        fixed = jnp.asarray(np.atleast_1d(source_distances), dtype=jnp.float64)
+        patch["radial_comoving_distance"] = lambda cosmo, a: fixed
+    with _patched(jc.background, **patch):
+        out = jlensing.convergence_Born(c, entries, jnp.asarray(coords, dtype=jnp.float64),
+                                        jnp.asarray(np.atleast_1d(z_source), dtype=jnp.float64))
+    return np.asarray(out)
+
+
+def comoving_distance(cosmo, a):
+    """``jax_cosmo.background.radial_comoving_distance`` (Mpc/h; a table of 256 log-spaced a
+    in [1e-3, 1] integrated by odeint, then interpolated)."""
+    _check()
+    c = make_cosmology(cosmo)
+    return np.asarray(jc.background.radial_comoving_distance(c, jnp.atleast_1d(jnp.asarray(a, dtype=jnp.float64))))

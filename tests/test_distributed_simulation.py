@@ -40,7 +40,7 @@ def case_ids(world_size):
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}", f"paint_layers-{grid}",
-                    f"redshift_multipoles-{grid}",
+                    f"redshift_multipoles-{grid}", f"lightcone-{grid}",
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}"]
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"migration_dtypes-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
@@ -1028,6 +1028,44 @@ def case_redshift_multipoles(grid, ctx):
                             "`shot_noise` must be", "rank 1")
     expect_error_everywhere(lambda: PowerSpectrum(mesh.global_shape, box, ells=(0,) if first else (3,), mesh=mesh),
                             "`ells` must be", "rank 1")
+
+
+def case_lightcone(grid, ctx):
+    """Lens planes taken during a run on the grid (line of sight along x, a split axis), the
+    Born convergence from them, and the gradient of a convergence loss in the white noise
+    and Omega_c equal the serial ones on every rank; a rank asking for other planes raises
+    on every rank."""
+    import torchpm
+    from torchpm import lensing
+
+    planes = lensing.lens_planes(torchpm.Planck15(), CONFIG["box_size"], 3, axis="x")
+    serial, distributed = simulations(grid, ctx, steps=lensing.lightcone_steps(planes, 0.1, 2))
+    angles = lensing.angular_grid(20.0, 5)
+    results = []
+    for sim in (serial, distributed):
+        omega_c = torch.tensor(0.2589, dtype=torch.float64, requires_grad=True)
+        sim.cosmology = torchpm.Planck15(Omega_c=omega_c)
+        noise = sim.white_noise(batch=2, seed=7).requires_grad_()
+        taken = lensing.lightcone(sim, noise, planes=planes, resolution=(6, 5))
+        kappa = lensing.convergence_born(taken, planes, sim.box_size, angles, [0.01, 0.02], sim.cosmology)
+        (kappa**2).sum().backward()
+        results.append((taken.detach(), kappa.detach(), noise.grad, omega_c.grad))
+    (taken, kappa, noise_grad, omega_grad), (local_taken, local_kappa, local_grad, local_omega_grad) = results
+    assert_small(float((local_taken - taken).abs().max()), float(taken.abs().max()), "lens planes")
+    assert_small(float((local_kappa - kappa).abs().max()), float(kappa.abs().max()), "convergence")
+    expected_grad = distributed.particle_mesh.local_real_part(noise_grad)
+    assert_small(float((local_grad - expected_grad).abs().max()), float(expected_grad.abs().max()),
+                 "d loss / d white noise")
+    assert_small(abs(float(local_omega_grad - omega_grad)), abs(float(omega_grad)), "d loss / d Omega_c")
+    first = ctx["rank"] == 0
+    noise = distributed.white_noise(seed=7)
+    expect_error_everywhere(lambda: lensing.lightcone(distributed, noise, planes=planes, resolution=6 if first else 5),
+                            "density_plane", "resolution", "rank 1")
+    state = distributed(noise, return_mesh_units=True)
+    positions = state.positions * torch.tensor(distributed.cell_size, dtype=torch.float64)
+    expect_error_everywhere(lambda: lensing.density_plane(positions, CONFIG["box_size"], 5.0, 0.0 if first else 2.0,
+                                                          4, ids=state.ids, mesh=distributed.force_mesh),
+                            "`width` must be in", "rank 0")
 
 
 def case_redshift_agreement(grid, ctx):

@@ -47,6 +47,8 @@ __all__ = [
 
 _PARAMETERS = ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa")
 T_CMB = 2.7255  # K, the CMB temperature the Eisenstein & Hu fits use
+HUBBLE_DISTANCE = 2997.92458  # c / H0 in Mpc/h (c = 299792.458 km/s, H0 = 100 h km/s/Mpc)
+_DISTANCE_NODES = 96  # Gauss-Legendre nodes in ln a per distance (exact to rounding for a >= 1e-4)
 
 
 class Cosmology:
@@ -187,6 +189,70 @@ class Cosmology:
         a = self._as_a(a)
         return self.Omega_m * a**-3 / self.E_squared(a)
 
+    # Distances ---------------------------------------------------------------------------
+    def comoving_distance(self, a) -> torch.Tensor:
+        """Line-of-sight comoving distance to scale factor ``a`` in Mpc/h (float64, any
+        shape of ``a``, differentiable in ``a`` and the parameters)::
+
+            chi(a) = (c / H0) int_a^1 da' / (a'^2 E(a'))
+
+        computed by Gauss-Legendre quadrature in ``ln a`` (96 nodes: the integrand
+        ``1 / (a E)`` is smooth in ``ln a``; exact to rounding for ``a >= 1e-4``)."""
+        a = self._as_a(a)
+        nodes, weights = _gauss_legendre(_DISTANCE_NODES, a.device)
+        log_a = torch.log(a).unsqueeze(-1)
+        # [-1, 1] -> [ln a, 0]
+        u = 0.5 * log_a * (1.0 - nodes)
+        a_nodes = torch.exp(u)
+        integrand = 1.0 / (a_nodes * torch.sqrt(self.E_squared(a_nodes)))
+        return HUBBLE_DISTANCE * (-0.5 * log_a.squeeze(-1)) * (integrand * weights).sum(-1)
+
+    def transverse_distance(self, chi) -> torch.Tensor:
+        """Transverse comoving distance ``f_K(chi)`` in Mpc/h of a line-of-sight comoving
+        distance ``chi`` (Mpc/h): ``chi`` when flat, ``sinh(sqrt(Ok) chi / D_H) D_H / sqrt(Ok)``
+        when open, ``sin`` when closed (``D_H = c / H0``); smooth in ``Omega_k`` through 0."""
+        chi = torch.as_tensor(chi, dtype=torch.float64, device=self.device)
+        s = self.Omega_k * (chi / HUBBLE_DISTANCE) ** 2
+        small = s.abs() < 1e-3
+        s_safe = torch.where(small, torch.ones_like(s), s)
+        root = torch.sqrt(s_safe.abs())
+        exact = torch.where(s_safe > 0, torch.sinh(root), torch.sin(root)) / root
+        series = 1.0 + s / 6.0 + s**2 / 120.0 + s**3 / 5040.0
+        return chi * torch.where(small, series, exact)
+
+    def transverse_comoving_distance(self, a) -> torch.Tensor:
+        """``f_K(chi(a))`` in Mpc/h: comoving size per radian at scale factor ``a``."""
+        return self.transverse_distance(self.comoving_distance(a))
+
+    def scale_factor_at_distance(self, chi) -> torch.Tensor:
+        """The scale factor whose comoving distance (:meth:`comoving_distance`) is ``chi``
+        Mpc/h (float64, any shape; ``chi >= 0``). Newton's method to rounding, then one
+        differentiable step, so gradients in ``chi`` and the parameters are those of the
+        inverse function: ``da/dchi = -a^2 E(a) / D_H``."""
+        chi = torch.as_tensor(chi, dtype=torch.float64, device=self.device)
+        if not bool(((chi >= 0) & torch.isfinite(chi)).all()):
+            raise ValueError("Cosmology.scale_factor_at_distance: `chi` must be finite and not negative (Mpc/h)")
+        with torch.no_grad():
+            chi_value = chi.detach()
+            table_a = torch.logspace(-4, 0, 2049, dtype=torch.float64, device=self.device)
+            table_chi = self.comoving_distance(table_a).detach()
+            if bool((chi_value > table_chi[0]).any()):
+                raise ValueError(
+                    f"Cosmology.scale_factor_at_distance: `chi` = {float(chi_value.max()):.6g} Mpc/h is beyond "
+                    f"a = 1e-4 ({float(table_chi[0]):.6g} Mpc/h)")
+            # chi decreases with a: search the reversed table, then interpolate in ln a
+            index = torch.searchsorted(table_chi.flip(0).contiguous(), chi_value.reshape(-1)).clamp(1, 2048)
+            lo, hi = 2048 - index, 2049 - index  # table_chi[lo] >= chi >= table_chi[hi]
+            t = (chi_value.reshape(-1) - table_chi[hi]) / (table_chi[lo] - table_chi[hi])
+            log_a = torch.log(table_a[hi]) + t * (torch.log(table_a[lo]) - torch.log(table_a[hi]))
+            a = torch.exp(log_a).reshape(chi_value.shape)
+            for _ in range(4):
+                a = a + (self.comoving_distance(a) - chi_value) * a**2 * self.E(a) / HUBBLE_DISTANCE
+                a = a.clamp(1e-4, 1.0)
+        # one Newton step with gradients: its value is a (the residual is ~1e-16), its
+        # derivative that of the inverse function
+        return a + (self.comoving_distance(a) - chi) * a**2 * self.E(a).detach() / HUBBLE_DISTANCE
+
     # Growth (convenience: builds a table each call; a simulation builds one once) ------
     def growth(self, a) -> "GrowthValues":
         """:class:`GrowthValues` (D1, D2, f1, f2, Gp, gp, Gf, gf, E) at ``a``."""
@@ -195,6 +261,15 @@ class Cosmology:
     def growth_factor(self, a) -> torch.Tensor:
         """Linear growth ``D1(a)``, 1 at ``a = 1``."""
         return self.growth(a).D1
+
+
+def _gauss_legendre(n: int, device):
+    """Nodes and weights of the ``n``-point Gauss-Legendre rule on [-1, 1] (float64)."""
+    import numpy
+
+    nodes, weights = numpy.polynomial.legendre.leggauss(n)
+    return (torch.tensor(nodes, dtype=torch.float64, device=device),
+            torch.tensor(weights, dtype=torch.float64, device=device))
 
 
 def Planck15(**overrides) -> Cosmology:

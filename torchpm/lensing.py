@@ -1,0 +1,390 @@
+"""Weak lensing from a simulation's light cone: density planes and the Born convergence.
+
+The observer sits on the face ``x_axis = 0`` of the box and looks along ``axis``; the
+box's depth along that axis is cut into ``n`` slabs (lens planes) of comoving width
+``w = depth / n`` centred at ``chi_i = (i + 1/2) w``. Plane ``i`` is taken from the
+particles at the scale factor ``a_i = a(chi_i)`` at which light from it reaches the
+observer (:func:`lens_planes`), so a run must step to every ``a_i``
+(:func:`lightcone_steps` merges them into a step list) and :func:`lightcone` collects
+the planes while it runs. The transverse directions are periodic: a plane is the
+projected overdensity of its slab on an ``R0 x R1`` pixel grid over the box's
+transverse extent (:func:`density_plane`), read at the comoving transverse position
+``f_K(chi_i) theta`` of each angle (flat sky, the plane repeated periodically).
+
+Born approximation (convergence of sources at comoving distance ``chi_s``)::
+
+    kappa(theta) = 3/2 Om (H0/c)^2 sum_i w_i f_K(chi_i) f_K(chi_s - chi_i) / f_K(chi_s)
+                   * delta_i(f_K(chi_i) theta) / a_i
+
+(:func:`convergence_born`; planes beyond the source do not contribute). Everything is
+differentiable: in the particles (so in the white noise and the cosmology through the
+run), in the planes, in the angles and in the cosmology's parameters (``Om``, the source
+distance, ``f_K``). The planes' scale factors are fixed numbers (the steps of the run),
+computed in the cosmology given to :func:`lens_planes`.
+
+On a process grid each rank paints its own particles into the whole plane and the
+planes are summed over the grid (a plane is ``R0 R1`` numbers, small next to the
+mesh), so every rank holds the same planes and the same convergence map, with the
+replicated-result convention of :func:`torchpm.analysis.power_spectrum`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple, Sequence
+
+import torch
+
+from .analysis import line_of_sight_axis
+from .cosmology import HUBBLE_DISTANCE, Cosmology
+from .mesh import as_box_size
+from .ops import paint, readout
+from .ops._arguments import ORDER_NAMES, order_number
+
+__all__ = [
+    "LensPlanes",
+    "lens_planes",
+    "lightcone_steps",
+    "density_plane",
+    "angular_grid",
+    "convergence_born",
+    "lightcone",
+]
+
+
+class LensPlanes(NamedTuple):
+    """Where the lens planes are, nearest first. ``distances``: comoving distance of
+    each plane's centre (Mpc/h); ``widths``: its comoving thickness (Mpc/h);
+    ``scale_factors``: ``a(distance)``, when the run must take the plane; ``axis``:
+    the line of sight (0, 1 or 2), the observer being on the face where it is 0."""
+
+    distances: tuple[float, ...]
+    widths: tuple[float, ...]
+    scale_factors: tuple[float, ...]
+    axis: int
+
+
+def _positive_int(value, name, function) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+        raise ValueError(f"{function}: `{name}` must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _pair(value, name, function, kind) -> tuple:
+    """``value`` (one or two ``kind`` values) as a pair."""
+    values = (value, value) if not isinstance(value, (tuple, list)) else tuple(value)
+    if len(values) != 2:
+        raise ValueError(f"{function}: `{name}` must be one or two values, got {value!r}")
+    if kind is int:
+        return tuple(_positive_int(v, name, function) for v in values)
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0)
+           for v in values):
+        raise ValueError(f"{function}: `{name}` must be one or two positive numbers, got {value!r}")
+    return tuple(float(v) for v in values)
+
+
+def _cosmology(cosmology, function) -> Cosmology:
+    if not isinstance(cosmology, Cosmology):
+        raise ValueError(f"{function}: `cosmology` must be a torchpm.Cosmology, got {type(cosmology).__name__}")
+    return cosmology
+
+
+def lens_planes(cosmology: Cosmology, box_size, n_planes: int, *, axis: int | str = 2,
+                depth: float | None = None) -> LensPlanes:
+    """``n_planes`` slabs of equal width tiling ``[0, depth]`` along ``axis`` (default
+    ``depth``: the box's length along it), with the scale factor of each centre in
+    ``cosmology`` (the one the simulation runs).
+
+    Args:
+        cosmology: a :class:`~torchpm.Cosmology`.
+        box_size: the box (Mpc/h), a number or 3 numbers.
+        n_planes: number of planes.
+        axis: line of sight, 0, 1, 2 or ``"x"``, ``"y"``, ``"z"``.
+        depth: comoving depth of the light cone (Mpc/h), at most the box's length along
+            ``axis`` (a slab is one piece of the box: no particle is used twice).
+    """
+    function = "lens_planes"
+    cosmology = _cosmology(cosmology, function)
+    box = as_box_size(box_size)
+    axis = line_of_sight_axis(axis, function)
+    n_planes = _positive_int(n_planes, "n_planes", function)
+    if depth is None:
+        depth = box[axis]
+    if isinstance(depth, bool) or not isinstance(depth, numbers.Real) or not (0 < depth <= box[axis] * (1 + 1e-12)):
+        raise ValueError(f"{function}: `depth` must be in (0, {box[axis]}] Mpc/h (the box's length along the line of "
+                         f"sight), got {depth!r}")
+    width = float(depth) / n_planes
+    distances = tuple((i + 0.5) * width for i in range(n_planes))
+    with torch.no_grad():
+        scale_factors = cosmology.scale_factor_at_distance(torch.tensor(distances, dtype=torch.float64))
+    return LensPlanes(distances, (width,) * n_planes, tuple(float(a) for a in scale_factors.cpu()), axis)
+
+
+def lightcone_steps(planes: LensPlanes, a_start: float, steps: int) -> list[float]:
+    """The scale factors to pass as a simulation's ``steps`` so that it stops at every
+    plane: ``steps`` steps linear in ``a`` from ``a_start`` to the nearest plane's ``a``,
+    the planes' scale factors put in place of the nearest linear ones (a linear step
+    closer than a quarter step to a plane is dropped, so no step is tiny)."""
+    function = "lightcone_steps"
+    if not isinstance(planes, LensPlanes):
+        raise ValueError(f"{function}: `planes` must be a LensPlanes (from lens_planes), got {type(planes).__name__}")
+    steps = _positive_int(steps, "steps", function)
+    a_far, a_near = min(planes.scale_factors), max(planes.scale_factors)
+    if isinstance(a_start, bool) or not isinstance(a_start, numbers.Real) or not (0 < a_start < a_far):
+        raise ValueError(f"{function}: `a_start` must be in (0, {a_far:.6g}) (before the farthest plane's scale "
+                         f"factor), got {a_start!r}")
+    spacing = (a_near - a_start) / steps
+    linear = [a_start + spacing * (i + 1) for i in range(steps)]
+    kept = [a for a in linear if min(abs(a - p) for p in planes.scale_factors) > 0.25 * spacing]
+    return sorted(set(kept) | set(planes.scale_factors))
+
+
+def density_plane(
+    positions: torch.Tensor,
+    box_size,
+    center: float,
+    width: float,
+    resolution: int | Sequence[int],
+    *,
+    axis: int | str = 2,
+    weights: torch.Tensor | None = None,
+    ids: torch.Tensor | None = None,
+    total=None,
+    order: str | int = "cic",
+    mesh=None,
+) -> torch.Tensor:
+    """Projected overdensity ``delta`` of the slab ``|x_axis - center| < width / 2``
+    (periodic, half open: ``[center - w/2, center + w/2)``) on an ``R0 x R1`` grid
+    over the two transverse axes (in increasing order), painted with the window
+    ``order``. Node ``(j0, j1)`` sits at transverse position ``(j0 L0 / R0, j1 L1 / R1)``.
+
+    ``delta = painted / mean - 1`` with ``mean = total (width / L_axis) / (R0 R1)``, the
+    expected count per pixel of a uniform distribution of ``total`` particles (default:
+    the sum of the weights, over the grid when ``mesh`` is one).
+
+    Args:
+        positions: ``(B, N, 3)`` comoving positions in Mpc/h (any values: wrapped).
+        box_size: the box (Mpc/h).
+        center, width: the slab along ``axis`` (Mpc/h).
+        resolution: pixels per transverse axis (one or two integers).
+        weights: ``(B, N)`` masses (default 1).
+        ids: ``(B, N)`` int64; slots with ``ids < 0`` (a grid state's empty slots) carry
+            no mass.
+        total: the number (or total weight) of particles per batch member, over all ranks.
+        order: mass-assignment window (``"ngp"``, ``"cic"``, ``"tsc"``, ``"pcs"``).
+        mesh: a process grid's mesh (e.g. ``sim.force_mesh``): each rank paints its own
+            particles and the plane is summed over the grid, so every rank gets it whole.
+
+    Returns:
+        ``(B, R0, R1)``, differentiable in ``positions`` and ``weights``.
+    """
+    function = "density_plane"
+    distributed = mesh is not None and not getattr(mesh, "is_local", True)
+    error, values = None, []
+    try:
+        box = as_box_size(box_size)
+        axis = line_of_sight_axis(axis, function)
+        order = order_number(order, function, "order")
+        resolution = _pair(resolution, "resolution", function, int)
+        for name, value in (("center", center), ("width", width)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{function}: `{name}` must be a finite number (Mpc/h), got {value!r}")
+        if not 0 < width <= box[axis]:
+            raise ValueError(f"{function}: `width` must be in (0, {box[axis]}] Mpc/h, got {width!r}")
+        if not isinstance(positions, torch.Tensor) or not positions.is_floating_point() or positions.dim() != 3 \
+                or positions.shape[-1] != 3:
+            raise ValueError(f"{function}: `positions` must be a (B, N, 3) floating-point tensor, got "
+                             f"{getattr(positions, 'shape', type(positions).__name__)}")
+        for name, value in (("weights", weights), ("ids", ids)):
+            if value is not None and (not isinstance(value, torch.Tensor)
+                                      or tuple(value.shape) != tuple(positions.shape[:2])):
+                raise ValueError(f"{function}: `{name}` must be a {tuple(positions.shape[:2])} tensor like the "
+                                 f"positions' first two axes, got {getattr(value, 'shape', type(value).__name__)}")
+        if total is not None and (isinstance(total, bool) or not isinstance(total, numbers.Real)
+                                  or not (math.isfinite(total) and total > 0)):
+            raise ValueError(f"{function}: `total` must be a positive number (particles per batch member), got {total!r}")
+        if weights is not None and weights.dtype != positions.dtype:
+            raise ValueError(f"{function}: `weights` must have the positions' dtype {positions.dtype}, got {weights.dtype}")
+        values = [("box_size", box), ("axis", axis), ("order", order), ("resolution", resolution),
+                  ("center", float(center)), ("width", float(width)), ("batch", positions.shape[0]),
+                  ("dtype", str(positions.dtype)), ("weights", weights is not None),
+                  ("total", None if total is None else float(total))]
+    except ValueError as exc:
+        if not distributed:
+            raise
+        error = str(exc)
+    if distributed:
+        mesh.agree("density_plane", values, error)
+    dtype, device = positions.dtype, positions.device
+    lengths = torch.tensor(box, dtype=dtype, device=device)
+    transverse = [i for i in range(3) if i != axis]
+    # signed distance from the slab's centre along the line of sight, in [-L/2, L/2)
+    along = positions[..., axis].detach()
+    offset = torch.remainder(along - center + 0.5 * box[axis], box[axis]) - 0.5 * box[axis]
+    mass = (offset >= -0.5 * width) & (offset < 0.5 * width)
+    if ids is not None:
+        mass = mass & (ids >= 0)
+    mass = mass.to(dtype)
+    if weights is not None:
+        mass = mass * weights
+    pixels = torch.tensor(resolution, dtype=dtype, device=device)
+    plane_positions = torch.remainder(positions[..., transverse], lengths[transverse]) / lengths[transverse] * pixels
+    plane_positions = torch.cat([plane_positions, torch.zeros_like(plane_positions[..., :1])], dim=-1)
+    plane = paint(plane_positions, mass, (*resolution, 1), order=ORDER_NAMES[order])[..., 0]
+    if total is None:
+        count = (weights if weights is not None else torch.ones_like(positions[..., 0]))
+        if ids is not None:
+            count = count * (ids >= 0).to(dtype)
+        total = count.sum(-1)
+        if distributed:
+            total = mesh.all_reduce(total)
+        total = total.view(-1, 1, 1)
+    if distributed:
+        plane = mesh.all_reduce(plane)
+    mean = total * (width / box[axis]) / (resolution[0] * resolution[1])
+    return plane / mean - 1.0
+
+
+def angular_grid(field_of_view, pixels, *, dtype=torch.float64, device=None) -> torch.Tensor:
+    """Angles (radians) of the pixel centres of a flat-sky map covering ``field_of_view``
+    degrees (one or two numbers) with ``pixels`` pixels (one or two integers):
+    ``(P0, P1, 2)``, ``theta_j = (j + 1/2) field / P`` per axis."""
+    function = "angular_grid"
+    field = _pair(field_of_view, "field_of_view", function, float)
+    pixels = _pair(pixels, "pixels", function, int)
+    axes = [(torch.arange(p, dtype=torch.float64) + 0.5) * math.radians(f) / p for f, p in zip(field, pixels)]
+    grid = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1)
+    return grid.to(dtype=dtype, device=device)
+
+
+def _source_distances(z_source, cosmology, device):
+    z = torch.as_tensor(z_source, dtype=torch.float64, device=device)
+    scalar = z.dim() == 0
+    z = z.reshape(-1)
+    if z.numel() == 0 or not bool(((z > 0) & torch.isfinite(z)).all()):
+        raise ValueError(f"convergence_born: `z_source` must be positive finite redshifts, got {z_source!r}")
+    return cosmology.comoving_distance(1.0 / (1.0 + z)), scalar
+
+
+def convergence_born(
+    planes: torch.Tensor,
+    geometry: LensPlanes,
+    box_size,
+    angles: torch.Tensor,
+    z_source,
+    cosmology: Cosmology,
+    *,
+    order: str | int = "cic",
+) -> torch.Tensor:
+    """Born-approximation convergence at ``angles`` for sources at ``z_source``.
+
+    Args:
+        planes: ``(B, n, R0, R1)`` or ``(n, R0, R1)`` overdensity planes (from
+            :func:`density_plane` or :func:`lightcone`), in the order of ``geometry``.
+        geometry: the planes' :class:`LensPlanes`.
+        box_size: the box (Mpc/h); the planes span its transverse extent.
+        angles: ``(..., 2)`` flat-sky angles in radians along the two transverse axes
+            (e.g. :func:`angular_grid`).
+        z_source: a source redshift, or a 1-D sequence of them.
+        cosmology: for ``Om``, ``chi_s`` and ``f_K``.
+        order: the window the planes are interpolated with (``"cic"``: bilinear, the
+            pixel values at the nodes ``j L / R``; periodic).
+
+    Returns:
+        ``(B, ..., n_z)`` (no ``n_z`` axis for one source redshift; no ``B`` for
+        ``(n, R0, R1)`` planes), in the planes' dtype.
+    """
+    function = "convergence_born"
+    cosmology = _cosmology(cosmology, function)
+    if not isinstance(geometry, LensPlanes):
+        raise ValueError(f"{function}: `geometry` must be a LensPlanes (from lens_planes), got {type(geometry).__name__}")
+    box = as_box_size(box_size)
+    order = ORDER_NAMES[order_number(order, function, "order")]
+    if not isinstance(planes, torch.Tensor) or not planes.is_floating_point() or planes.dim() not in (3, 4) \
+            or planes.shape[-3] != len(geometry.distances):
+        raise ValueError(f"{function}: `planes` must be a (B, n, R0, R1) or (n, R0, R1) floating-point tensor with "
+                         f"n = {len(geometry.distances)} planes, got {getattr(planes, 'shape', type(planes).__name__)}")
+    if not isinstance(angles, torch.Tensor) or not angles.is_floating_point() or angles.dim() < 1 \
+            or angles.shape[-1] != 2:
+        raise ValueError(f"{function}: `angles` must be a (..., 2) floating-point tensor (radians), got "
+                         f"{getattr(angles, 'shape', type(angles).__name__)}")
+    unbatched = planes.dim() == 3
+    if unbatched:
+        planes = planes.unsqueeze(0)
+    batch, _, r0, r1 = planes.shape
+    dtype, device = planes.dtype, planes.device
+    transverse = [i for i in range(3) if i != geometry.axis]
+    chi_s, scalar = _source_distances(z_source, cosmology, device)
+    f_s = cosmology.transverse_distance(chi_s)
+    chi = torch.tensor(geometry.distances, dtype=torch.float64, device=device)
+    f_chi = cosmology.transverse_distance(chi)
+    efficiency = cosmology.transverse_distance(torch.clamp(chi_s.unsqueeze(0) - chi.unsqueeze(1), min=0.0)) / f_s
+    # (n,) prefactor of plane i: 3/2 Om (H0/c)^2 w_i f_K(chi_i) / a_i; (n, n_z) with the efficiency
+    prefactor = (1.5 * cosmology.Omega_m / HUBBLE_DISTANCE**2
+                 * torch.tensor(geometry.widths, dtype=torch.float64, device=device) * f_chi
+                 / torch.tensor(geometry.scale_factors, dtype=torch.float64, device=device))
+    kernel = (prefactor.unsqueeze(1) * efficiency).to(dtype)
+    flat = angles.reshape(-1, 2).to(device=device, dtype=dtype)
+    pixel = torch.tensor([box[transverse[0]] / r0, box[transverse[1]] / r1], dtype=torch.float64, device=device)
+    # (n, 2) comoving transverse distance per radian, in pixels, for each plane
+    scale = (f_chi.unsqueeze(1) / pixel).to(dtype)
+    kappa = 0
+    for i in range(planes.shape[1]):
+        where = flat * scale[i]
+        where = torch.cat([where, torch.zeros_like(where[:, :1])], dim=-1).expand(batch, -1, -1)
+        values = readout(planes[:, i].unsqueeze(-1), where, order=order)  # (B, M)
+        kappa = kappa + values.unsqueeze(-1) * kernel[i]
+    kappa = kappa.reshape(batch, *angles.shape[:-1], chi_s.numel())
+    if scalar:
+        kappa = kappa.squeeze(-1)
+    return kappa.squeeze(0) if unbatched else kappa
+
+
+def lightcone(sim, white_noise: torch.Tensor | None = None, *, planes: LensPlanes, resolution,
+              linear_field: torch.Tensor | None = None, order: str | int = "cic", callback=None) -> torch.Tensor:
+    """Run ``sim`` and take each lens plane's :func:`density_plane` at its scale factor.
+
+    ``sim`` must step to every plane's scale factor (build it with
+    ``steps=lightcone_steps(planes, a_start, n)``). The run goes from the farthest plane
+    to the nearest, continuing with :meth:`~torchpm.Simulation.resume` from the
+    integrator's own values (bit for bit the uninterrupted run on the CPU; the force at
+    each plane is computed once more). Differentiable in the white noise (or linear
+    field), the cosmology and a force correction, like a run; with ``adjoint=True``
+    each stretch between planes is one adjoint integration. On a process grid every
+    rank passes its block (as to ``sim(...)``) and gets all the planes.
+
+    Returns:
+        ``(B, n, R0, R1)`` overdensity planes, nearest first (the order of ``planes``).
+    """
+    function = "lightcone"
+    if not isinstance(planes, LensPlanes):
+        raise ValueError(f"{function}: `planes` must be a LensPlanes (from lens_planes), got {type(planes).__name__}")
+    depth = max(d + 0.5 * w for d, w in zip(planes.distances, planes.widths))
+    if depth > sim.box_size[planes.axis] * (1 + 1e-12):
+        raise ValueError(f"{function}: the planes reach {depth:.6g} Mpc/h along axis {planes.axis}, beyond the "
+                         f"simulation's box ({sim.box_size[planes.axis]} Mpc/h)")
+    steps = sim.scale_factors
+    missing = [a for a in planes.scale_factors if not any(abs(a - s) <= 1e-12 * s for s in steps)]
+    if missing:
+        raise ValueError(
+            f"{function}: the simulation does not step to the planes' scale factors {missing[:4]}"
+            f"{' ...' if len(missing) > 4 else ''}; build it with steps=torchpm.lensing.lightcone_steps(planes, "
+            f"a_start, n)")
+    resolution = _pair(resolution, "resolution", function, int)
+    order_number(order, function, "order")
+    cell = torch.tensor(sim.cell_size, dtype=sim.dtype, device=sim.device)
+    mesh = sim.force_mesh
+    farthest_first = sorted(range(len(planes.distances)), key=lambda i: planes.scale_factors[i])
+    taken = [None] * len(planes.distances)
+    state = None
+    for i in farthest_first:
+        until = next(s for s in steps if abs(s - planes.scale_factors[i]) <= 1e-12 * s)
+        if state is None:
+            state = sim(white_noise, linear_field=linear_field, until=until, callback=callback, return_mesh_units=True)
+        else:
+            state = sim.resume(state, until=until, callback=callback, return_mesh_units=True)
+        taken[i] = density_plane(state.positions * cell, sim.box_size, planes.distances[i], planes.widths[i],
+                                 resolution, axis=planes.axis, ids=state.ids, total=sim.n_total, order=order,
+                                 mesh=mesh)
+    return torch.stack(taken, dim=1)
