@@ -23,6 +23,7 @@ at ``a = 1``. FastPM's time functions are
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -234,15 +235,16 @@ class Cosmology:
             raise ValueError("Cosmology.scale_factor_at_distance: `chi` must be finite and not negative (Mpc/h)")
         with torch.no_grad():
             chi_value = chi.detach()
-            table_a = torch.logspace(-4, 0, 2049, dtype=torch.float64, device=self.device)
+            # a first guess from 257 nodes (3.6 % apart in a), then Newton to rounding
+            table_a = torch.logspace(-4, 0, 257, dtype=torch.float64, device=self.device)
             table_chi = self.comoving_distance(table_a).detach()
             if bool((chi_value > table_chi[0]).any()):
                 raise ValueError(
                     f"Cosmology.scale_factor_at_distance: `chi` = {float(chi_value.max()):.6g} Mpc/h is beyond "
                     f"a = 1e-4 ({float(table_chi[0]):.6g} Mpc/h)")
             # chi decreases with a: search the reversed table, then interpolate in ln a
-            index = torch.searchsorted(table_chi.flip(0).contiguous(), chi_value.reshape(-1)).clamp(1, 2048)
-            lo, hi = 2048 - index, 2049 - index  # table_chi[lo] >= chi >= table_chi[hi]
+            index = torch.searchsorted(table_chi.flip(0).contiguous(), chi_value.reshape(-1)).clamp(1, 256)
+            lo, hi = 256 - index, 257 - index  # table_chi[lo] >= chi >= table_chi[hi]
             t = (chi_value.reshape(-1) - table_chi[hi]) / (table_chi[lo] - table_chi[hi])
             log_a = torch.log(table_a[hi]) + t * (torch.log(table_a[lo]) - torch.log(table_a[hi]))
             a = torch.exp(log_a).reshape(chi_value.shape)
@@ -263,11 +265,16 @@ class Cosmology:
         return self.growth(a).D1
 
 
-def _gauss_legendre(n: int, device):
-    """Nodes and weights of the ``n``-point Gauss-Legendre rule on [-1, 1] (float64)."""
+@functools.lru_cache(maxsize=8)
+def _gauss_legendre_rule(n: int):
     import numpy
 
-    nodes, weights = numpy.polynomial.legendre.leggauss(n)
+    return numpy.polynomial.legendre.leggauss(n)
+
+
+def _gauss_legendre(n: int, device):
+    """Nodes and weights of the ``n``-point Gauss-Legendre rule on [-1, 1] (float64)."""
+    nodes, weights = _gauss_legendre_rule(n)
     return (torch.tensor(nodes, dtype=torch.float64, device=device),
             torch.tensor(weights, dtype=torch.float64, device=device))
 

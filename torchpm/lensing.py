@@ -37,7 +37,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .analysis import line_of_sight_axis
-from .cosmology import HUBBLE_DISTANCE, Cosmology
+from .cosmology import HUBBLE_DISTANCE, Cosmology, _gauss_legendre
 from .mesh import as_box_size
 from .ops import paint, readout
 from .ops._arguments import ORDER_NAMES, order_number
@@ -50,6 +50,9 @@ __all__ = [
     "angular_grid",
     "convergence_born",
     "lightcone",
+    "AngularPowerSpectrum",
+    "angular_power_spectrum",
+    "limber_convergence_power",
 ]
 
 
@@ -339,6 +342,101 @@ def convergence_born(
     if scalar:
         kappa = kappa.squeeze(-1)
     return kappa.squeeze(0) if unbatched else kappa
+
+
+class AngularPowerSpectrum(NamedTuple):
+    """Binned flat-sky angular power. ``ell``: ``(n_bins,)`` mean multipole of the modes in
+    each bin; ``power``: ``(B, n_bins)`` or ``(n_bins,)`` ``C_ell`` (steradians); ``modes``:
+    ``(n_bins,)`` number of Fourier modes. Empty bins are dropped."""
+
+    ell: torch.Tensor
+    power: torch.Tensor
+    modes: torch.Tensor
+
+
+def angular_power_spectrum(maps: torch.Tensor, field_of_view) -> AngularPowerSpectrum:
+    """Flat-sky angular power spectrum of periodic maps over ``field_of_view`` degrees
+    (one or two numbers)::
+
+        C_ell = Omega_pix^2 / Omega <|DFT kappa|^2>_ring,   Omega = field area (sr),
+
+    over rings of width the fundamental ``ell_f = 2 pi / field`` (of the wider axis) up to
+    the smaller Nyquist multipole, ``ell = 0`` excluded (a white map of pixel variance
+    ``s^2`` has ``C_ell = s^2 Omega_pix``). ``maps``: ``(P0, P1)`` or ``(B, P0, P1)``;
+    differentiable."""
+    function = "angular_power_spectrum"
+    if not isinstance(maps, torch.Tensor) or not maps.is_floating_point() or maps.dim() not in (2, 3):
+        raise ValueError(f"{function}: `maps` must be a (P0, P1) or (B, P0, P1) floating-point tensor, got "
+                         f"{getattr(maps, 'shape', type(maps).__name__)}")
+    field = [math.radians(f) for f in _pair(field_of_view, "field_of_view", function, float)]
+    single = maps.dim() == 2
+    batch = maps.unsqueeze(0) if single else maps
+    p0, p1 = batch.shape[-2:]
+    transform = torch.fft.fft2(batch.to(torch.float64))
+    ell0 = 2 * math.pi * torch.fft.fftfreq(p0, d=field[0] / p0, dtype=torch.float64, device=maps.device)
+    ell1 = 2 * math.pi * torch.fft.fftfreq(p1, d=field[1] / p1, dtype=torch.float64, device=maps.device)
+    ell = torch.sqrt(ell0[:, None] ** 2 + ell1[None, :] ** 2)
+    fundamental = 2 * math.pi / max(field)
+    nyquist = min(math.pi * p0 / field[0], math.pi * p1 / field[1])
+    n_bins = max(1, int(round(nyquist / fundamental)))
+    index = torch.floor(ell / fundamental + 0.5).to(torch.int64).reshape(-1)
+    keep = (index >= 1) & (index <= n_bins)
+    index = torch.where(keep, index - 1, torch.full_like(index, n_bins))
+    modes = torch.zeros(n_bins + 1, dtype=torch.float64, device=maps.device).index_add_(
+        0, index, torch.ones_like(ell.reshape(-1)))
+    ell_sum = torch.zeros_like(modes).index_add_(0, index, ell.reshape(-1))
+    squared = (transform.real**2 + transform.imag**2).reshape(batch.shape[0], -1)
+    power = torch.zeros(batch.shape[0], n_bins + 1, dtype=torch.float64, device=maps.device).index_add(
+        1, index, squared)
+    pixel = field[0] * field[1] / (p0 * p1)
+    filled = modes[:n_bins] > 0
+    power = (power[:, :n_bins] / modes[:n_bins].clamp(min=1) * pixel**2 / (field[0] * field[1]))[:, filled]
+    power = power.to(maps.dtype)
+    return AngularPowerSpectrum((ell_sum[:n_bins] / modes[:n_bins].clamp(min=1))[filled], power[0] if single else power,
+                                modes[:n_bins][filled])
+
+
+def limber_convergence_power(ell, z_source: float, cosmology: Cosmology, *, power=None, chi_max: float | None = None,
+                             nodes: int = 512) -> torch.Tensor:
+    """Limber's prediction of the convergence power for sources at ``z_source``::
+
+        C_ell = int_0^chi_max dchi W(chi)^2 / f_K(chi)^2 P((ell + 1/2) / f_K(chi), a(chi)),
+        W = 3/2 Om (H0/c)^2 f_K(chi) f_K(chi_s - chi) / (f_K(chi_s) a)
+
+    with ``chi_max`` the source distance or less (e.g. the depth of a simulation's light
+    cone) and ``P(k, a) = D1(a)^2 P_lin(k)``, the linear power of ``power`` (a name or
+    table as :class:`~torchpm.Simulation` takes it, default Eisenstein & Hu) unless
+    ``power`` is a callable ``P(k, a)``. Gauss-Legendre in ``chi`` (``nodes`` points);
+    float64, differentiable in the cosmology."""
+    from .cosmology import growth_table, resolve_power
+
+    function = "limber_convergence_power"
+    cosmology = _cosmology(cosmology, function)
+    ell = torch.as_tensor(ell, dtype=torch.float64, device=cosmology.device)
+    if not bool(((ell > 0) & torch.isfinite(ell)).all()):
+        raise ValueError(f"{function}: `ell` must be positive and finite")
+    if isinstance(z_source, bool) or not isinstance(z_source, numbers.Real) or not (0 < z_source < 1e4):
+        raise ValueError(f"{function}: `z_source` must be a positive redshift, got {z_source!r}")
+    chi_s = cosmology.comoving_distance(torch.tensor(1.0 / (1.0 + z_source), dtype=torch.float64))
+    upper = chi_s if chi_max is None else torch.minimum(chi_s, torch.tensor(float(chi_max), dtype=torch.float64))
+    if callable(power) and not isinstance(power, str):
+        nonlinear = power
+    else:
+        linear = resolve_power("eisenstein_hu" if power is None else power)
+        table = growth_table(cosmology)
+
+        def nonlinear(k, a):
+            return table.at(a).D1 ** 2 * linear(k, cosmology)
+
+    x, w = _gauss_legendre(_positive_int(nodes, "nodes", function), cosmology.device)
+    chi = 0.5 * upper * (x + 1)
+    a = cosmology.scale_factor_at_distance(chi)
+    f_chi = cosmology.transverse_distance(chi)
+    kernel = 1.5 * cosmology.Omega_m / HUBBLE_DISTANCE**2 * cosmology.transverse_distance(chi_s - chi) \
+        / cosmology.transverse_distance(chi_s) / a  # W / f_K(chi)
+    k = (ell.reshape(-1, 1) + 0.5) / f_chi
+    values = kernel**2 * nonlinear(k, a.expand_as(k))
+    return (0.5 * upper * (values * w).sum(-1)).reshape(ell.shape)
 
 
 def lightcone(sim, white_noise: torch.Tensor | None = None, *, planes: LensPlanes, resolution,
