@@ -1384,7 +1384,8 @@ def case_subgrid_snapshot(grid, ctx):
         with torch.no_grad():
             two = sim(sim.white_noise(batch=2, seed=6), return_mesh_units=True)
         expect_error_everywhere(lambda: write_snapshot(path, two, sim, mesh_units=True, member=ctx["rank"]),
-                                "the ranks pass different member (from 0 to 1)", "No file of the set was written")
+                                "the ranks disagree on `member` (rank 0 (grid (0, 0)): 0, rank 1 (grid (1, 0)): 1)",
+                                "No file of the set")
         # ... the same file index, or a count of files that is not the grid's
         expect_error_everywhere(lambda: write_snapshot(path, state, sim, mesh_units=True, file_index=0, num_files=2),
                                 "the ranks' file_index are not each of 0 .. 1 once (no rank writes [1])")

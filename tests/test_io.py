@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import os
+import time
 
 import numpy as np
 import pytest
@@ -391,6 +392,19 @@ def _rank_share(sim, rank, world_size):
     return whole, torchpm.SimulationState(positions, momenta, whole.a, ids)
 
 
+def _expect_together(call, *fragments):
+    """``call`` raises a ValueError holding every fragment, well before the pool's
+    collective timeout (60 s)."""
+    start = time.monotonic()
+    try:
+        call()
+    except ValueError as error:
+        assert all(fragment in str(error) for fragment in fragments), str(error)
+        assert time.monotonic() - start < 20, f"raised after {time.monotonic() - start:.0f} s: {error}"
+    else:
+        raise AssertionError(f"no error; expected one with {fragments}")
+
+
 def run_case(case_id, ctx):
     import torch.distributed as dist
 
@@ -447,15 +461,46 @@ def run_case(case_id, ctx):
         for arguments, reason in [(dict(member=rank), "`member` must be an int in [0, 1), got 1"),
                                   (dict(state=local._replace(a=0.37) if rank == 1 else local), "0.37")]:
             arguments = dict(dict(state=local, member=0), **arguments)
-            try:
-                write_snapshot(other, arguments.pop("state"), sim, mesh_units=True, **arguments)
-            except ValueError as error:
-                expected = reason if rank == 1 else "another rank's arguments"
-                assert expected in str(error), str(error)
-            else:
-                raise AssertionError("the write should have failed on every rank")
+            # (rank 1's error, on both ranks)
+            _expect_together(lambda: write_snapshot(other, arguments.pop("state"), sim, mesh_units=True, **arguments),
+                             "rank 1", reason, "No file of the set")
             dist.barrier()
             assert not [name for name in os.listdir(folder) if name.startswith("other")]
+    elif kind == "disagree":
+        # Ranks passing different or bad file arguments: every rank raises the same error
+        # at once (before the collective timeout), naming the rank and the argument, and
+        # no file is written. A rank's bad num_files / file_index, or an explicit
+        # num_part_total on one rank, used to make it raise (or write) alone while the
+        # other waited for it until the timeout; different paths wrote two incomplete sets.
+        other = os.path.join(folder, "other.hdf5")
+        n = sim.n_total
+        for arguments, fragments in [
+            (dict(file_index=1, num_files=1), ["rank 1", "`file_index` and `num_files` must be given together"]),
+            (dict(file_index=0, num_files=0), ["rank 1", "got 0 and 0"]),
+            (dict(file_index=1, num_files="2"), ["rank 1", "got 1 and '2'"]),
+            (dict(num_part_total=n), ["the ranks disagree on `num_part_total`", f"rank 1 (grid (1, 0)): {n}"]),
+            (dict(path=os.path.join(folder, "other_elsewhere.hdf5")), ["the ranks disagree on `path`"]),
+        ]:
+            arguments = dict(dict(path=other), **arguments) if rank == 1 else dict(path=other)
+            _expect_together(lambda: write_snapshot(arguments.pop("path"), local, sim, mesh_units=True, **arguments),
+                             *fragments, "No file of the set")
+            dist.barrier()
+            assert not os.listdir(folder), os.listdir(folder)
+            dist.barrier()  # (before rank 0 writes alone below)
+        # file_index=0, num_files=1 is a whole file written by one rank alone: rank 0 writes
+        # it while rank 1 waits for the set. The ranks meet at rank 0's next write (of
+        # another snapshot, as a loop makes it), which they see as different paths:
+        # both raise (it used to pair the two calls and write two incomplete sets).
+        if rank == 0:
+            write_snapshot(other, local, sim, mesh_units=True, file_index=0, num_files=1)
+            following = os.path.join(folder, "following.hdf5")
+            _expect_together(lambda: write_snapshot(following, local, sim, mesh_units=True),
+                             "the ranks disagree on `path`", "following.hdf5", "other.hdf5")
+        else:
+            _expect_together(lambda: write_snapshot(other, local, sim, mesh_units=True),
+                             "the ranks disagree on `path`", "following.hdf5", "other.hdf5")
+        dist.barrier()
+        assert sorted(os.listdir(folder)) == ["other.hdf5"], os.listdir(folder)
     elif kind == "restart":
         # A distributed run (grid 2x1) writes its per-rank files at a = 0.5; every rank
         # resumes from a share of the set; the result equals the uninterrupted run bit for bit.
@@ -535,10 +580,10 @@ def test_fields_written_by_two_ranks(tmp_path):
 
 
 def test_multifile_snapshot_from_two_ranks(tmp_path):
-    good, bad, restart = tmp_path / "good", tmp_path / "bad", tmp_path / "restart"
-    for folder in (good, bad, restart):
+    good, bad, restart, disagree = (tmp_path / name for name in ("good", "bad", "restart", "disagree"))
+    for folder in (good, bad, restart, disagree):
         folder.mkdir()
-    cases = [f"write:{good}", f"restart:{restart}", f"fail:{bad}"]
+    cases = [f"write:{good}", f"restart:{restart}", f"fail:{bad}", f"disagree:{disagree}"]
     outcome = run_world(2, __name__, cases, tmp_path, timeout_s=240)
     for case in cases:
         for rank in range(2):

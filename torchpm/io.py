@@ -219,11 +219,19 @@ def write_snapshot(
             the rank and world size of an initialised ``torch.distributed``, else 0 and 1).
             A simulation on a process grid takes its grid's rank and size instead (the
             grid may be a part of the world, e.g. one grid per data-parallel replica:
-            each replica writes its own set). With these defaults on several ranks the
-            call is collective over them: every rank calls it with its own particles (a
-            rank calling alone waits for the others until the process group's timeout).
-            To write a whole state from one rank (e.g. ``sim.gather(state)`` on rank 0),
-            pass ``file_index=0, num_files=1``.
+            each replica writes its own set). On several ranks the call is collective
+            over them, whatever these arguments: every rank calls it with its own
+            particles, and the ranks first agree on ``path``, ``member``, the step,
+            ``num_files`` (the ranks' number), ``overwrite`` and ``num_part_total`` and
+            that each file index is written once, so a rank's bad or different argument
+            makes every rank raise the same ValueError (a rank calling alone waits for
+            the others until the process group's timeout). The one exception: with
+            ``file_index=0, num_files=1`` a rank writes a whole file alone, without any
+            collective (e.g. ``sim.gather(state)`` from rank 0). A rank cannot tell that
+            call from its part in a set, so if the other ranks call it for a set at the
+            same time they wait: they raise at that rank's next collective torchpm call
+            (as a mismatch naming both calls, or both paths when it is the next
+            ``write_snapshot``), or at the process group's timeout.
         num_part_total: particles in all files (default: all-reduced over the ranks
             (the grid's, or the world's), or this file's count for a single file).
         overwrite: replace an existing file (default: refuse).
@@ -248,13 +256,17 @@ def write_snapshot(
         grid = GridGroups((dist.group.WORLD, None))
     if num_files is None and file_index is None:
         file_index, num_files = (grid.rank, grid.size) if grid is not None else (0, 1)
-    # A multi-file set is written by every rank together: one rank's bad argument
-    # makes every rank raise (instead of the others waiting in the collectives below).
     # (integers of other types, e.g. numpy's, as ints: an int64 `num_files` must not make a
     # rank write alone while the others wait for it)
-    num_files, file_index = (int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v
-                             for v in (num_files, file_index))
-    together = grid is not None and isinstance(num_files, int) and num_files > 1
+    num_files, file_index, num_part_total = (
+        int(v) if _is_int(v) else v for v in (num_files, file_index, num_part_total))
+    # Under torch.distributed every call is collective over the ranks of the set but one:
+    # file_index=0, num_files=1, a whole file written by a rank alone (e.g. a gathered
+    # state from rank 0). Any other arguments, bad ones included, take part in the
+    # agreement below, so one rank's bad or different argument makes every rank raise
+    # instead of leaving the others waiting in it.
+    together = grid is not None and not (_is_int(num_files) and _is_int(file_index) and num_files == 1
+                                         and file_index == 0)
     error = None
     try:
         if not isinstance(state, SimulationState):
@@ -263,12 +275,17 @@ def write_snapshot(
         if positions.dim() != 3 or positions.shape[-1] != 3 or momenta.shape != positions.shape:
             raise ValueError(f"`state` positions and momenta must both be (B, N, 3), got {tuple(positions.shape)} "
                              f"and {tuple(momenta.shape)}")
+        a = float(state.a)
+        if step is None:  # (before the other checks: a rank refused for another argument agrees on it)
+            step = scale_factor_index(sim, a)
         batch, count, _ = positions.shape
         if isinstance(member, bool) or not isinstance(member, int) or not 0 <= member < batch:
             raise ValueError(f"`member` must be an int in [0, {batch}), got {member!r}")
-        if num_files is None or file_index is None or not (0 <= file_index < num_files):
-            raise ValueError(f"`file_index` and `num_files` must be given together with 0 <= file_index < num_files, "
-                             f"got {file_index!r} and {num_files!r}")
+        if not (_is_int(num_files) and _is_int(file_index) and 0 <= file_index < num_files):
+            raise ValueError(f"`file_index` and `num_files` must be given together as ints with 0 <= file_index < "
+                             f"num_files, got {file_index!r} and {num_files!r}")
+        if num_part_total is not None and not (_is_int(num_part_total) and num_part_total >= 0):
+            raise ValueError(f"`num_part_total` must be None or an int >= 0, got {num_part_total!r}")
         ids = state.ids
         if ids is None:
             if num_files > 1 or count != sim.n_total:
@@ -276,56 +293,47 @@ def write_snapshot(
             ids = torch.arange(count, device=positions.device).expand(batch, count)
         if ids.shape != positions.shape[:2]:
             raise ValueError(f"`state.ids` must be (B, N) = {tuple(positions.shape[:2])}, got {tuple(ids.shape)}")
-        a = float(state.a)
-        if step is None:
-            step = scale_factor_index(sim, a)
     except (TypeError, ValueError) as exc:
         if not together:
             raise
         error = exc
     if together:
-        # What every file of the set must share: the largest and (negated) smallest of each.
-        shared = {"member": member, "step (the state's scale factor)": step, "num_files": num_files,
-                  "overwrite": bool(overwrite)}
-        values = [int(v) for v in shared.values()] if error is None else [0] * len(shared)
-        # and which files the ranks write: with num_files = the ranks, an index no rank
-        # writes means two ranks write another
-        files = [int(error is None and index == file_index) for index in range(grid.size)]
         try:
-            reduced = grid.all_reduce(torch.tensor([0 if error is None else 1] + values + [-v for v in values]
-                                                   + files, dtype=torch.int64), "max").cpu()
-            refused = reduced[:1]
+            name = os.path.abspath(os.fspath(path))
+        except TypeError:
+            name = repr(path)
+        # What every file of the set must share (a bad rank's values are placeholders: its
+        # error is named first).
+        shared = [("`path`", name), ("`member`", member), ("`step` (the state's scale factor)", step),
+                  ("`num_files`", num_files), ("`overwrite`", bool(overwrite)), ("`num_part_total`", num_part_total)]
+        try:
+            grid.agree("write_snapshot", shared, error)
+        except (TypeError, ValueError) as refused:
+            raise type(refused)(f"{refused}. No file of the set {path!r} was written") from None
         except RuntimeError as failure:  # most often the timeout: a rank that never called it
             raise type(failure)(
                 f"write_snapshot {path!r}: under torch.distributed the call is collective (each rank writes its "
-                "file of the set), and the ranks' first exchange failed: did every rank call it? To write a whole "
-                f"state from one rank, pass file_index=0, num_files=1. ({failure})"
+                "file of the set), and the ranks' first exchange failed: did every rank call it? A rank that passes "
+                "file_index=0, num_files=1 writes a whole file alone and takes no part. "
+                f"({failure})"
             ) from failure
-        if error is not None:
-            raise error
-        if int(refused.item()):
-            raise ValueError(f"snapshot {path!r}: another rank's arguments were refused (its error says which); "
-                             "no file of the set was written")
-        k = len(shared)
-        largest, smallest = reduced[1:1 + k].tolist(), (-reduced[1 + k:1 + 2 * k]).tolist()
-        for name, high, low in zip(shared, largest, smallest):
-            if high != low:  # the same on every rank: every rank raises
-                raise ValueError(f"snapshot {path!r}: the ranks pass different {name} (from {low} to {high}); "
-                                 "the ranks writing a set must pass the same. No file of the set was written")
-        if num_files != grid.size:
+        if num_files != grid.size:  # (agreed: every rank raises)
             raise ValueError(f"snapshot {path!r}: num_files={num_files}, but {grid.size} ranks write the set (one "
                              "file each). No file of the set was written")
-        missing = [index for index, hit in enumerate(reduced[1 + 2 * k:].tolist()) if not hit]
-        if missing:
-            raise ValueError(f"snapshot {path!r}: the ranks' file_index are not each of 0 .. {num_files - 1} once "
-                             f"(no rank writes {missing}). No file of the set was written")
     ids = ids[member]
     positions, momenta = positions[member], momenta[member]
     valid = int((ids >= 0).sum())
-    if num_part_total is None:
-        if together:
-            num_part_total = int(grid.all_reduce(torch.tensor([valid], dtype=torch.int64)).item())
-        elif num_files == 1:
+    if together:
+        # Which file each rank writes, and its particles (the total, unless given).
+        table = grid.all_gather_counts([file_index, valid]).cpu()
+        missing = sorted(set(range(num_files)) - set(table[:, 0].tolist()))
+        if missing:
+            raise ValueError(f"snapshot {path!r}: the ranks' file_index are not each of 0 .. {num_files - 1} once "
+                             f"(no rank writes {missing}). No file of the set was written")
+        if num_part_total is None:
+            num_part_total = int(table[:, 1].sum())
+    elif num_part_total is None:
+        if num_files == 1:
             num_part_total = valid
         else:
             raise ValueError("`num_part_total` is needed for a multi-file snapshot written without torch.distributed")
@@ -476,6 +484,11 @@ def write_snapshot(
         raise RuntimeError(f"snapshot {path!r}: another rank failed to write its file; this rank's file was removed")
     os.replace(temporary, final)
     return final
+
+
+def _is_int(value) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _uint(values, kind):
