@@ -569,6 +569,16 @@ def run_case(case_id, ctx):
                 raise AssertionError("rank 1's block of another shape was written")
             dist.barrier()
             assert not [name for name in os.listdir(folder) if name.startswith(("bad", ".bad"))]
+            # attributes, which the first rank writes alone: other ones on rank 1 (they were
+            # dropped without a word), or not a dict (rank 1 raised alone, rank 0 waited)
+            for attributes, fragments in [({"seed": 1 + rank}, ["the ranks disagree on `attributes`", "'seed'"]),
+                                          ([("seed", 1)] if rank == 1 else {"seed": 1},
+                                           ["rank 1", "`attributes` must be None or a dict"])]:
+                _expect_together(lambda: write_fields(os.path.join(folder, "bad.hdf5"), {"density": density},
+                                                      grid_sim.box_size, mesh=grid_sim.force_mesh,
+                                                      attributes=attributes), *fragments)
+                dist.barrier()
+                assert not [name for name in os.listdir(folder) if name.startswith(("bad", ".bad"))]
     else:
         raise ValueError(case_id)
 

@@ -867,9 +867,12 @@ def write_fields(
             rank passes its block of each field (e.g. ``sim.density(state)``).
         box_size: the box side(s) in Mpc/h.
         mesh: the mesh the fields live on (``sim.force_mesh``), or None for whole fields
-            on this device. On a grid the call is collective: the ranks write their
+            on this device. On a grid the call is collective: the ranks agree on the path,
+            the fields' names, batch and dtype, the box, ``a`` and ``attributes`` (one
+            rank's bad or different argument raises on every rank), then write their
             blocks into the one file in turn (the folder must be shared by the ranks), a
-            failure on any rank raises on every rank and leaves no file.
+            failure on any rank raises on every rank and leaves no file. A rank passing
+            None writes alone, like a single device.
         overwrite: replace an existing file.
 
     Returns the path. :func:`read_fields` reads the file whole or in blocks.
@@ -911,6 +914,9 @@ def write_fields(
         box, error = None, error or str(exc)
     if a is not None and (isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 < float(a) <= 1):
         error = error or f"`a` must be None or a scale factor in (0, 1], got {a!r}"
+    if attributes is not None and not isinstance(attributes, dict):
+        error = error or f"`attributes` must be None or a dict of strings to numbers or strings, got {attributes!r}"
+        attributes = {}
     for key, value in (attributes or {}).items():
         if not isinstance(key, str) or isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
             error = error or f"`attributes` must map strings to numbers or strings, got {key!r}: {value!r}"
@@ -919,8 +925,11 @@ def write_fields(
     distributed = mesh is not None and not mesh.is_local
     if distributed:
         # The file's layout follows from these: the ranks must agree before writing.
+        # (the attributes too: the first rank alone writes them)
         mesh.agree("write_fields", [("`path`", path and os.path.abspath(path)), ("the fields (name, batch, dtype)", shapes),
-                                    ("`box_size`", box), ("`a`", a)], error)
+                                    ("`box_size`", box), ("`a`", a),
+                                    ("`attributes`", sorted((str(key), repr(value)) for key, value in
+                                                            (attributes or {}).items()))], error)
     elif error:
         raise ValueError(f"write_fields: {error}")
     global_shape = tuple(mesh.global_shape) if mesh is not None else tuple(fields[names[0]].shape[1:])
