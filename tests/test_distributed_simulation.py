@@ -41,7 +41,7 @@ def case_ids(world_size):
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}", f"paint_layers-{grid}",
                     f"redshift_multipoles-{grid}", f"lightcone-{grid}",
-                    f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}"]
+                    f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}", f"forces_box_shifted-{grid}"]
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"migration_dtypes-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
                     f"whole_state_refused-{grid}", f"adjoint_explicit_cosmology-{grid}", f"compiled-{grid}",
@@ -342,6 +342,61 @@ def case_adjoint_fused_force_b2(grid, ctx):
     assert error <= 1e-13 * float(grad_x.abs().max()), f"position pull-back: {error:.3e}"
     # 1.5 Omega_m's adjoint (the simulation's cosmology is replicated: summed over the ranks)
     assert abs(float(fused_grads[0] - grads[0])) <= 1e-13 * abs(float(grads[0])) and float(grads[0]) != 0
+
+
+def case_forces_box_shifted(grid, ctx):
+    """``Simulation.forces`` at periodic images of the rank's particles (each shifted by -2 to
+    2 whole boxes along every axis) equals the single-device forces at the same positions
+    and at the unshifted ones, and so does the gradient of a loss of them in the positions
+    (the grid refused an image along a split axis as a particle it does not own)."""
+    serial, distributed = simulations(grid, ctx)
+    mesh = distributed.force_mesh
+    with torch.no_grad():
+        x, _, ids = distributed.lpt(distributed.linear_field(distributed.white_noise(batch=2, seed=3)))
+    batch, n = 2, serial.n_total
+    valid = ids >= 0
+    assert not bool(valid.all()), "no empty slot: the zero-mass slots go untested"
+    rows = ids.clamp(min=0)
+
+    def by_id(table):  # (2, N, ...) indexed by id -> this rank's slots (zero in empty ones)
+        return torch.stack([table[b][rows[b]] for b in range(batch)]) * valid[..., None]
+
+    cells = torch.tensor(mesh.global_shape, dtype=torch.float64)
+    boxes = torch.randint(-2, 3, (batch, n, 3), generator=torch.Generator().manual_seed(7)).to(torch.float64)
+    weights = global_random((batch, n, 3), 8)
+    shifted = x + by_id(boxes * cells)
+    assert bool((shifted[valid] != x[valid]).any(0).all()), "some axis not shifted"
+    # every particle of the grid, by id, for the single device
+    with torch.no_grad():
+        every = torch.zeros(batch, n, 3, dtype=torch.float64)
+        for b in range(batch):
+            every[b].index_put_((ids[b][valid[b]],), x[b][valid[b]])
+        every = mesh.all_reduce(every, "sum")
+    a = torch.tensor(0.4, dtype=torch.float64)
+    leaf = (every + boxes * cells).requires_grad_()
+    expected = serial.forces(leaf, a)
+    (expected_grad,) = torch.autograd.grad((expected * weights).sum(), leaf)
+    with torch.no_grad():
+        unshifted = serial.forces(every, a)
+    mine = shifted.clone().requires_grad_()
+    forces = distributed.forces(mine, a, ids)
+    (grad,) = torch.autograd.grad((forces * by_id(weights)).sum(), mine)
+    scale = float(expected.detach().abs().max())
+    assert scale > 0 and float(expected_grad.abs().max()) > 0
+    for name, reference in (("shifted", expected), ("unshifted", unshifted)):
+        error = float((forces - by_id(reference.detach()))[valid].abs().max())
+        assert_small(error, scale, f"forces at box-shifted positions against one device's, {name}")
+    error = float((grad - by_id(expected_grad))[valid].abs().max())
+    assert_small(error, float(expected_grad.abs().max()), "d loss / d positions at box-shifted positions")
+    # A particle of another rank (half a box along a split axis, not a whole one) is still
+    # refused on every rank: forces does not migrate.
+    axis = 0 if grid[0] > 1 else 1
+    moved = shifted.clone()
+    if ctx["rank"] == 0:
+        slot = int(torch.nonzero(valid[0])[0])
+        moved[0, slot, axis] += mesh.global_shape[axis] // 2
+    expect_error_everywhere(lambda: distributed.forces(moved, a, ids), "rank 0", "cannot be deposited",
+                            "move the particles to the rank that owns them")
 
 
 def case_replicated_gradients(grid, ctx):

@@ -1026,14 +1026,22 @@ class Simulation(nn.Module):
 
     def forces(self, positions: torch.Tensor, a, ids: torch.Tensor | None = None,
                cosmology: Cosmology | None = None) -> torch.Tensor:
-        """PM forces ``(B, n, 3)`` in mesh units at owned positions in force-mesh cells
-        (``ids`` marks empty slots, which get no mass). On a grid each call first checks
-        the force correction (:meth:`_check_correction`: one evaluation and one small
-        all-reduce); runs use the unchecked :meth:`_forces`, checked once per run."""
+        """PM forces ``(B, n, 3)`` in mesh units at positions in force-mesh cells, one per
+        input particle (``ids`` marks empty slots, which get no mass). The box is periodic:
+        on one device any position is taken; on a grid each rank passes the particles it
+        owns, or periodic images of them (shifted by whole boxes), which are wrapped
+        along the split axes (:meth:`~torchpm.distributed.PencilDecomposition.wrap`;
+        the derivative of the wrap is 1). A particle owned by another rank is refused on
+        every rank: forces does not migrate (``sim.force_mesh.migrate`` moves particles
+        to their owners). On a grid each call first checks the force correction
+        (:meth:`_check_correction`: one evaluation and one small all-reduce); runs use
+        the unchecked :meth:`_forces`, checked once per run."""
         error = self._arrays_error("forces", positions, ids=ids)
         if error is None and ids is None and not self.force_mesh.is_local:
             error = "forces: `ids` is required on a process grid (the state's empty slots have id -1 and no mass)"
         self._check_correction(error, operation="Simulation.forces", always=True)
+        # (a run's own particles are owned and inside [0, n) already: only here)
+        positions = self.force_mesh.wrap(positions)
         weights = False
         if self.force_mesh.is_local and ids is not None:
             # (no host sync, so a compiled loop stays one graph; a run on one device has no

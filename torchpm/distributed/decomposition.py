@@ -575,12 +575,30 @@ class PencilDecomposition:
                 periodic[axis] = False
         return widths, shape, offset, periodic
 
+    def wrap(self, positions: torch.Tensor) -> torch.Tensor:
+        """``(B, N, 3)`` positions (global mesh cells) wrapped into ``[0, n)`` along the
+        split axes, the interval whose blocks the ranks own: a periodic image of an owned
+        particle (shifted by whole boxes) becomes owned, as a single device's periodic
+        paint and readout take any image. A coordinate already in ``[0, n)`` keeps its
+        bits; a non-finite one or one at or beyond +-2^40 cells is kept for the paint to
+        name. Differentiable (derivative 1); the identity on a 1 x 1 grid. Local."""
+        axes = [axis for axis in (0, 1) if self.grid_shape[axis] > 1]
+        if not axes:
+            return positions
+        columns = list(positions.unbind(-1))
+        for axis in axes:
+            column = columns[axis]
+            wrapped = _particles._wrapped_column(column, self.global_shape[axis])
+            columns[axis] = torch.where(_particles._within_reach(column), wrapped, column)
+        return torch.stack(columns, -1)
+
     @eager(local=_local)
     def paint(self, positions: torch.Tensor, weights: torch.Tensor | None = None, *, order: str = "cic") -> torch.Tensor:
         """Paint ``(B, N, 3)`` particles (global mesh-cell units) onto the local block.
 
-        The particles must be owned by this rank (their wrapped position lies in
-        the local block along split axes; see :meth:`migrate`). They are painted
+        The particles must be owned by this rank (their position lies in the local
+        block along split axes: see :meth:`migrate`, and :meth:`wrap` for periodic
+        images of owned particles). They are painted
         into the block plus the stencil's halo, which :meth:`add_halo` then adds
         into the neighbours. Returns ``(B, *local_real_shape)`` (or
         ``(B, C, ...)`` for ``(B, N, C)`` weights). Collective on a grid.
