@@ -683,3 +683,37 @@ def test_bad_fields_are_refused_and_leave_no_file(tmp_path):
     assert not (tmp_path / "g.hdf5").exists()
     with pytest.raises(ValueError, match=re.escape("is on a (4, 4, 4) mesh")):
         read_fields(path, mesh=torchpm.mesh.LocalMesh((4, 4, 5)))
+
+
+def test_box_with_unequal_sides_reads_back_in_torchpm_and_pynbody(tmp_path):
+    # Gadget's BoxSize is one number; a box with unequal sides is its stretched box: the
+    # longest side, times the LONG_X, LONG_Y, LONG_Z factors of the Config group. (A
+    # 3-vector BoxSize loaded in pynbody as an array of units, which `in_units` and `wrap`
+    # refuse.)
+    pynbody = pytest.importorskip("pynbody")
+    sim = _sim(torch.float64)  # 60 x 50 x 40 Mpc/h
+    state = sim(sim.white_noise(seed=4), until=0.5)
+    path = str(tmp_path / "snap.hdf5")
+    write_snapshot(path, state, sim)
+    with h5py.File(path, "r") as handle:
+        assert np.ndim(handle["Header"].attrs["BoxSize"]) == 0 and handle["Header"].attrs["BoxSize"] == 60.0
+        assert handle["Parameters"].attrs["BoxSize"] == 60.0
+        stretch = [handle["Config"].attrs[name] for name in ("LONG_X", "LONG_Y", "LONG_Z")]
+        np.testing.assert_allclose(np.multiply(stretch, 60.0), [60.0, 50.0, 40.0], rtol=1e-15)
+    # torchpm: the sides exactly (its own record), and the particles
+    snap = read_snapshot(path)
+    assert snap.box_size == (60.0, 50.0, 40.0)
+    assert torch.equal(snap.positions, state.positions[0]) and torch.equal(snap.ids, torch.arange(sim.n_total))
+    # ... and from the Gadget attributes alone (a file without the torchpm group)
+    gadget = str(tmp_path / "gadget.hdf5")
+    with h5py.File(path, "r") as source, h5py.File(gadget, "w") as target:
+        for name in ("Header", "Parameters", "Config", "PartType1"):
+            source.copy(name, target)
+    np.testing.assert_allclose(read_snapshot(gadget).box_size, (60.0, 50.0, 40.0), rtol=1e-15)
+    # pynbody: the box is the longest side, which holds every particle (wrapping into it moves none)
+    loaded = pynbody.load(path)
+    assert float(loaded.properties["boxsize"].in_units("Mpc a h**-1")) == pytest.approx(60.0, rel=1e-6)
+    order = np.argsort(np.asarray(loaded.dm["iord"]))
+    np.testing.assert_array_equal(np.asarray(loaded.dm["pos"])[order], state.positions[0].numpy())
+    loaded.wrap(convention="upper")
+    np.testing.assert_array_equal(np.asarray(loaded.dm["pos"])[order], state.positions[0].numpy())

@@ -8,7 +8,13 @@ A snapshot file holds
   ``NumFilesPerSnapshot``, ``Omega0``, ``OmegaLambda``, ``OmegaBaryon``,
   ``HubbleParam``, ``Flag_*``; the same cosmology and the unit system in
   ``Parameters`` (Gadget-4 keeps them there): length Mpc, mass 1e10 Msun,
-  velocity km/s, all with Gadget's factors of h.
+  velocity km/s, all with Gadget's factors of h. ``BoxSize`` is one number, as Gadget
+  readers expect: the side of a cubic box, and for a box with unequal sides the
+  longest one, the sides being ``BoxSize`` times ``LONG_X``, ``LONG_Y``, ``LONG_Z``
+  (attributes of a ``Config`` group, as Gadget-4 records its compile-time options;
+  Gadget's stretched-box factors, here at most 1), so every coordinate lies in
+  ``[0, BoxSize)`` for a reader that ignores them; ``torchpm/box_size`` holds the sides
+  exactly, and :func:`read_snapshot` gives them as ``Snapshot.box_size``.
 * ``PartType1`` (dark matter): ``Coordinates`` (comoving, Mpc/h, wrapped into the
   box), ``Velocities`` in Gadget's convention — the peculiar velocity in km/s
   divided by sqrt(a), i.e. ``100 p / a^1.5`` for the momentum ``p = a^3 E dx/da``
@@ -368,8 +374,15 @@ def write_snapshot(
             header = handle.create_group("Header")
             counts = [0, valid, 0, 0, 0, 0]
             totals = [0, num_part_total, 0, 0, 0, 0]
-            cubic = box[0] == box[1] == box[2]
-            header.attrs["BoxSize"] = box[0] if cubic else list(box)
+            # One number (Gadget readers take no other: pynbody made a 3-vector an array of
+            # units that its `in_units` and `wrap` refuse); a box with unequal sides is
+            # Gadget's stretched box, its longest side times the LONG_* factors.
+            longest = max(box)
+            header.attrs["BoxSize"] = longest
+            if not box[0] == box[1] == box[2]:
+                stretch = handle.create_group("Config")
+                for name, side in zip(("LONG_X", "LONG_Y", "LONG_Z"), box):
+                    stretch.attrs[name] = side / longest
             header.attrs["Time"] = a
             header.attrs["Redshift"] = 1.0 / a - 1.0
             header.attrs["NumPart_ThisFile"] = _uint(counts, "u8")
@@ -520,6 +533,9 @@ class Snapshot:
         mesh_slots: ``(N,)`` int64, each particle's slot among the ``slot_count`` slots
             of the rank that wrote the file (empty slots included), when one whole file
             with that record (written when the rank held empty slots) was read; else None.
+        box_size: the box's 3 sides in Mpc/h: ``torchpm/box_size`` (exact), else the
+            header's ``BoxSize`` (one number, times ``Config/LONG_X`` ... when present,
+            or 3 numbers); None without a ``BoxSize``.
     """
 
     a: float
@@ -538,6 +554,7 @@ class Snapshot:
     total: int = 0
     mesh_slots: torch.Tensor | None = None
     slot_count: int | None = None
+    box_size: tuple | None = None
 
     def state(self):
         """The particles as a :class:`torchpm.SimulationState` in Mpc/h, batch of 1."""
@@ -676,6 +693,7 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
         # The slot layout belongs to one file as its rank held it: only a whole single file.
         has_slots = has_raw and "MeshSlots" in handle["torchpm"] and len(files) == 1 and share is None
         float_dtype = handle["PartType1/Coordinates"].dtype if "PartType1" in handle else "f4"
+        stretch = {key: _python(value) for key, value in handle["Config"].attrs.items()} if "Config" in handle else {}
     torch_dtype = torch.float64 if str(float_dtype) == "float64" else torch.float32
     n = end - begin
     arrays = dict(
@@ -722,7 +740,22 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
         total=int(header["NumPart_Total"][1]) + (int(header.get("NumPart_Total_HighWord", [0, 0])[1]) << 32),
         mesh_slots=arrays.get("mesh_slots"),
         slot_count=int(attributes["slot_count"]) if has_slots and "slot_count" in attributes else None,
+        box_size=_box_size(header, stretch, attributes),
     )
+
+
+def _box_size(header: dict, config: dict, attributes: dict) -> tuple | None:
+    """The box's 3 sides: torchpm's exact record, else the Gadget header's ``BoxSize`` with
+    the stretched-box factors ``LONG_X``, ``LONG_Y``, ``LONG_Z`` of ``Config``, or its 3 numbers
+    (as SWIFT writes them, and torchpm's earlier snapshots of a box with unequal sides)."""
+    if "box_size" in attributes:
+        return tuple(float(side) for side in attributes["box_size"])
+    box = header.get("BoxSize")
+    if box is None:
+        return None
+    if isinstance(box, list):
+        return tuple(float(side) for side in box)
+    return tuple(float(box) * float(config.get(name, 1.0)) for name in ("LONG_X", "LONG_Y", "LONG_Z"))
 
 
 # ----------------------------------------------------------------------------------
