@@ -136,7 +136,7 @@ def test_density_plane_against_jaxpm():
         np.testing.assert_allclose(ours[0].numpy(), theirs - 1.0, rtol=0, atol=1e-12)
 
 
-def test_density_plane_hand_cases():
+def test_density_plane_hand_cases(device):
     box = (40.0, 20.0, 10.0)  # line of sight x: transverse (y, z) of 20 and 10 Mpc/h
     # on nodes of a (4, 2) plane: pixel (1, 1) is (y, z) = (5, 5)
     positions = torch.tensor([[[0.0, 5.0, 5.0],    # x = 0: the slab [-2, 2) holds it
@@ -146,12 +146,12 @@ def test_density_plane_hand_cases():
                                [1.0, 2.5, 0.0],    # half-way between pixels (0, 0) and (1, 0)
                                [0.5, 10.0, 0.0],   # an empty slot (id -1)
                                [20.0, 10.0, 0.0]]],  # far from the slab
-                             dtype=torch.float64)
-    ids = torch.tensor([[0, 1, 2, 3, 4, -1, 5]])
-    weights = torch.tensor([[1.0, 2.0, 1.0, 1.0, 4.0, 1.0, 1.0]], dtype=torch.float64)
+                             dtype=torch.float64, device=device)
+    ids = torch.tensor([[0, 1, 2, 3, 4, -1, 5]], device=device)
+    weights = torch.tensor([[1.0, 2.0, 1.0, 1.0, 4.0, 1.0, 1.0]], dtype=torch.float64, device=device)
     plane = lensing.density_plane(positions, box, 0.0, 4.0, (4, 2), axis="x", weights=weights, ids=ids, total=80.0)
     # mean per pixel: 80 particles x (4 / 40) of the depth / 8 pixels = 1
-    expected = torch.full((4, 2), -1.0, dtype=torch.float64)
+    expected = torch.full((4, 2), -1.0, dtype=torch.float64, device=device)
     expected[1, 1] += 1 + 2 + 1
     expected[0, 0] += 2
     expected[1, 0] += 2
@@ -229,7 +229,7 @@ def test_convergence_against_jaxpm():
 
 
 @pytest.mark.parametrize("name", ["planck15", "open_w0wa"])
-def test_convergence_hand_case_at_plane_nodes(name):
+def test_convergence_hand_case_at_plane_nodes(name, device):
     """One plane, angles pointing at its nodes: kappa = 3/2 Om (H0/c)^2 w f_K(chi)
     f_K(chi_s - chi) / f_K(chi_s) delta / a with astropy's distances."""
     cosmology = COSMOLOGIES[name]
@@ -237,10 +237,10 @@ def test_convergence_hand_case_at_plane_nodes(name):
     h = float(cosmology.h)
     box = (64.0, 48.0, 300.0)
     geometry = lensing.LensPlanes((250.0,), (100.0,), (0.9,), 2)
-    plane = _random_planes(1, (8, 6), 2)
+    plane = _random_planes(1, (8, 6), 2).to(device)
     f_chi = float(cosmology.transverse_distance(torch.tensor(250.0, dtype=torch.float64)))
     nodes = torch.tensor([[1, 2], [7, 0], [3, 5], [8, 6]], dtype=torch.float64)  # (8, 6): node (0, 0) again
-    angles = nodes * torch.tensor([8.0, 8.0], dtype=torch.float64) / f_chi
+    angles = (nodes * torch.tensor([8.0, 8.0], dtype=torch.float64) / f_chi).to(device)
     kappa = lensing.convergence_born(plane, geometry, box, angles, 1.2, cosmology)
     chi_s = reference.comoving_distance(1.2).value * h
     ok = float(cosmology.Omega_k)
@@ -303,8 +303,9 @@ def _lightcone_simulation(**overrides):
     return torchpm.Simulation(**config), planes
 
 
-def test_lightcone_planes_are_the_runs_planes():
+def test_lightcone_planes_are_the_runs_planes(device, reproducible):
     sim, planes = _lightcone_simulation(mesh_factor=2)
+    sim = sim.to(device)
     noise = sim.white_noise(2, seed=5)
     taken = lensing.lightcone(sim, noise, planes=planes, resolution=(10, 12))
     assert taken.shape == (2, 4, 10, 12)

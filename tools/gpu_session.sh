@@ -166,6 +166,8 @@ bench)
         2>&1 | tee "$out/bench_adjoint.log"
     # P(k) and its multipoles of a 256^3 and a 512^3 field: time and peak GPU memory
     timeout 60 $python benchmarks/bench_analysis.py --device cuda --sizes 256 512 2>&1 | tee "$out/bench_analysis.log"
+    # a light cone of 64 x 64 x 320 particles with 10 lens planes: the run alone, with its planes, the Born map
+    timeout 60 $python benchmarks/bench_lensing.py --device cuda --particles 64 2>&1 | tee "$out/bench_lensing.log"
     ;;
 determinism)
     build

@@ -318,20 +318,22 @@ def convergence_born(
     batch, _, r0, r1 = planes.shape
     dtype, device = planes.dtype, planes.device
     transverse = [i for i in range(3) if i != geometry.axis]
-    chi_s, scalar = _source_distances(z_source, cosmology, device)
+    # the distances and weights in float64 where the cosmology lives, then to the planes' device
+    home = cosmology.device
+    chi_s, scalar = _source_distances(z_source, cosmology, home)
     f_s = cosmology.transverse_distance(chi_s)
-    chi = torch.tensor(geometry.distances, dtype=torch.float64, device=device)
+    chi = torch.tensor(geometry.distances, dtype=torch.float64, device=home)
     f_chi = cosmology.transverse_distance(chi)
     efficiency = cosmology.transverse_distance(torch.clamp(chi_s.unsqueeze(0) - chi.unsqueeze(1), min=0.0)) / f_s
     # (n,) prefactor of plane i: 3/2 Om (H0/c)^2 w_i f_K(chi_i) / a_i; (n, n_z) with the efficiency
     prefactor = (1.5 * cosmology.Omega_m / HUBBLE_DISTANCE**2
-                 * torch.tensor(geometry.widths, dtype=torch.float64, device=device) * f_chi
-                 / torch.tensor(geometry.scale_factors, dtype=torch.float64, device=device))
-    kernel = (prefactor.unsqueeze(1) * efficiency).to(dtype)
+                 * torch.tensor(geometry.widths, dtype=torch.float64, device=home) * f_chi
+                 / torch.tensor(geometry.scale_factors, dtype=torch.float64, device=home))
+    kernel = (prefactor.unsqueeze(1) * efficiency).to(device=device, dtype=dtype)
     flat = angles.reshape(-1, 2).to(device=device, dtype=dtype)
-    pixel = torch.tensor([box[transverse[0]] / r0, box[transverse[1]] / r1], dtype=torch.float64, device=device)
+    pixel = torch.tensor([box[transverse[0]] / r0, box[transverse[1]] / r1], dtype=torch.float64, device=home)
     # (n, 2) comoving transverse distance per radian, in pixels, for each plane
-    scale = (f_chi.unsqueeze(1) / pixel).to(dtype)
+    scale = (f_chi.unsqueeze(1) / pixel).to(device=device, dtype=dtype)
     kappa = 0
     for i in range(planes.shape[1]):
         where = flat * scale[i]
