@@ -1088,8 +1088,9 @@ def case_redshift_multipoles(grid, ctx):
 def case_lightcone(grid, ctx):
     """Lens planes taken during a run on the grid (line of sight along x, a split axis), the
     Born convergence from them, and the gradient of a convergence loss in the white noise
-    and Omega_c equal the serial ones on every rank; a rank asking for other planes raises
-    on every rank."""
+    and Omega_c equal the serial ones on every rank; a rank asking for other planes, another
+    resolution or window, or passing a bad one, raises on every rank, and so does a rank
+    with a non-finite particle."""
     import torchpm
     from torchpm import lensing
 
@@ -1112,15 +1113,33 @@ def case_lightcone(grid, ctx):
     assert_small(float((local_grad - expected_grad).abs().max()), float(expected_grad.abs().max()),
                  "d loss / d white noise")
     assert_small(abs(float(local_omega_grad - omega_grad)), abs(float(omega_grad)), "d loss / d Omega_c")
+    # one rank's other or bad planes, resolution or window: every rank raises before the run
     first = ctx["rank"] == 0
     noise = distributed.white_noise(seed=7)
     expect_error_everywhere(lambda: lensing.lightcone(distributed, noise, planes=planes, resolution=6 if first else 5),
-                            "density_plane", "resolution", "rank 1")
+                            "lightcone", "`resolution`", "rank 1")
+    expect_error_everywhere(lambda: lensing.lightcone(distributed, noise, planes=planes, resolution=(6, 0 if first else 5)),
+                            "lightcone", "`resolution` must be a positive integer", "rank 0")
+    expect_error_everywhere(lambda: lensing.lightcone(distributed, noise, planes=planes, resolution=6,
+                                                      order="cic" if first else "quintic"), "lightcone", "rank 1")
+    other = lensing.lens_planes(torchpm.Planck15(Omega_c=0.3), CONFIG["box_size"], 3, axis="x")
+    expect_error_everywhere(lambda: lensing.lightcone(distributed, noise, planes=planes if first else other,
+                                                      resolution=6), "lightcone", "rank 1")
     state = distributed(noise, return_mesh_units=True)
     positions = state.positions * torch.tensor(distributed.cell_size, dtype=torch.float64)
+    mesh = distributed.force_mesh
     expect_error_everywhere(lambda: lensing.density_plane(positions, CONFIG["box_size"], 5.0, 0.0 if first else 2.0,
-                                                          4, ids=state.ids, mesh=distributed.force_mesh),
+                                                          4, ids=state.ids, mesh=mesh),
                             "`width` must be in", "rank 0")
+    # a grid state's empty slots carry no mass: ids are required
+    expect_error_everywhere(lambda: lensing.density_plane(positions, CONFIG["box_size"], 5.0, 2.0, 4, mesh=mesh),
+                            "pass `ids`")
+    # a non-finite particle on one rank: every rank raises (none waits in the plane's sum)
+    broken = positions.clone()
+    if not first:
+        broken[0, 0, 1] = float("nan")
+    expect_error_everywhere(lambda: lensing.density_plane(broken, CONFIG["box_size"], 5.0, 2.0, 4, ids=state.ids,
+                                                          mesh=mesh), "`positions` must be finite", "rank 1")
 
 
 def case_redshift_agreement(grid, ctx):

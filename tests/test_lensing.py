@@ -76,8 +76,24 @@ def test_distance_gradients():
         c = torchpm.Cosmology(omega_c, 0.05, 0.68, 0.96, 0.8, Omega_k=omega_k)
         return c.comoving_distance(a), c.transverse_comoving_distance(a), c.scale_factor_at_distance(chi)
 
-    # through Omega_k = 0, where f_K switches between its series and sinh / sin
-    assert torch.autograd.gradcheck(distances, (omega_c, omega_k, a, chi))
+    # at Omega_k = 0 (f_K's series) and on both sides of it, in the series and in sinh / sin
+    for value in (0.0, 1e-4, -1e-4, 0.3, -0.3):
+        curvature = torch.tensor(value, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(distances, (omega_c, curvature, a, chi))
+    # second derivatives of the inverse (Hessians through Limber): exact, not only first ones
+    assert torch.autograd.gradgradcheck(lambda omega_c, chi: distances(omega_c, omega_k, a, chi)[2],
+                                        (omega_c, chi))
+    # the scale of a's second derivative is ~1e-8 per (Mpc/h)^2: against central differences
+    c = torchpm.Planck15()
+    x = torch.tensor(2000.0, dtype=torch.float64, requires_grad=True)
+    (first,) = torch.autograd.grad(c.scale_factor_at_distance(x), x, create_graph=True)
+    (second,) = torch.autograd.grad(first, x)
+    h = 1.0
+    with torch.no_grad():
+        values = [float(c.scale_factor_at_distance(torch.tensor(2000.0 + d * h, dtype=torch.float64)))
+                  for d in (-1, 0, 1)]
+    numeric = (values[0] - 2 * values[1] + values[2]) / h**2
+    assert abs(float(second) - numeric) < 1e-4 * abs(numeric), (float(second), numeric)
     # d chi / d a by hand: -D_H / (a^2 E)
     c = torchpm.Planck15()
     x = torch.tensor(0.6, dtype=torch.float64, requires_grad=True)
@@ -163,7 +179,10 @@ def test_density_plane_hand_cases(device):
     # NGP: the half-way particle goes to one pixel, whole
     ngp = lensing.density_plane(positions, box, 0.0, 4.0, (4, 2), axis=0, weights=weights, ids=ids, total=80.0,
                                 order="ngp")
-    assert float(ngp.sum()) == float(plane.sum()) and float(ngp[0, 0, 0] + ngp[0, 1, 0]) == float(plane[0, 0, 0] + plane[0, 1, 0])
+    expected_ngp = expected.clone()
+    expected_ngp[0, 0] -= 2
+    expected_ngp[1, 0] += 2  # (pixel coordinate 0.5 rounds up: floor(x + 1/2))
+    assert torch.equal(ngp[0], expected_ngp)
 
 
 def test_density_plane_errors():
@@ -181,6 +200,22 @@ def test_density_plane_errors():
             lensing.density_plane(x, 1.0, **arguments)
     with pytest.raises(ValueError, match="`positions` must be a \\(B, N, 3\\)"):
         lensing.density_plane(x[0], 1.0, 0.5, 0.5, 4)
+    for column in (0, 2):  # a NaN across or along the line of sight
+        bad = x.clone()
+        bad[0, 3, column] = float("nan")
+        with pytest.raises(ValueError, match="`positions` must be finite, got 1 particles"):
+            lensing.density_plane(bad, 1.0, 0.5, 0.5, 4)
+    # an empty slot's coordinates are not looked at
+    bad = x.clone()
+    bad[0, 3, 0] = float("nan")
+    ids = torch.arange(10).unsqueeze(0).clone()
+    ids[0, 3] = -1
+    assert bool(torch.isfinite(lensing.density_plane(bad, 1.0, 0.5, 0.5, 4, ids=ids)).all())
+    for kwargs in (dict(ids=torch.full((1, 10), -1)), dict(weights=torch.zeros(1, 10, dtype=torch.float64))):
+        with pytest.raises(ValueError, match="no mean density to divide by"):
+            lensing.density_plane(x, 1.0, 0.5, 0.5, 4, **kwargs)
+    with pytest.raises(ValueError, match="no mean density"):
+        lensing.density_plane(x[:, :0], 1.0, 0.5, 0.5, 4)
 
 
 def test_density_plane_gradcheck():
@@ -189,6 +224,34 @@ def test_density_plane_gradcheck():
     w = torch.rand(2, 12, generator=g, dtype=torch.float64).requires_grad_()
     # (the slab's edges are steps: no particle sits within gradcheck's eps of them)
     assert torch.autograd.gradcheck(lambda x, w: lensing.density_plane(x, 10.0, 5.0, 6.0, (5, 4), weights=w), (x, w))
+
+
+def test_neighbouring_planes_share_their_edges():
+    """Particles within a few ulps of the edges between planes: the light cone's slabs hold
+    each exactly once (``d + w/2`` and the next plane's ``d - w/2`` differ in the last bit
+    for some planes, which lost or doubled such particles)."""
+    c = torchpm.Planck15()
+    for length, n in ((300.0, 7), (35.0, 3), (1000.0, 13)):
+        planes = lensing.lens_planes(c, (10.0, 10.0, length), n)
+        edges = lensing._shared_edges(planes, length)
+        assert all(edges[i][1] == edges[i + 1][0] for i in range(n - 1))
+        xs = []
+        for d, w in zip(planes.distances[:-1], planes.widths[:-1]):
+            x = d + 0.5 * w
+            for _ in range(4):
+                x = np.nextafter(x, -np.inf)
+            for _ in range(8):
+                xs.append(x)
+                x = np.nextafter(x, np.inf)
+        positions = torch.zeros(1, len(xs), 3, dtype=torch.float64)
+        positions[0, :, 2] = torch.tensor(xs)
+        for dtype in (torch.float64, torch.float32):
+            counted = 0.0
+            for i in range(n):
+                plane = lensing.density_plane(positions.to(dtype), (10.0, 10.0, length), planes.distances[i],
+                                              planes.widths[i], 1, total=len(xs), _edges=edges[i])
+                counted += float((plane.double() + 1).sum()) * len(xs) * planes.widths[i] / length
+            assert abs(counted - len(xs)) < 1e-4, (length, n, dtype, counted)
 
 
 # ---------------------------------------------------------------------- convergence
@@ -288,6 +351,11 @@ def test_convergence_errors():
         lensing.convergence_born(planes, geometry, 100.0, angles, 1.0, None)
     with pytest.raises(ValueError, match="`field_of_view`"):
         lensing.angular_grid(-1.0, 8)
+    with pytest.raises(ValueError, match="at least one plane"):
+        lensing.convergence_born(planes[:0], lensing.LensPlanes((), (), (), 2), 100.0, angles, 1.0, c)
+    with pytest.raises(ValueError, match="scale factors in \\(0, 1\\]"):
+        lensing.convergence_born(planes, lensing.LensPlanes((40.0, 120.0), (80.0, 80.0), (0.98, 1.5), 2), 100.0,
+                                 angles, 1.0, c)
 
 
 # ------------------------------------------------------------------------ light cone
@@ -413,7 +481,7 @@ def test_angular_power_spectrum_hand_cases():
         lensing.angular_power_spectrum(torch.zeros(4), field)
 
 
-def test_limber_against_an_independent_quadrature_and_jax_cosmo():
+def test_limber_against_an_independent_quadrature_and_jax_cosmo(tmp_path):
     """The Limber integral by scipy's adaptive quadrature with astropy's distances (same
     linear power and growth: checks the kernel, the distances and the integration), and
     jax_cosmo's angular_cl for a WeakLensing probe of one source redshift (independent
@@ -449,6 +517,31 @@ def test_limber_against_an_independent_quadrature_and_jax_cosmo():
         assert abs(float(ours[i]) / expected - 1) < 1e-6, (ell, float(ours[i]), expected)
         expected = reference_power(ell, z_cap)
         assert abs(float(capped[i]) / expected - 1) < 1e-6, (ell, float(capped[i]), expected)
+    # a table of the same power, as a path and as a PowerTable: grown by D1^2 like the name;
+    # one ending at k = 10 h/Mpc starts the integral where (ell + 1/2) / chi reaches 10
+    k = np.logspace(-4, 2, 3000)
+    path = tmp_path / "power.txt"
+    np.savetxt(path, np.c_[k, torchpm.linear_power(torch.tensor(k), cosmology).numpy()])
+    for given in (str(path), torchpm.PowerTable(path)):
+        # (log-log interpolation of 3000 rows over 6 decades: ~1e-6)
+        torch.testing.assert_close(lensing.limber_convergence_power(torch.tensor(ells), z_s, cosmology, power=given),
+                                   ours, rtol=1e-5, atol=0)
+    short = k[k <= 10.0]
+    np.savetxt(path, np.c_[short, torchpm.linear_power(torch.tensor(short), cosmology).numpy()])
+    cut = lensing.limber_convergence_power(torch.tensor(ells), z_s, cosmology, power=str(path))
+    z_near = optimize.brentq(lambda z: reference.comoving_distance(z).value * h - 2000.5 / 10.0, 1e-4, 1.0, xtol=1e-15)
+    edges = np.linspace(z_near, z_s, 4001)  # the integrand of reference_power on [z_near, z_s]
+    chi = reference.comoving_distance(edges).value * h
+    a = 1 / (1 + edges)
+    kk = torch.tensor(2000.5 / chi, dtype=torch.float64)
+    p = (table.at(torch.tensor(a, dtype=torch.float64)).D1 ** 2 * torchpm.linear_power(kk, cosmology)).numpy()
+    values = (1.5 * om / HUBBLE_DISTANCE**2 * (chi_s - chi) / chi_s / a) ** 2 * p * HUBBLE_DISTANCE / reference.efunc(edges)
+    assert abs(float(cut[1]) / integrate.simpson(values, x=edges) - 1) < 1e-5
+    torch.testing.assert_close(cut[0], ours[0], rtol=1e-5, atol=0)  # ell = 30 needs k <= 10 from chi = 3 Mpc/h
+    with pytest.raises(ValueError, match="`power` must be"):
+        lensing.limber_convergence_power(torch.tensor(ells), z_s, cosmology, power=3)
+    with pytest.raises(ValueError, match="`z_source` must be a redshift in"):
+        lensing.limber_convergence_power(torch.tensor(ells), 1e300, cosmology)
     if jaxpm.SKIP_REASON is None:
         import jax.numpy as jnp
         import jax_cosmo as jc

@@ -227,9 +227,9 @@ class Cosmology:
 
     def scale_factor_at_distance(self, chi) -> torch.Tensor:
         """The scale factor whose comoving distance (:meth:`comoving_distance`) is ``chi``
-        Mpc/h (float64, any shape; ``chi >= 0``). Newton's method to rounding, then one
-        differentiable step, so gradients in ``chi`` and the parameters are those of the
-        inverse function: ``da/dchi = -a^2 E(a) / D_H``."""
+        Mpc/h (float64, any shape; ``chi >= 0``). Newton's method to rounding, then two
+        differentiable steps, so gradients in ``chi`` and the parameters are those of the
+        inverse function (first and second derivatives): ``da/dchi = -a^2 E(a) / D_H``."""
         chi = torch.as_tensor(chi, dtype=torch.float64, device=self.device)
         if not bool(((chi >= 0) & torch.isfinite(chi)).all()):
             raise ValueError("Cosmology.scale_factor_at_distance: `chi` must be finite and not negative (Mpc/h)")
@@ -251,9 +251,12 @@ class Cosmology:
             for _ in range(4):
                 a = a + (self.comoving_distance(a) - chi_value) * a**2 * self.E(a) / HUBBLE_DISTANCE
                 a = a.clamp(1e-4, 1.0)
-        # one Newton step with gradients: its value is a (the residual is ~1e-16), its
-        # derivative that of the inverse function
-        return a + (self.comoving_distance(a) - chi) * a**2 * self.E(a).detach() / HUBBLE_DISTANCE
+        # two Newton steps with gradients: their value is a (the residual is ~1e-16); the
+        # first, from the detached root, gives exact first derivatives of the inverse
+        # function, the second (quadratic convergence) exact second derivatives too
+        for _ in range(2):
+            a = a + (self.comoving_distance(a) - chi) * a**2 * self.E(a) / HUBBLE_DISTANCE
+        return a
 
     # Growth (convenience: builds a table each call; a simulation builds one once) ------
     def growth(self, a) -> "GrowthValues":

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from typing import NamedTuple, Sequence
 
 import torch
@@ -87,6 +88,22 @@ def _pair(value, name, function, kind) -> tuple:
     return tuple(float(v) for v in values)
 
 
+def _check_planes(planes, function) -> None:
+    """ValueError unless ``planes`` is a usable :class:`LensPlanes`."""
+    if not isinstance(planes, LensPlanes):
+        raise ValueError(f"{function}: `planes` must be a LensPlanes (from lens_planes), got {type(planes).__name__}")
+    n = len(planes.distances)
+    if n == 0 or len(planes.widths) != n or len(planes.scale_factors) != n:
+        raise ValueError(f"{function}: `planes` must hold at least one plane and as many widths and scale factors as "
+                         f"distances, got {len(planes.distances)}, {len(planes.widths)} and {len(planes.scale_factors)}")
+    values = [*planes.distances, *planes.widths, *planes.scale_factors]
+    if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) for v in values) \
+            or any(d < 0 for d in planes.distances) or any(w <= 0 for w in planes.widths) \
+            or any(not 0 < a <= 1 for a in planes.scale_factors) or planes.axis not in (0, 1, 2):
+        raise ValueError(f"{function}: `planes` must have distances >= 0, widths > 0, scale factors in (0, 1] and an "
+                         f"axis 0, 1 or 2, got {planes!r}")
+
+
 def _cosmology(cosmology, function) -> Cosmology:
     if not isinstance(cosmology, Cosmology):
         raise ValueError(f"{function}: `cosmology` must be a torchpm.Cosmology, got {type(cosmology).__name__}")
@@ -130,8 +147,7 @@ def lightcone_steps(planes: LensPlanes, a_start: float, steps: int) -> list[floa
     the planes' scale factors put in place of the nearest linear ones (a linear step
     closer than a quarter step to a plane is dropped, so no step is tiny)."""
     function = "lightcone_steps"
-    if not isinstance(planes, LensPlanes):
-        raise ValueError(f"{function}: `planes` must be a LensPlanes (from lens_planes), got {type(planes).__name__}")
+    _check_planes(planes, function)
     steps = _positive_int(steps, "steps", function)
     a_far, a_near = min(planes.scale_factors), max(planes.scale_factors)
     if isinstance(a_start, bool) or not isinstance(a_start, numbers.Real) or not (0 < a_start < a_far):
@@ -156,9 +172,11 @@ def density_plane(
     total=None,
     order: str | int = "cic",
     mesh=None,
+    _edges: tuple[float, float] | None = None,
 ) -> torch.Tensor:
-    """Projected overdensity ``delta`` of the slab ``|x_axis - center| < width / 2``
-    (periodic, half open: ``[center - w/2, center + w/2)``) on an ``R0 x R1`` grid
+    """Projected overdensity ``delta`` of the slab ``center - w/2 <= x_axis < center + w/2``
+    (``w = width``; periodic: positions wrapped into ``[0, L)``; slabs sharing an edge
+    compare each particle with the same number, so they never both hold it) on an ``R0 x R1`` grid
     over the two transverse axes (in increasing order), painted with the window
     ``order``. Node ``(j0, j1)`` sits at transverse position ``(j0 L0 / R0, j1 L1 / R1)``.
 
@@ -173,7 +191,7 @@ def density_plane(
         resolution: pixels per transverse axis (one or two integers).
         weights: ``(B, N)`` masses (default 1).
         ids: ``(B, N)`` int64; slots with ``ids < 0`` (a grid state's empty slots) carry
-            no mass.
+            no mass. Required with a process grid's ``mesh``.
         total: the number (or total weight) of particles per batch member, over all ranks.
         order: mass-assignment window (``"ngp"``, ``"cic"``, ``"tsc"``, ``"pcs"``).
         mesh: a process grid's mesh (e.g. ``sim.force_mesh``): each rank paints its own
@@ -199,6 +217,9 @@ def density_plane(
                 or positions.shape[-1] != 3:
             raise ValueError(f"{function}: `positions` must be a (B, N, 3) floating-point tensor, got "
                              f"{getattr(positions, 'shape', type(positions).__name__)}")
+        if distributed and ids is None:
+            raise ValueError(f"{function}: on a process grid pass `ids` (a grid state's empty slots, id -1, carry "
+                             "no mass; for particles without empty slots pass zeros)")
         for name, value in (("weights", weights), ("ids", ids)):
             if value is not None and (not isinstance(value, torch.Tensor)
                                       or tuple(value.shape) != tuple(positions.shape[:2])):
@@ -209,6 +230,12 @@ def density_plane(
             raise ValueError(f"{function}: `total` must be a positive number (particles per batch member), got {total!r}")
         if weights is not None and weights.dtype != positions.dtype:
             raise ValueError(f"{function}: `weights` must have the positions' dtype {positions.dtype}, got {weights.dtype}")
+        finite = torch.isfinite(positions.detach()).all(-1)
+        if ids is not None:
+            finite = finite | (ids < 0)
+        if not bool(finite.all()):
+            raise ValueError(f"{function}: `positions` must be finite, got {int((~finite).sum())} particles with NaN "
+                             "or inf coordinates")
         values = [("box_size", box), ("axis", axis), ("order", order), ("resolution", resolution),
                   ("center", float(center)), ("width", float(width)), ("batch", positions.shape[0]),
                   ("dtype", str(positions.dtype)), ("weights", weights is not None),
@@ -222,15 +249,27 @@ def density_plane(
     dtype, device = positions.dtype, positions.device
     lengths = torch.tensor(box, dtype=dtype, device=device)
     transverse = [i for i in range(3) if i != axis]
-    # signed distance from the slab's centre along the line of sight, in [-L/2, L/2)
-    along = positions[..., axis].detach()
-    offset = torch.remainder(along - center + 0.5 * box[axis], box[axis]) - 0.5 * box[axis]
-    mass = (offset >= -0.5 * width) & (offset < 0.5 * width)
+    # the slab [lo, hi) of [0, L) (two pieces when it crosses the box's face); the wrapped
+    # coordinate is compared with the edges themselves, so neighbouring slabs agree
+    length = box[axis]
+    along = torch.remainder(positions[..., axis].detach(), length)
+    along = torch.where(along >= length, along - length, along)  # (rounding up to L)
+    # (`_edges`: the slab's edges as the caller computed them, so that the edges of
+    # neighbouring slabs are the same numbers: :func:`lightcone`)
+    lo, hi = (center - 0.5 * width, center + 0.5 * width) if _edges is None else _edges
+    shift = math.floor(lo / length) * length
+    lo, hi = lo - shift, hi - shift  # lo in [0, L)
+    if hi <= length:
+        mass = (along >= lo) & (along < hi)
+    else:
+        mass = (along >= lo) | (along < hi - length)
     if ids is not None:
         mass = mass & (ids >= 0)
     mass = mass.to(dtype)
     if weights is not None:
         mass = mass * weights
+    if ids is not None:  # (an empty slot's coordinates are never looked at)
+        positions = torch.where((ids >= 0).unsqueeze(-1), positions, torch.zeros((), dtype=dtype, device=device))
     pixels = torch.tensor(resolution, dtype=dtype, device=device)
     plane_positions = torch.remainder(positions[..., transverse], lengths[transverse]) / lengths[transverse] * pixels
     plane_positions = torch.cat([plane_positions, torch.zeros_like(plane_positions[..., :1])], dim=-1)
@@ -245,6 +284,10 @@ def density_plane(
         total = total.view(-1, 1, 1)
     if distributed:
         plane = mesh.all_reduce(plane)
+    if isinstance(total, torch.Tensor):
+        if not bool((total.detach() > 0).all()):  # (the same on every rank: all-reduced)
+            raise ValueError(f"{function}: the particles' total weight is {float(total.detach().min())} (no particle, "
+                             "or all weights 0): there is no mean density to divide by; pass `total`")
     mean = total * (width / box[axis]) / (resolution[0] * resolution[1])
     return plane / mean - 1.0
 
@@ -302,6 +345,7 @@ def convergence_born(
     cosmology = _cosmology(cosmology, function)
     if not isinstance(geometry, LensPlanes):
         raise ValueError(f"{function}: `geometry` must be a LensPlanes (from lens_planes), got {type(geometry).__name__}")
+    _check_planes(geometry, function)
     box = as_box_size(box_size)
     order = ORDER_NAMES[order_number(order, function, "order")]
     if not isinstance(planes, torch.Tensor) or not planes.is_floating_point() or planes.dim() not in (3, 4) \
@@ -406,39 +450,83 @@ def limber_convergence_power(ell, z_source: float, cosmology: Cosmology, *, powe
         W = 3/2 Om (H0/c)^2 f_K(chi) f_K(chi_s - chi) / (f_K(chi_s) a)
 
     with ``chi_max`` the source distance or less (e.g. the depth of a simulation's light
-    cone) and ``P(k, a) = D1(a)^2 P_lin(k)``, the linear power of ``power`` (a name or
-    table as :class:`~torchpm.Simulation` takes it, default Eisenstein & Hu) unless
-    ``power`` is a callable ``P(k, a)``. Gauss-Legendre in ``chi`` (``nodes`` points);
-    float64, differentiable in the cosmology."""
-    from .cosmology import growth_table, resolve_power
+    cone). ``power``: the linear power at ``a = 1`` as :class:`~torchpm.Simulation` takes
+    it (a built-in name, default Eisenstein & Hu, a table's path or a
+    :class:`~torchpm.PowerTable`), grown as ``P(k, a) = D1(a)^2 P_lin(k)``; or a callable
+    ``P(k, a)`` of the power at ``a`` itself (e.g. a non-linear model). A table covers a
+    finite range of k: the integral then starts at the ``chi`` where
+    ``(ell + 1/2) / f_K(chi)`` falls to the table's largest k (the nearer part needs k
+    beyond it), and the table must reach down to ``(ell + 1/2) / f_K(chi_max)``.
+    Gauss-Legendre in ``chi`` (``nodes`` points); float64, differentiable in the cosmology
+    (second derivatives included)."""
+    from .cosmology import PowerTable, growth_table, resolve_power
 
     function = "limber_convergence_power"
     cosmology = _cosmology(cosmology, function)
     ell = torch.as_tensor(ell, dtype=torch.float64, device=cosmology.device)
     if not bool(((ell > 0) & torch.isfinite(ell)).all()):
         raise ValueError(f"{function}: `ell` must be positive and finite")
-    if isinstance(z_source, bool) or not isinstance(z_source, numbers.Real) or not (0 < z_source < 1e4):
-        raise ValueError(f"{function}: `z_source` must be a positive redshift, got {z_source!r}")
+    if isinstance(z_source, bool) or not isinstance(z_source, numbers.Real) or not (0 < z_source < 999):
+        raise ValueError(f"{function}: `z_source` must be a redshift in (0, 999) (the growth table starts at "
+                         f"a = 1e-3), got {z_source!r}")
+    if chi_max is not None and (isinstance(chi_max, bool) or not isinstance(chi_max, numbers.Real)
+                                or not (math.isfinite(chi_max) and chi_max > 0)):
+        raise ValueError(f"{function}: `chi_max` must be None or a positive distance (Mpc/h), got {chi_max!r}")
+    nodes = _positive_int(nodes, "nodes", function)
     chi_s = cosmology.comoving_distance(torch.tensor(1.0 / (1.0 + z_source), dtype=torch.float64))
     upper = chi_s if chi_max is None else torch.minimum(chi_s, torch.tensor(float(chi_max), dtype=torch.float64))
-    if callable(power) and not isinstance(power, str):
-        nonlinear = power
-    else:
+    table = None
+    if power is None or isinstance(power, (str, os.PathLike, PowerTable)):
         linear = resolve_power("eisenstein_hu" if power is None else power)
-        table = growth_table(cosmology)
+        table = linear if isinstance(linear, PowerTable) else None
+        growth = growth_table(cosmology)
 
-        def nonlinear(k, a):
-            return table.at(a).D1 ** 2 * linear(k, cosmology)
-
-    x, w = _gauss_legendre(_positive_int(nodes, "nodes", function), cosmology.device)
-    chi = 0.5 * upper * (x + 1)
+        def evaluate(k, a):
+            return growth.at(a).D1 ** 2 * linear(k, cosmology)
+    elif callable(power):
+        evaluate = power
+    else:
+        raise ValueError(f"{function}: `power` must be a built-in name, a table (path or PowerTable) or a callable "
+                         f"P(k, a), got {type(power).__name__}")
+    x, w = _gauss_legendre(nodes, cosmology.device)
+    ells = ell.reshape(-1, 1)
+    if table is None:
+        lower = torch.zeros_like(ells)
+    else:
+        # from where (ell + 1/2) / f_K(chi) is the table's largest k (f_K(chi) = (ell + 1/2) / k_max)
+        k_low, k_high = table.k_range
+        with torch.no_grad():
+            reach = cosmology.transverse_distance(upper.detach())
+        needed = float(((ells + 0.5) / reach).min())
+        if needed < k_low * (1 - 1e-9):
+            raise ValueError(f"{function}: the power table {table.path!r} starts at k = {k_low:.4g} h/Mpc, but ell = "
+                             f"{float(ell.min()):.4g} needs k = {needed:.4g} h/Mpc at chi = {float(reach):.6g} Mpc/h; "
+                             "extend the table")
+        # (flat-space inverse of f_K near the observer: exact when Omega_k = 0, and the
+        # lower end of a curved one is where f_K and chi agree to (chi / D_H)^2 Omega_k)
+        lower = torch.minimum((ells + 0.5) / k_high * (1 + 1e-12), upper.detach())
+    chi = lower + 0.5 * (upper - lower) * (x + 1)  # (n_ell, nodes)
     a = cosmology.scale_factor_at_distance(chi)
     f_chi = cosmology.transverse_distance(chi)
     kernel = 1.5 * cosmology.Omega_m / HUBBLE_DISTANCE**2 * cosmology.transverse_distance(chi_s - chi) \
         / cosmology.transverse_distance(chi_s) / a  # W / f_K(chi)
-    k = (ell.reshape(-1, 1) + 0.5) / f_chi
-    values = kernel**2 * nonlinear(k, a.expand_as(k))
-    return (0.5 * upper * (values * w).sum(-1)).reshape(ell.shape)
+    k = (ells + 0.5) / f_chi
+    if table is not None:
+        k = torch.minimum(k, torch.tensor(table.k_range[1], dtype=torch.float64, device=k.device))
+    values = kernel**2 * evaluate(k, a)
+    return (0.5 * (upper - lower) * (values * w).sum(-1, keepdim=True)).reshape(ell.shape)
+
+
+def _shared_edges(planes: LensPlanes, length: float) -> list[tuple[float, float]]:
+    """Each plane's slab ``(lo, hi)``, the edge two neighbouring planes share made one
+    number (``d + w/2`` and the next ``d - w/2`` may differ in the last bit), so that at
+    one time a particle on it is in exactly one of them."""
+    edges = [[d - 0.5 * w, d + 0.5 * w] for d, w in zip(planes.distances, planes.widths)]
+    by_distance = sorted(range(len(edges)), key=lambda i: edges[i][0])
+    for near, far in zip(by_distance[:-1], by_distance[1:]):
+        if abs(edges[near][1] - edges[far][0]) <= 1e-9 * length:
+            edges[far][0] = edges[near][1]
+    return [tuple(edge) for edge in edges]
 
 
 def lightcone(sim, white_noise: torch.Tensor | None = None, *, planes: LensPlanes, resolution,
@@ -458,23 +546,35 @@ def lightcone(sim, white_noise: torch.Tensor | None = None, *, planes: LensPlane
         ``(B, n, R0, R1)`` overdensity planes, nearest first (the order of ``planes``).
     """
     function = "lightcone"
-    if not isinstance(planes, LensPlanes):
-        raise ValueError(f"{function}: `planes` must be a LensPlanes (from lens_planes), got {type(planes).__name__}")
-    depth = max(d + 0.5 * w for d, w in zip(planes.distances, planes.widths))
-    if depth > sim.box_size[planes.axis] * (1 + 1e-12):
-        raise ValueError(f"{function}: the planes reach {depth:.6g} Mpc/h along axis {planes.axis}, beyond the "
-                         f"simulation's box ({sim.box_size[planes.axis]} Mpc/h)")
-    steps = sim.scale_factors
-    missing = [a for a in planes.scale_factors if not any(abs(a - s) <= 1e-12 * s for s in steps)]
-    if missing:
-        raise ValueError(
-            f"{function}: the simulation does not step to the planes' scale factors {missing[:4]}"
-            f"{' ...' if len(missing) > 4 else ''}; build it with steps=torchpm.lensing.lightcone_steps(planes, "
-            f"a_start, n)")
-    resolution = _pair(resolution, "resolution", function, int)
-    order_number(order, function, "order")
-    cell = torch.tensor(sim.cell_size, dtype=sim.dtype, device=sim.device)
     mesh = sim.force_mesh
+    steps = sim.scale_factors
+    error = None
+    try:
+        _check_planes(planes, function)
+        depth = max(d + 0.5 * w for d, w in zip(planes.distances, planes.widths))
+        if depth > sim.box_size[planes.axis] * (1 + 1e-12):
+            raise ValueError(f"{function}: the planes reach {depth:.6g} Mpc/h along axis {planes.axis}, beyond the "
+                             f"simulation's box ({sim.box_size[planes.axis]} Mpc/h)")
+        missing = [a for a in planes.scale_factors if not any(abs(a - s) <= 1e-12 * s for s in steps)]
+        if missing:
+            raise ValueError(
+                f"{function}: the simulation does not step to the planes' scale factors {missing[:4]}"
+                f"{' ...' if len(missing) > 4 else ''}; build it with steps=torchpm.lensing.lightcone_steps(planes, "
+                f"a_start, n)")
+        resolution = _pair(resolution, "resolution", function, int)
+        order = ORDER_NAMES[order_number(order, function, "order")]
+    except ValueError as exc:
+        if mesh.is_local:
+            raise
+        error = str(exc)
+    if not mesh.is_local:
+        # one rank's bad or different planes, resolution or window raises on every rank
+        # (none is left waiting in the run)
+        mesh.agree(function, [("`planes`", repr(planes) if error is None else None),
+                              ("`resolution`", resolution if error is None else None),
+                              ("`order`", order if error is None else None)], error)
+    cell = torch.tensor(sim.cell_size, dtype=sim.dtype, device=sim.device)
+    edges = _shared_edges(planes, sim.box_size[planes.axis])
     farthest_first = sorted(range(len(planes.distances)), key=lambda i: planes.scale_factors[i])
     taken = [None] * len(planes.distances)
     state = None
@@ -486,5 +586,5 @@ def lightcone(sim, white_noise: torch.Tensor | None = None, *, planes: LensPlane
             state = sim.resume(state, until=until, callback=callback, return_mesh_units=True)
         taken[i] = density_plane(state.positions * cell, sim.box_size, planes.distances[i], planes.widths[i],
                                  resolution, axis=planes.axis, ids=state.ids, total=sim.n_total, order=order,
-                                 mesh=mesh)
+                                 mesh=mesh, _edges=edges[i])
     return torch.stack(taken, dim=1)
