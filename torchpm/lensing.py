@@ -401,8 +401,10 @@ class AngularPowerSpectrum(NamedTuple):
 
 
 def angular_power_spectrum(maps: torch.Tensor, field_of_view) -> AngularPowerSpectrum:
-    """Flat-sky angular power spectrum of periodic maps over ``field_of_view`` degrees
-    (one or two numbers)::
+    """Flat-sky angular power spectrum of maps over ``field_of_view`` degrees (one or two
+    numbers), their DFT taken as it is (the map treated as periodic, no apodisation: a
+    map that is not, such as a Born map of part of the sky, leaks some power from its
+    edges into the highest multipoles)::
 
         C_ell = Omega_pix^2 / Omega <|DFT kappa|^2>_ring,   Omega = field area (sr),
 
