@@ -392,13 +392,14 @@ def _position_gradient(mesh, field, positions, values, order):
 
 
 class _AdjointKickDriftKick(torch.autograd.Function):
-    """``(x_0, p_0, factor table, *parameters) -> (x_N, p_N, F_N)``; backward by the
-    adjoint method (see the module docstring). ``setup`` is a plain dict carrying the
+    """``(x_0, p_0, F_0 or None, factor table, *parameters) -> (x_N, p_N, F_N)``; backward
+    by the adjoint method (see the module docstring; ``F_0`` given: see
+    :func:`adjoint_integrate`'s ``forces``). ``setup`` is a plain dict carrying the
     force (an :class:`AutogradForce` or :class:`ParticleMeshForce`), the hooks and
     the parameter list."""
 
     @staticmethod
-    def forward(setup, positions, momenta, table, *parameters):
+    def forward(setup, positions, momenta, initial_forces, table, *parameters):
         force, step, callback = setup["force"], setup["step"], setup["callback"]
         rows = table.unbind(0)
         last = {}
@@ -409,28 +410,29 @@ class _AdjointKickDriftKick(torch.autograd.Function):
             value, last["saved"] = force.evaluate(x, a)
             return value
 
-        forces = force(positions, rows[0][0])
+        forces = force(positions, rows[0][0]) if initial_forces is None else initial_forces
         for number, row in enumerate(rows, start=1):
-            function = force_kept if number == len(rows) else force
+            function = force_kept if number == len(rows) and setup["keep_last_force"] else force
             positions, momenta, forces = step(positions, momenta, forces, _row_factors(row), function)
             if callback is not None:
                 callback(number, float(row[1]))
-        setup["last_force"] = last["saved"]
+        setup["last_force"] = last.get("saved")
         return positions, momenta, forces
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         # (the setup_context form, which torch.func transforms require)
-        setup, table = inputs[0], inputs[3]
+        setup, initial_forces, table = inputs[0], inputs[3], inputs[4]
         ctx.setup = setup
         ctx.last_force = setup.pop("last_force", None)
         ctx.set_materialize_grads(False)  # an unused output's adjoint stays None: no zero tensors
-        ctx.save_for_backward(*output, table)
+        ctx.given_forces = initial_forces is not None
+        ctx.save_for_backward(*output, table, *([initial_forces] if ctx.given_forces else []))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_positions, grad_momenta, grad_forces):
-        positions, momenta, forces, table = ctx.saved_tensors
+        positions, momenta, forces, table, *given = ctx.saved_tensors
         setup = ctx.setup
         force, migrate = setup["force"], setup["migrate"]
         parameters = list(setup["parameters"])
@@ -485,6 +487,21 @@ class _AdjointKickDriftKick(torch.autograd.Function):
         del ctx.last_force
         momentum_dot_force = None  # <lambda_p, forces> if the fused pull-back computed it
         steps = table.shape[0]
+        if saved is None:
+            # The last force was not kept by the forward pass (keep_last_force=False): it is
+            # evaluated once more at the same positions (the same bits as `forces`) and,
+            # its cotangent adjoint_F + k2 lambda_p being known already, pulled back in
+            # the same call where the force can (the cost of the kept force's pull-back).
+            if fused:
+                cotangent = (adjoint_p * rounded[-1][2] if adjoint_F is None
+                             else torch.add(adjoint_F, adjoint_p, alpha=rounded[-1][2]))
+                _, grad_x, grad_a, grads = force.evaluate_and_pull(positions, table[-1, 1], cotangent, parameters)
+                add_adjoints(grad_a, grads, (steps - 1, 1))
+                adjoint_x = adjoint_x + grad_x
+                adjoint_F = None
+                del cotangent, grad_x
+            else:
+                saved = force.evaluate(positions, table[-1, 1])[1]
         for index in range(steps - 1, -1, -1):
             first_kick, drift, second_kick = rounded[index]
             if momentum_dot_force is None:
@@ -516,6 +533,12 @@ class _AdjointKickDriftKick(torch.autograd.Function):
             # Drift: x' = x_i + d p_h.
             grad_table[index, 3] += _dot(adjoint_x, half)
             adjoint_half = torch.add(adjoint_half, adjoint_x, alpha=drift)
+            if index == 0 and given:
+                # F_0 was an input (the last force of an earlier integration): nothing to
+                # re-evaluate or pull back here; its adjoint k1_0 lambda_h goes back to it.
+                adjoint_p = adjoint_half
+                kick_after = first_kick
+                break
             # First kick: p_h = p_i + k1 F_i; its adjoint is added at the next (earlier)
             # step from <lambda_p, F_i>, lambda_p = lambda_h.
             if fused:
@@ -542,6 +565,11 @@ class _AdjointKickDriftKick(torch.autograd.Function):
                 momenta = torch.sub(half, forces, alpha=first_kick)
             adjoint_p = adjoint_half
             kick_after = first_kick
+        if given:
+            # In the layout of the inputs, where F_0 is: <lambda_p, F_0> for k1_0's adjoint.
+            adjoint_x, adjoint_p = setup["restore"](positions, adjoint_x, adjoint_p)
+            grad_table[0, 2] += _dot(adjoint_p, given[0])
+            return (None, adjoint_x, adjoint_p, adjoint_p * kick_after, grad_table, *grad_parameters)
         # F_0 = force(x_0, a_0) was computed inside the Function too.
         if momentum_dot_force is None:
             momentum_dot_force = _dot(adjoint_p, forces)
@@ -549,7 +577,7 @@ class _AdjointKickDriftKick(torch.autograd.Function):
         if saved is not None:
             adjoint_x = adjoint_x + pull(saved, adjoint_p * kick_after, (0, 0), momentum_dot_force * kick_after)
         adjoint_x, adjoint_p = setup["restore"](positions, adjoint_x, adjoint_p)
-        return (None, adjoint_x, adjoint_p, grad_table, *grad_parameters)
+        return (None, adjoint_x, adjoint_p, None, grad_table, *grad_parameters)
 
 
 # Entries summed in the tensor's dtype before the float64 accumulation in _dot (64
@@ -590,6 +618,8 @@ def adjoint_integrate(
     restore: Callable | None = None,
     callback: Callable | None = None,
     sources: Sequence[torch.Tensor] | None = None,
+    forces: torch.Tensor | None = None,
+    keep_last_force: bool = True,
 ):
     """Integrate the kick-drift-kick loop with gradients by the adjoint method.
 
@@ -632,6 +662,19 @@ def adjoint_integrate(
             otherwise be walked at every step of the backward pass (saved tensors are
             freed after the first walk): the forces read a detached copy, given in
             ``parameters``, and the tensor itself, given here, receives the total once.
+        forces: the forces at the start, ``force_function(positions, a_start)``, when
+            they are known already: the forces an earlier integration ended with, so
+            that integrations chained at step ends evaluate no force twice. They are
+            not evaluated again, in the forward pass or the backward pass, and their
+            gradient (the first kick's factor times the adjoint of the momenta) goes
+            back to them, in their layout, so the earlier integration's backward pass
+            takes it as the adjoint of its last force.
+        keep_last_force: keep what the pull-back of the last force needs (its force
+            field and density spectrum on the mesh) from the forward pass, so the
+            backward pass starts without evaluating it again (default). False: the
+            backward pass evaluates it once more and the forward pass keeps nothing on
+            the mesh, for integrations chained one after another, whose outputs the
+            graph keeps until the backward pass.
 
     Returns:
         ``(positions, momenta, forces)`` after the last step, identical to looping
@@ -647,6 +690,12 @@ def adjoint_integrate(
                 f"adjoint_integrate: `{name}` must be a (B, N, 3) tensor, got "
                 f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
             )
+    if forces is not None and (not isinstance(forces, torch.Tensor) or forces.shape != positions.shape):
+        raise ValueError(
+            "adjoint_integrate: `forces` must be None or the forces at the start, shaped like `positions` "
+            f"{tuple(positions.shape)}, got "
+            f"{tuple(forces.shape) if isinstance(forces, torch.Tensor) else type(forces).__name__}"
+        )
     parameters = list(parameters)
     for index, parameter in enumerate(parameters):
         if not isinstance(parameter, torch.Tensor):
@@ -668,6 +717,7 @@ def adjoint_integrate(
         migrate=migrate,
         callback=callback,
         parameters=parameters,
+        keep_last_force=bool(keep_last_force),
         restore=restore or (lambda positions, adjoint_x, adjoint_p: (adjoint_x, adjoint_p)),
     )
     if sources is None:
@@ -680,4 +730,4 @@ def adjoint_integrate(
             "adjoint_integrate: `sources` must hold one tensor per parameter, of its shape, got "
             f"{[tuple(getattr(s, 'shape', ())) for s in sources]} for {[tuple(p.shape) for p in parameters]}"
         )
-    return _AdjointKickDriftKick.apply(setup, positions, momenta, table, *sources)
+    return _AdjointKickDriftKick.apply(setup, positions, momenta, forces, table, *sources)
