@@ -40,7 +40,7 @@ def case_ids(world_size):
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}", f"paint_layers-{grid}",
-                    f"redshift_multipoles-{grid}", f"lightcone-{grid}",
+                    f"redshift_multipoles-{grid}", f"lightcone-{grid}", f"trajectory-{grid}",
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}", f"forces_box_shifted-{grid}"]
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"migration_dtypes-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
@@ -1140,6 +1140,55 @@ def case_lightcone(grid, ctx):
         broken[0, 0, 1] = float("nan")
     expect_error_everywhere(lambda: lensing.density_plane(broken, CONFIG["box_size"], 5.0, 2.0, 4, ids=state.ids,
                                                           mesh=mesh), "`positions` must be finite", "rank 1")
+
+
+def case_trajectory(grid, ctx):
+    """Simulation.trajectory on the grid: each state is bit for bit the grid run stopped
+    there, equals the serial state (by id), and the gradient of a loss over the states
+    by the adjoint method (stretches chained by their forces, migrations in between)
+    equals the serial autograd gradient; a rank with other scale factors, or a bad one,
+    raises on every rank."""
+    import torchpm
+
+    serial, distributed = simulations(grid, ctx)
+    at = [serial.scale_factors[i] for i in (0, 2, 3, 5)]
+    noise = serial.white_noise(batch=2, seed=13)
+    local_noise = distributed.white_noise(batch=2, seed=13)
+    with torch.no_grad():
+        states = distributed.trajectory(local_noise, at=at, return_mesh_units=True)
+        expected = serial.trajectory(noise, at=at)
+        for state, reference, a in zip(states, expected, at):
+            stopped = distributed(local_noise, until=a, return_mesh_units=True)
+            assert torch.equal(state.positions, stopped.positions) and torch.equal(state.momenta, stopped.momenta), a
+            assert torch.equal(state.ids, stopped.ids), a
+            whole = distributed.gather(distributed.to_physical(state.positions, state.momenta, state.a, state.ids))
+            box = distributed.box_size
+            assert_small(float(periodic_difference(whole.positions, reference.positions, box).abs().max()), max(box),
+                         f"positions at {a}")
+            assert_small(float((whole.momenta - reference.momenta).abs().max()),
+                         float(reference.momenta.abs().max()), f"momenta at {a}")
+    field = global_random((2, *serial.mesh_shape), 5)
+    results = []
+    for sim in (serial, torchpm.Simulation(**CONFIG, mesh=ctx["groups"][grid], adjoint=True)):
+        omega_c = torch.tensor(0.2589, dtype=torch.float64, requires_grad=True)
+        sim.cosmology = torchpm.Planck15(Omega_c=omega_c)
+        w = sim.white_noise(batch=2, seed=13).requires_grad_()
+        local_field = sim.force_mesh.local_real_part(field)
+        losses = sim.trajectory(w, at=at[1:], observe=lambda state: (sim.density(state) * local_field).sum())
+        sum(loss * (index + 1) for index, loss in enumerate(losses)).backward()
+        results.append((w.grad, omega_c.grad))
+    (noise_grad, omega_grad), (local_grad, local_omega_grad) = results
+    expected_grad = distributed.particle_mesh.local_real_part(noise_grad)
+    assert_small(float((local_grad - expected_grad).abs().max()), float(expected_grad.abs().max()),
+                 "d loss / d white noise (adjoint, chained stretches)")
+    assert_small(abs(float(local_omega_grad - omega_grad)), abs(float(omega_grad)), "d loss / d Omega_c")
+    first = ctx["rank"] == 0
+    expect_error_everywhere(lambda: distributed.trajectory(local_noise, at=at if first else at[1:]),
+                            "Simulation.trajectory", "`at`")
+    expect_error_everywhere(lambda: distributed.trajectory(local_noise, at=at if first else [0.123, 1.0]),
+                            "Simulation.trajectory", "`at[0]` = 0.123 is not one of")
+    expect_error_everywhere(lambda: distributed.trajectory(local_noise, at=at, observe=None if first else 3),
+                            "Simulation.trajectory", "`observe` must be callable")
 
 
 def case_redshift_agreement(grid, ctx):

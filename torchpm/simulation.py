@@ -699,10 +699,22 @@ class Simulation(nn.Module):
             :class:`SimulationState` at ``until`` (default: the last scale factor).
         """
         self._check_transforms("Simulation")
-        error, stop = None, None
+        return self._forward(white_noise, linear_field, until, callback, return_mesh_units)
+
+    def _forward(self, white_noise, linear_field, until, callback, return_mesh_units, emit=None, at=None,
+                 operation="Simulation.forward", problem=None):
+        """:meth:`forward`; with ``emit`` and ``at`` (scale factors, the last one ``until``),
+        ``emit(number, positions, momenta, ids)`` at each earlier one (:meth:`_evolve`).
+        ``problem``: an argument error found by the caller (raised on every rank)."""
+        error, stop, emit_at = None, None, ()
         try:
+            if problem:
+                raise ValueError(problem)
             if (white_noise is None) == (linear_field is None):
                 raise ValueError("pass exactly one of `white_noise` and `linear_field`")
+            if at is not None:
+                emit_at = self._at_indices(at, 0)
+                until = self.scale_factors[emit_at[-1]]
             stop = self._step_index(until, "until")
         except (TypeError, ValueError) as exc:
             if self.force_mesh.is_local:
@@ -712,7 +724,8 @@ class Simulation(nn.Module):
         if not self.force_mesh.is_local:
             # One rank's bad argument raises on every rank; so do settings changed on one
             # rank since construction, and other gradient needs (other backward collectives).
-            self.force_mesh.agree("Simulation.forward", [("the last step (`until`)", stop), *self._run_values(field)],
+            self.force_mesh.agree(operation, [("the last step (`until`)", stop), ("the steps of `at`", emit_at),
+                                              *self._run_values(field)],
                                   None if error is None else str(error))
         if isinstance(field, torch.Tensor):
             self._check_memory(self.device, field.shape[0] if field.dim() == 4 else 1)
@@ -734,10 +747,100 @@ class Simulation(nn.Module):
         if callback is not None:
             callback(0, self.a_start)
         if stop:
+            if emit is not None and 0 in emit_at:
+                emit(0, positions, momenta, ids)
             positions, momenta, ids = self._evolve(
-                positions, momenta, table, callback=callback, ids=ids, stop=stop, cosmology=cosmology
+                positions, momenta, table, callback=callback, ids=ids, stop=stop, cosmology=cosmology,
+                emit=emit, emit_at=emit_at,
             )
         return self._state(positions, momenta, ids, self.scale_factors[stop], return_mesh_units)
+
+    def _at_indices(self, at, first: int) -> tuple[int, ...]:
+        """The step numbers of the scale factors ``at`` (a non-empty increasing sequence
+        of :attr:`scale_factors`, none before step ``first``)."""
+        if isinstance(at, (str, bytes)) or not isinstance(at, Sequence) or not len(at):
+            raise ValueError(f"`at` must be a non-empty sequence of the simulation's scale factors, got {at!r}")
+        indices = []
+        for index, a in enumerate(at):
+            if isinstance(a, bool) or not isinstance(a, numbers.Real):
+                raise ValueError(f"`at[{index}]` must be a scale factor (a number), got {a!r}")
+            indices.append(self._step_index(a, f"at[{index}]"))
+        if any(b <= a for a, b in zip(indices, indices[1:])):
+            raise ValueError(f"`at` must be in increasing order without repeats, got {list(at)}")
+        if indices[0] < first:
+            raise ValueError(f"`at[0]` = {at[0]} is before the state's scale factor {self.scale_factors[first]}")
+        return tuple(indices)
+
+    def trajectory(
+        self,
+        white_noise: torch.Tensor | None = None,
+        *,
+        linear_field: torch.Tensor | None = None,
+        state: SimulationState | None = None,
+        at: Sequence[float],
+        observe: Callable | None = None,
+        callback: Callable | None = None,
+        mesh_units: bool = False,
+        return_mesh_units: bool = False,
+    ) -> list:
+        """The run's states at several scale factors, from one run.
+
+        Runs from ``white_noise`` (or ``linear_field``) as :meth:`forward` does, or goes
+        on from ``state`` as :meth:`resume` does, to the last of ``at``, and returns a
+        list with the state at each scale factor of ``at``: each the state that
+        ``forward(..., until=a)`` (or ``resume(state, until=a)``) returns, bit for bit
+        on the CPU. The run does not stop there: stopping with ``until`` and going on
+        with :meth:`resume` would evaluate the force at each stop twice.
+
+        With ``observe``, the list holds ``observe(state)`` instead of each state (e.g. a
+        lens plane, a power spectrum, a loss term, or a snapshot written to disk), so
+        the run keeps no state it does not need.
+
+        Gradients flow from everything returned (and from everything ``observe`` returns)
+        to the white noise, the cosmology and the force correction, with autograd,
+        ``checkpoint=True`` or ``adjoint=True``. With the adjoint method the run is one
+        adjoint integration per stretch between the scale factors, each handing its
+        last force, and in the backward pass that force's gradient, to the next: the
+        backward pass still costs one force evaluation and pull-back per step, and the
+        memory is that of the kept values plus one state and one force per scale factor
+        of ``at``.
+
+        Args:
+            white_noise, linear_field: as in :meth:`forward`; or
+            state: as in :meth:`resume` (with ``mesh_units``) instead.
+            at: scale factors, each one of :attr:`scale_factors`, in increasing order (none
+                before ``state.a``); the run ends at the last.
+            observe: ``observe(state) -> anything``, called in the run at each scale factor
+                of ``at`` with its :class:`SimulationState` (in force-mesh cells with
+                ``return_mesh_units``). On a process grid it runs on every rank, in the
+                same order, so it may be collective (:func:`torchpm.lensing.density_plane`,
+                :func:`torchpm.io.write_snapshot`, spectra).
+            callback: as in :meth:`forward`.
+
+        Returns:
+            A list, one entry per scale factor of ``at``: the state there, or what
+            ``observe`` returned for it.
+        """
+        self._check_transforms("Simulation.trajectory")
+        kept = []
+        finish = observe if observe is not None else (lambda value: value)
+        problem = None
+        if observe is not None and not callable(observe):
+            problem = f"`observe` must be callable or None, got {type(observe).__name__}"
+        elif state is not None and (white_noise is not None or linear_field is not None):
+            problem = "pass `white_noise`, `linear_field` or `state`, not several"
+
+        def emit(number, positions, momenta, ids):
+            kept.append(finish(self._state(positions, momenta, ids, self.scale_factors[number], return_mesh_units)))
+
+        if state is None:
+            final = self._forward(white_noise, linear_field, None, callback, return_mesh_units, emit=emit, at=at,
+                                  operation="Simulation.trajectory", problem=problem)
+        else:
+            final = self._resume(state, mesh_units, None, callback, return_mesh_units, emit=emit, at=at,
+                                 problem=problem)
+        kept.append(finish(final))
+        return kept
 
     def resume(
         self,
@@ -763,11 +866,21 @@ class Simulation(nn.Module):
             callback: as in :meth:`forward`, called after each step with the global step number.
         """
         self._check_transforms("Simulation.resume")
-        error, start, stop = None, None, None
+        return self._resume(state, mesh_units, until, callback, return_mesh_units)
+
+    def _resume(self, state, mesh_units, until, callback, return_mesh_units, emit=None, at=None, problem=None):
+        """:meth:`resume`; ``emit``, ``at`` and ``problem`` as in :meth:`_forward`."""
+        error, start, stop, emit_at = None, None, None, ()
+        operation = "Simulation.resume" if at is None else "Simulation.trajectory"
         try:
+            if problem:
+                raise ValueError(problem)
             if not isinstance(state, SimulationState):
                 raise ValueError(f"`state` must be a SimulationState, got {type(state).__name__}")
             start = self._step_index(state.a, "state.a")
+            if at is not None:
+                emit_at = self._at_indices(at, start)
+                until = self.scale_factors[emit_at[-1]]
             stop = self._step_index(until, "until")
             if stop < start:
                 raise ValueError(f"`until` ({self.scale_factors[stop]}) is before the state's scale factor ({state.a})")
@@ -780,9 +893,9 @@ class Simulation(nn.Module):
         if not self.force_mesh.is_local:
             # One rank's bad state raises on every rank, and ranks resuming from other
             # steps (they would run other numbers of steps) are named.
-            self.force_mesh.agree("Simulation.resume", [("the state's step (`state.a`)", start),
-                                                        ("the last step (`until`)", stop),
-                                                        *self._run_values(getattr(state, "positions", None))],
+            self.force_mesh.agree(operation, [("the state's step (`state.a`)", start),
+                                              ("the last step (`until`)", stop), ("the steps of `at`", emit_at),
+                                              *self._run_values(getattr(state, "positions", None))],
                                   None if error is None else str(error))
         positions, momenta = state.positions, state.momenta
         if not (mesh_units or isinstance(state, MeshUnitsState)):
@@ -808,9 +921,11 @@ class Simulation(nn.Module):
         if stop > start:
             self._check_correction()
             cosmology = self._replicated(self.cosmology)
+            if emit is not None and start in emit_at:
+                emit(start, positions, momenta, ids)
             positions, momenta, ids = self._evolve(
                 positions, momenta, self.growth_table(cosmology), callback=callback, ids=ids, start=start,
-                stop=stop, cosmology=cosmology,
+                stop=stop, cosmology=cosmology, emit=emit, emit_at=emit_at,
             )
         return self._state(positions, momenta, ids, self.scale_factors[stop], return_mesh_units)
 
@@ -1146,8 +1261,15 @@ class Simulation(nn.Module):
         return self._evolve(positions, momenta, table, callback, ids=ids, start=start, stop=stop, cosmology=cosmology)
 
     def _evolve(self, positions, momenta, table, callback=None, *, ids=None, start: int = 0, stop: int | None = None,
-                cosmology: Cosmology | None = None):
-        """:meth:`evolve` inside a run (its checks made at the run's start)."""
+                cosmology: Cosmology | None = None, emit: Callable | None = None, emit_at=()):
+        """:meth:`evolve` inside a run (its checks made at the run's start).
+
+        ``emit``: called as ``emit(number, positions, momenta, ids)`` after each step
+        whose number is in ``emit_at`` (before ``stop``) with the particles as
+        :meth:`evolve` would return them had it stopped there (on one device in id
+        order), in tensors the integration does not write afterwards. The run goes on
+        with the force it has, so emitting costs no force evaluation: the states are
+        those of runs stopped there, bit for bit."""
         stop = self.steps if stop is None else stop
         if ids is None:
             ids = torch.arange(positions.shape[1], device=positions.device).expand(positions.shape[0], -1)
@@ -1156,7 +1278,14 @@ class Simulation(nn.Module):
         )[start:stop]
         if not factors:
             return positions, momenta, ids
+        emit_at = {number for number in emit_at if start < number < stop} if emit is not None else set()
         sort_every = self._sort_cadence(ids)
+
+        def emitted(number, positions, momenta, ids, copy=False):
+            if copy:
+                positions, momenta, ids = positions.clone(), momenta.clone(), ids.clone()
+            emit(number, *self._id_order(positions, momenta, ids, sort_every))
+
         # On a grid the slot order is the run's own and comes back with a state: sorting
         # there only at the cadence (start 0: after the LPT) lets a resumed run go on in
         # the order the uninterrupted one has (bit-identical). On one device the state
@@ -1164,14 +1293,26 @@ class Simulation(nn.Module):
         if sort_every and (self.force_mesh.is_local or start % sort_every == 0):
             positions, ids, momenta = sort_particles(self.force_mesh, positions, ids, momenta)
         if self.adjoint and torch.is_grad_enabled():
-            positions, momenta, ids = self._evolve_adjoint(positions, momenta, ids, factors, cosmology, callback, start)
+            # One adjoint integration per stretch between emissions, each handing its last
+            # force to the next (no force evaluated twice; its gradient comes back).
+            forces, begin = None, 0
+            for end in sorted(number - start for number in emit_at) + [len(factors)]:
+                positions, momenta, ids, forces = self._evolve_adjoint(
+                    positions, momenta, ids, factors[begin:end], cosmology, callback, start + begin, forces,
+                    keep_last_force=end == len(factors),
+                )
+                if end < len(factors):
+                    emitted(start + end, positions, momenta, ids)
+                begin = end
             return self._id_order(positions, momenta, ids, sort_every)
         forces = self._forces(positions, factors[0].a_start, ids, cosmology)
         checkpoint = self.checkpoint and torch.is_grad_enabled()
         if not checkpoint and not (torch.is_grad_enabled() and any(
                 tensor.requires_grad for tensor in (positions, momenta, forces))):
-            positions, momenta, ids = self._evolve_fused(positions, momenta, forces, ids, factors, cosmology, callback,
-                                                         start, sort_every)
+            positions, momenta, ids = self._evolve_fused(
+                positions, momenta, forces, ids, factors, cosmology, callback, start, sort_every,
+                emit=None if not emit_at else (lambda *state: emitted(*state, copy=True)), emit_at=emit_at,
+            )
             return self._id_order(positions, momenta, ids, sort_every)
         # With a graph: each step's updates are new tensors.
         for number, factor in enumerate(factors, start=start + 1):
@@ -1184,16 +1325,21 @@ class Simulation(nn.Module):
                 positions, momenta, forces, ids = self._step(positions, momenta, forces, ids, factor, cosmology, sort)
             if callback is not None:
                 callback(number, float(factor.a_end))
+            if number in emit_at:
+                emitted(number, positions, momenta, ids)
         return self._id_order(positions, momenta, ids, sort_every)
 
-    def _evolve_fused(self, positions, momenta, forces, ids, factors, cosmology, callback, start, sort_every):
+    def _evolve_fused(self, positions, momenta, forces, ids, factors, cosmology, callback, start, sort_every,
+                      emit=None, emit_at=()):
         """:meth:`evolve` outside a graph: the steps of :meth:`_step`, in the same order
         and with the same bits, but each step's second kick and the next step's first
         kick and drift ride on the readout of its force
         (:func:`torchpm.pm.readout_kick_drift_`), so no force array is written or read
         back. The particle arrays are updated in place once they are this integration's
         own (after the first update, or a sort here): the caller's tensors are never
-        written. ``forces``: those at the first step's start."""
+        written. ``forces``: those at the first step's start. ``emit(number, positions,
+        momenta, ids)``: called after each step whose number is in ``emit_at`` with the
+        integration's own arrays (the caller copies what it keeps)."""
         update = add_scaled_ if sort_every else add_scaled
         momenta = update(momenta, forces, factors[0].first_kick)
         positions = update(positions, momenta, factors[0].drift)
@@ -1202,20 +1348,29 @@ class Simulation(nn.Module):
             number = start + 1 + index
             following = factors[index + 1] if index + 1 < len(factors) else None
             # From the second step on, the ids are an earlier migration's or sort's.
+            emit_here = None
+            if number in emit_at:
+                def emit_here(positions, momenta, ids, number=number):
+                    if callback is not None:
+                        callback(number, float(factor.a_end))
+                    emit(number, positions, momenta, ids)
             positions, momenta, ids = self._fused_step(positions, momenta, ids, factor, following, cosmology,
                                                        sort=bool(sort_every) and number % sort_every == 0,
-                                                       own_ids=index > 0)
-            if callback is not None:
+                                                       own_ids=index > 0, emit=emit_here)
+            if callback is not None and emit_here is None:
                 callback(number, float(factor.a_end))
         return positions, momenta, ids
 
     def _fused_step(self, positions, momenta, ids, factor: StepFactors, following: StepFactors | None,
-                    cosmology=None, sort=False, own_ids=False):
+                    cosmology=None, sort=False, own_ids=False, emit=None):
         """A step of :meth:`_evolve_fused` on arrays it owns, whose first kick and drift are
         done: the migration (and the sort when ``sort``), the force at ``factor.a_end``,
         and in its readout the second kick and, unless this is the last step
         (``following`` None), the first kick and drift of ``following``. ``own_ids``: the
-        ids are the integration's own too (the migration writes into them)."""
+        ids are the integration's own too (the migration writes into them). ``emit``:
+        called as ``emit(positions, momenta, ids)`` with the state at ``factor.a_end``:
+        the second kick and the next first kick then take a readout each (the same
+        bits: the fused readout is that composition)."""
         mesh = self.force_mesh
         plan, positions, ids, momenta = mesh.migrate(
             positions, ids, momenta, capacity=self.particle_capacity, overwrite=True, overwrite_ids=own_ids
@@ -1226,7 +1381,15 @@ class Simulation(nn.Module):
             positions, ids, momenta = sort_particles(mesh, positions, ids, momenta)
             weights = self._particle_weights(ids, positions.dtype)
         field = self._force(force_field, positions, factor.a_end, ids, cosmology, weights)
-        kicks = [factor.second_kick] if following is None else [factor.second_kick, following.first_kick]
+        if emit is not None:
+            positions, momenta = readout_kick_drift_(mesh, field, positions, momenta, [factor.second_kick],
+                                                     order=self.paint_order)
+            emit(positions, momenta, ids)
+            if following is None:
+                return positions, momenta, ids
+            kicks = [following.first_kick]
+        else:
+            kicks = [factor.second_kick] if following is None else [factor.second_kick, following.first_kick]
         positions, momenta = readout_kick_drift_(mesh, field, positions, momenta, kicks,
                                                  None if following is None else following.drift,
                                                  order=self.paint_order)
@@ -1257,8 +1420,12 @@ class Simulation(nn.Module):
         positions, ids, momenta = restore_id_order(positions, ids, momenta)
         return positions, momenta, ids
 
-    def _evolve_adjoint(self, positions, momenta, ids, factors, cosmology, callback, start):
-        """:meth:`evolve` with gradients by the adjoint method (:mod:`torchpm.adjoint`)."""
+    def _evolve_adjoint(self, positions, momenta, ids, factors, cosmology, callback, start, forces=None,
+                        keep_last_force=True):
+        """:meth:`evolve` with gradients by the adjoint method (:mod:`torchpm.adjoint`).
+        Returns ``(positions, momenta, ids, forces)``; ``forces``: those at the start when
+        known (an earlier stretch's last), not evaluated again; ``keep_last_force``: as
+        :func:`~torchpm.adjoint.adjoint_integrate` takes it."""
         mesh = self.force_mesh
         step_callback = None if callback is None else (lambda number, a: callback(number + start, a))
         # The cosmology the forces read (an explicit one, or the simulation's; replicated on
@@ -1271,10 +1438,11 @@ class Simulation(nn.Module):
                 return self._forces(x, a, ids, cosmology)
 
             force = self._adjoint_force(local_forces, cosmology, lambda: ids, stand_ins)
-            positions, momenta, _ = adjoint_integrate(
-                positions, momenta, factors, force, parameters, callback=step_callback, sources=sources
+            positions, momenta, forces = adjoint_integrate(
+                positions, momenta, factors, force, parameters, callback=step_callback, sources=sources, forces=forces,
+                keep_last_force=keep_last_force,
             )
-            return positions, momenta, ids
+            return positions, momenta, ids, forces
         # On a grid the particles migrate after every drift, in the forward pass and
         # again in the backward pass (by the reconstructed positions). Their layout
         # (ids, and the rank and slot each started from) travels with them, and the
@@ -1310,11 +1478,12 @@ class Simulation(nn.Module):
             out_p[member, index] = adjoint_p[valid]
             return out_x, out_p
 
-        positions, momenta, _ = adjoint_integrate(
+        positions, momenta, forces = adjoint_integrate(
             positions, momenta, factors, self._adjoint_force(grid_forces, cosmology, lambda: layout["ids"], stand_ins),
-            parameters, migrate=migrate, restore=restore, callback=step_callback, sources=sources,
+            parameters, migrate=migrate, restore=restore, callback=step_callback, sources=sources, forces=forces,
+            keep_last_force=keep_last_force,
         )
-        return positions, momenta, layout["ids"]
+        return positions, momenta, layout["ids"], forces
 
     def _adjoint_parameters(self, cosmology: Cosmology | None = None) -> tuple[list, list, dict]:
         """The tensors the forces depend on that need gradients (for :mod:`torchpm.adjoint`):
