@@ -537,12 +537,14 @@ def lightcone(sim, white_noise: torch.Tensor | None = None, *, planes: LensPlane
 
     ``sim`` must step to every plane's scale factor (build it with
     ``steps=lightcone_steps(planes, a_start, n)``). The run goes from the farthest plane
-    to the nearest, continuing with :meth:`~torchpm.Simulation.resume` from the
-    integrator's own values (bit for bit the uninterrupted run on the CPU; the force at
-    each plane is computed once more). Differentiable in the white noise (or linear
-    field), the cosmology and a force correction, like a run; with ``adjoint=True``
-    each stretch between planes is one adjoint integration. On a process grid every
-    rank passes its block (as to ``sim(...)``) and gets all the planes.
+    to the nearest in one :meth:`~torchpm.Simulation.trajectory`, painting each plane
+    as the run passes its scale factor (no force is evaluated twice; each plane is
+    painted from the state ``sim(..., until=a)`` returns, bit for bit on the CPU).
+    Differentiable in the white noise (or linear field), the cosmology and a force
+    correction, like a run; with ``adjoint=True`` each stretch between planes is one
+    adjoint integration, handing its last force and that force's gradient to the
+    next. On a process grid every rank passes its block (as to ``sim(...)``) and gets
+    all the planes.
 
     Returns:
         ``(B, n, R0, R1)`` overdensity planes, nearest first (the order of ``planes``).
@@ -577,16 +579,24 @@ def lightcone(sim, white_noise: torch.Tensor | None = None, *, planes: LensPlane
                               ("`order`", order if error is None else None)], error)
     cell = torch.tensor(sim.cell_size, dtype=sim.dtype, device=sim.device)
     edges = _shared_edges(planes, sim.box_size[planes.axis])
-    farthest_first = sorted(range(len(planes.distances)), key=lambda i: planes.scale_factors[i])
-    taken = [None] * len(planes.distances)
-    state = None
-    for i in farthest_first:
-        until = next(s for s in steps if abs(s - planes.scale_factors[i]) <= 1e-12 * s)
-        if state is None:
-            state = sim(white_noise, linear_field=linear_field, until=until, callback=callback, return_mesh_units=True)
+    # The planes farthest first (earliest), grouped by the step they are taken at.
+    at, groups = [], []
+    for i in sorted(range(len(planes.distances)), key=lambda i: planes.scale_factors[i]):
+        a = next(s for s in steps if abs(s - planes.scale_factors[i]) <= 1e-12 * s)
+        if at and at[-1] == a:
+            groups[-1].append(i)
         else:
-            state = sim.resume(state, until=until, callback=callback, return_mesh_units=True)
-        taken[i] = density_plane(state.positions * cell, sim.box_size, planes.distances[i], planes.widths[i],
-                                 resolution, axis=planes.axis, ids=state.ids, total=sim.n_total, order=order,
-                                 mesh=mesh, _edges=edges[i])
+            at.append(a)
+            groups.append([i])
+    taken = [None] * len(planes.distances)
+    pending = iter(groups)
+
+    def take(state):
+        for i in next(pending):
+            taken[i] = density_plane(state.positions * cell, sim.box_size, planes.distances[i], planes.widths[i],
+                                     resolution, axis=planes.axis, ids=state.ids, total=sim.n_total, order=order,
+                                     mesh=mesh, _edges=edges[i])
+
+    sim.trajectory(white_noise, linear_field=linear_field, at=at, observe=take, callback=callback,
+                   return_mesh_units=True)
     return torch.stack(taken, dim=1)
