@@ -448,19 +448,17 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     start = time.perf_counter()
     marks["last"] = start
     with torch.no_grad():
-        # Run in segments that end at each snapshot; resuming at a step end recomputes
-        # the force there, which is what the uninterrupted run does bit for bit.
-        state = start_state
-        for index, a in enumerate(snapshots + [simulation.scale_factors[-1]]):
-            if state is None:
-                noise = simulation.white_noise(batch=batch, seed=config["seed"],
-                                               fixed_amplitude=config["fixed_amplitude"], paired=config["paired"])
-                state = simulation(noise, callback=callback, until=a, return_mesh_units=True)
-            elif a <= state.a:
-                continue  # reached already (or the snapshot resumed from, which is not rewritten)
-            else:
-                state = simulation.resume(state, mesh_units=True, until=a, callback=callback, return_mesh_units=True)
-            if index < len(snapshots):
+        # One run that writes each snapshot as it passes its scale factor (no force is
+        # evaluated twice; each state is the one a run stopped there returns, bit for
+        # bit). Snapshots reached already (or the one resumed from) are not rewritten.
+        final = simulation.scale_factors[-1]
+        due = {scale_factor_index(simulation, a): index for index, a in enumerate(snapshots)
+               if start_state is None or scale_factor_index(simulation, a) > first}
+        at = sorted({*(simulation.scale_factors[step] for step in due), final})
+
+        def observe(state):
+            index = due.get(scale_factor_index(simulation, state.a))
+            if index is not None:
                 for member in range(batch):
                     path = os.path.join(output, snapshot_name(index, member, batch))
                     write_snapshot(path, state, simulation, mesh_units=True, member=member, config=config,
@@ -469,7 +467,17 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
                 # The spectra at the snapshot too (collective; rank 0 writes them).
                 _, _, snapshot_spectra, snapshot_multipoles = tables.measure(state)
                 if main_rank:
-                    written_tables += tables.write(f"_{index:03d}", state.a, snapshot_spectra, snapshot_multipoles)[:2]
+                    written_tables.extend(tables.write(f"_{index:03d}", state.a, snapshot_spectra, snapshot_multipoles)[:2])
+            return state if state.a == final else None
+
+        if start_state is None:
+            noise = simulation.white_noise(batch=batch, seed=config["seed"],
+                                           fixed_amplitude=config["fixed_amplitude"], paired=config["paired"])
+            state = simulation.trajectory(noise, at=at, observe=observe, callback=callback,
+                                          return_mesh_units=True)[-1]
+        else:
+            state = simulation.trajectory(state=start_state, mesh_units=True, at=[a for a in at if scale_factor_index(simulation, a) >= first],
+                                          observe=observe, callback=callback, return_mesh_units=True)[-1]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         total = time.perf_counter() - start
