@@ -577,26 +577,39 @@ def lightcone(sim, white_noise: torch.Tensor | None = None, *, planes: LensPlane
         mesh.agree(function, [("`planes`", repr(planes) if error is None else None),
                               ("`resolution`", resolution if error is None else None),
                               ("`order`", order if error is None else None)], error)
-    cell = torch.tensor(sim.cell_size, dtype=sim.dtype, device=sim.device)
-    edges = _shared_edges(planes, sim.box_size[planes.axis])
-    # The planes farthest first (earliest), grouped by the step they are taken at.
-    at, groups = [], []
-    for i in sorted(range(len(planes.distances)), key=lambda i: planes.scale_factors[i]):
-        a = next(s for s in steps if abs(s - planes.scale_factors[i]) <= 1e-12 * s)
-        if at and at[-1] == a:
-            groups[-1].append(i)
-        else:
-            at.append(a)
-            groups.append([i])
-    taken = [None] * len(planes.distances)
-    pending = iter(groups)
-
-    def take(state):
-        for i in next(pending):
-            taken[i] = density_plane(state.positions * cell, sim.box_size, planes.distances[i], planes.widths[i],
-                                     resolution, axis=planes.axis, ids=state.ids, total=sim.n_total, order=order,
-                                     mesh=mesh, _edges=edges[i])
-
-    sim.trajectory(white_noise, linear_field=linear_field, at=at, observe=take, callback=callback,
+    taker = _PlaneTaker(sim, planes, resolution, order)
+    sim.trajectory(white_noise, linear_field=linear_field, at=taker.at, observe=taker.take, callback=callback,
                    return_mesh_units=True)
-    return torch.stack(taken, dim=1)
+    return taker.planes()
+
+
+class _PlaneTaker:
+    """The lens planes of a run, painted as its trajectory passes their scale factors:
+    :attr:`at` (the steps, increasing) for :meth:`~torchpm.Simulation.trajectory`,
+    :meth:`take` as (or inside) its ``observe`` with mesh-unit states, :meth:`planes`
+    at the end. Collective on a grid (every rank takes every plane)."""
+
+    def __init__(self, sim, planes: LensPlanes, resolution, order: str):
+        self.sim, self.lens, self.resolution, self.order = sim, planes, resolution, order
+        self.cell = torch.tensor(sim.cell_size, dtype=sim.dtype, device=sim.device)
+        self.edges = _shared_edges(planes, sim.box_size[planes.axis])
+        # The planes farthest first (earliest), grouped by the step they are taken at.
+        self.groups: dict[float, list[int]] = {}
+        for i in sorted(range(len(planes.distances)), key=lambda i: planes.scale_factors[i]):
+            a = next(s for s in sim.scale_factors if abs(s - planes.scale_factors[i]) <= 1e-12 * s)
+            self.groups.setdefault(a, []).append(i)
+        self.at = list(self.groups)
+        self.taken = [None] * len(planes.distances)
+
+    def take(self, state) -> None:
+        """Paints the planes taken at ``state.a`` (a mesh-unit state; none elsewhere)."""
+        sim, lens = self.sim, self.lens
+        for i in self.groups.get(state.a, ()):
+            self.taken[i] = density_plane(state.positions * self.cell, sim.box_size, lens.distances[i],
+                                          lens.widths[i], self.resolution, axis=lens.axis, ids=state.ids,
+                                          total=sim.n_total, order=self.order, mesh=sim.force_mesh,
+                                          _edges=self.edges[i])
+
+    def planes(self) -> torch.Tensor:
+        """``(B, n, R0, R1)``, nearest first."""
+        return torch.stack(self.taken, dim=1)
