@@ -585,3 +585,101 @@ def test_redshift_space_multipoles_and_density_outputs(tmp_path, capsys, monkeyp
     assert main(["run", str(config), "--overwrite"]) == 0
     assert not (tmp_path / "out" / "power_multipoles.txt").exists() and not (tmp_path / "out" / "density.hdf5").exists()
     assert not list((tmp_path / "out").glob("power_multipoles_*")) and not list((tmp_path / "out").glob("snap_*"))
+
+
+# ----------------------------------------------------------------------------------
+# Weak lensing from the command line.
+
+LENSING = ('n_particles = [8, 8, 24]\nbox_size = [64.0, 64.0, 600.0]\nmesh_factor = 1\nsteps = 6\ndtype = "float64"\n'
+           'seed = 5\nlensing_planes = 4\nlensing_pixels = 16\nlensing_field = 3.0\nlensing_sources = [0.1, 0.2]\n'
+           'snapshots = [0.55]\n')
+
+
+def test_lensing_outputs_are_the_library_light_cone(tmp_path):
+    """`lensing_planes` puts the planes' scale factors among the steps (keeping a_end and
+    the snapshots) and writes the planes the library's lightcone takes from the same run
+    (bit for bit), their Born maps and C_ell, and linear Limber's."""
+    import h5py
+
+    from torchpm import lensing
+    from torchpm.__main__ import build_simulation, lens_planes
+    from torchpm.config import load_config
+
+    path = tmp_path / "lensing.toml"
+    path.write_text(LENSING + f'output = "{tmp_path / "out"}"\n')
+    assert main(["run", str(path)]) == 0
+    config = load_config(str(path))
+    sim = build_simulation(config)
+    planes = lens_planes(config, sim.cosmology)
+    steps = sim.scale_factors
+    for a in (*planes.scale_factors, 0.55, 1.0):
+        assert any(abs(a - s) <= 1e-12 * s for s in steps), (a, steps)
+    linear = [0.1 + 0.9 * i / 6 for i in range(7)]  # steps = 6 from a_start = 0.1 to a_end = 1
+    # a linear step end within a quarter step of a plane is dropped; every other one stays
+    for a in linear:
+        near = min(abs(a - p) for p in planes.scale_factors) <= 0.25 * 0.15
+        kept = any(abs(a - s) <= 1e-12 for s in steps)
+        assert kept or (near and abs(a - 0.55) > 1e-9 and a != 1.0), a
+    assert len(steps) < len(linear) + len(planes.scale_factors)  # 0.85 (next to a plane) is gone
+    taken = lensing.lightcone(sim, sim.white_noise(seed=5), planes=planes, resolution=8, order=sim.paint_order)
+    angles = lensing.angular_grid(3.0, 16, dtype=torch.float64)
+    kappa = lensing.convergence_born(taken, planes, sim.box_size, angles, [0.1, 0.2], sim.cosmology)
+    depth = 600.0
+    with h5py.File(tmp_path / "out" / "lensing.hdf5", "r") as handle:
+        assert torch.equal(torch.from_numpy(handle["planes"][...]), taken)
+        written = torch.from_numpy(handle["convergence"][...])
+        assert written.shape == (1, 2, 16, 16)
+        assert float((written - kappa.movedim(-1, 1)).abs().max()) <= 1e-12 * float(kappa.abs().max())
+        ell = torch.from_numpy(handle["ell"][...])
+        power = torch.from_numpy(handle["convergence_power"][...])
+        spectrum = lensing.angular_power_spectrum(kappa[..., 1], 3.0)
+        assert torch.allclose(power[:, 1], spectrum.power, rtol=1e-12, atol=0)
+        limber = lensing.limber_convergence_power(ell, 0.2, sim.cosmology, chi_max=depth)
+        assert torch.allclose(torch.from_numpy(handle["limber_power"][1]), limber, rtol=1e-12, atol=0)
+        np.testing.assert_allclose(handle.attrs["plane_scale_factors"], planes.scale_factors, rtol=0, atol=0)
+        assert handle.attrs["axis"] == "z"
+    assert (tmp_path / "out" / "snap_000.hdf5").exists()
+
+
+def test_lensing_default_source_and_resolution(tmp_path):
+    """Without `lensing_sources` the map is of sources at the far end of the planes; the
+    planes have the force mesh's cells across by default."""
+    import h5py
+
+    path = tmp_path / "lensing.toml"
+    path.write_text(LENSING.replace("lensing_sources = [0.1, 0.2]\n", "").replace("mesh_factor = 1", "mesh_factor = 2")
+                    + 'lensing_axis = "z"\n' + f'output = "{tmp_path / "out"}"\n')
+    assert main(["run", str(path)]) == 0
+    with h5py.File(tmp_path / "out" / "lensing.hdf5", "r") as handle:
+        assert handle["planes"].shape == (1, 4, 16, 16)
+        (z,) = handle.attrs["source_redshifts"]
+        a = torchpm.Planck15().scale_factor_at_distance(torch.tensor(600.0, dtype=torch.float64))
+        assert abs(z - (1 / float(a) - 1)) < 1e-12
+
+
+@pytest.mark.parametrize("change, message", [
+    ("a_start = 0.98\n", "the farthest plane"),
+    ("a_end = 0.9\n", "the nearest plane is taken at a ="),
+    ("lensing_sources = [0.0]\n", "`lensing_sources[0]`"),
+    ("lensing_sources = 0.5\n", "`lensing_sources`"),
+    ("lensing_axis = \"w\"\n", "`lensing_axis`"),
+    ("lensing_planes = -1\n", "`lensing_planes`"),
+    ("lensing_field = 0\n", "`lensing_field`"),
+])
+def test_lensing_config_errors(tmp_path, capsys, change, message):
+    key = change.split("=")[0].strip()
+    lines = [line for line in LENSING.splitlines(keepends=True) if line.split("=")[0].strip() not in (key, "snapshots")]
+    text = "".join(lines) + change
+    path = tmp_path / "bad.toml"
+    path.write_text(text + f'output = "{tmp_path / "out"}"\n')
+    assert main(["run", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_lensing_run_does_not_resume(tmp_path, capsys):
+    path = tmp_path / "lensing.toml"
+    path.write_text(LENSING + f'output = "{tmp_path / "out"}"\n')
+    assert main(["run", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(path), "--overwrite", "--resume", str(tmp_path / "out" / "snap_000.hdf5")]) == 2
+    assert "cannot resume" in capsys.readouterr().err

@@ -33,7 +33,7 @@ def _run(command, tmp_path):
 
 def test_torchrun_four_ranks_matches_single_process(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG + 'redshift_space = "y"\nwrite_density = true\n')
+    config.write_text(CONFIG + 'redshift_space = "y"\nwrite_density = true\nlensing_planes = 3\nlensing_pixels = 8\n')
     _run([sys.executable, "-m", "torchpm", "run", str(config), "--output", str(tmp_path / "single")], tmp_path)
     result = _run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
@@ -59,6 +59,13 @@ def test_torchrun_four_ranks_matches_single_process(tmp_path):
         assert set(one) == set(four) == {"density", "density_redshift_space_y"}
         for name in one:
             np.testing.assert_allclose(four[name][...], one[name][...], rtol=0, atol=1e-10)
+    # The light cone's planes (summed over the grid), its convergence maps and their C_ell.
+    with h5py.File(tmp_path / "single" / "lensing.hdf5", "r") as one, \
+            h5py.File(tmp_path / "grid" / "lensing.hdf5", "r") as four:
+        assert one["planes"].shape == (1, 3, 24, 24)
+        for name in ("planes", "convergence", "convergence_power"):
+            scale = np.abs(one[name][...]).max()
+            assert scale > 0 and np.abs(four[name][...] - one[name][...]).max() <= 1e-10 * scale, name
     # Only rank 0 prints the summary and writes the outputs.
     assert result.stdout.count("torchpm run:") == 1, result.stdout
     assert (tmp_path / "grid" / "power_spectrum.png").exists()

@@ -98,15 +98,19 @@ def build_simulation(config: dict):
     elif config["grid"] not in ([], [1, 1]):
         raise UserError(f"`grid` = {config['grid']} needs a distributed run, which this build does not have")
     # `collective_timeout` is for torch.distributed.init_process_group, by whoever launches the ranks.
+    cosmology = make_cosmology(config["cosmology"])
+    steps = config["steps"]
+    if config["lensing_planes"]:
+        steps = lensing_steps(config, lens_planes(config, cosmology))
     try:
         simulation = torchpm.Simulation(
             n_particles=config["n_particles"],
             box_size=config["box_size"],
             mesh_factor=config["mesh_factor"],
             a_start=config["a_start"],
-            steps=config["steps"],
+            steps=steps,
             a_end=config["a_end"],
-            cosmology=make_cosmology(config["cosmology"]),
+            cosmology=cosmology,
             power_spectrum=config["power_spectrum"],
             lpt_order=config["lpt_order"],
             integrator=config["integrator"],
@@ -129,6 +133,36 @@ def build_simulation(config: dict):
     except MemoryError as error:
         raise UserError(str(error)) from None
     return simulation.to(device)
+
+
+def lens_planes(config: dict, cosmology):
+    """The lens planes of a config with ``lensing_planes`` > 0 (in its cosmology)."""
+    from torchpm import lensing
+
+    return lensing.lens_planes(cosmology, config["box_size"], config["lensing_planes"], axis=config["lensing_axis"])
+
+
+def lensing_steps(config: dict, planes) -> list[float]:
+    """The configured steps (after ``a_start``) with the planes' scale factors among them:
+    a step end closer than a quarter of its step to a plane is dropped, unless a snapshot
+    or ``a_end`` is there. UserError when the run does not cover the planes."""
+    from torchpm.config import as_steps
+
+    grid = as_steps(config["steps"], config["a_start"], config["a_end"])
+    far, near = min(planes.scale_factors), max(planes.scale_factors)
+    depth = max(d + 0.5 * w for d, w in zip(planes.distances, planes.widths))
+    if not grid[0] < far:
+        raise UserError(f"`lensing_planes`: the farthest plane ({depth:.6g} Mpc/h away) is taken at a = {far:.6g}, "
+                        f"not after a_start = {grid[0]}: start earlier or use a shorter box along `lensing_axis`")
+    if grid[-1] < near * (1 - 1e-12):
+        raise UserError(f"`lensing_planes`: the nearest plane is taken at a = {near:.6g}, after the run's end "
+                        f"(a = {grid[-1]}): the run must reach it (`a_end`, `steps`)")
+    kept = {grid[-1], *config["snapshots"]}
+    merged = set(planes.scale_factors)
+    for before, a in zip(grid, grid[1:]):
+        if any(abs(a - k) <= 1e-9 * k for k in kept) or min(abs(a - p) for p in planes.scale_factors) > 0.25 * (a - before):
+            merged.add(a)
+    return sorted(merged)
 
 
 _SNAPSHOT_FILE = re.compile(r"^snap_(?P<index>\d{3,})(_member\d+)?(\.\d+)?\.hdf5$")
@@ -391,6 +425,10 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
             raise UserError("`snapshots` needs h5py: pip install h5py") from None
 
     start_state = None
+    if resume is not None and config["lensing_planes"]:
+        # (the same config on every rank: every rank raises)
+        raise UserError("--resume: a run with `lensing_planes` > 0 cannot resume, the planes taken before the "
+                        "snapshot are not kept; run it from the start")
     if resume is not None:
         problem = None
         try:
@@ -454,9 +492,12 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         final = simulation.scale_factors[-1]
         due = {scale_factor_index(simulation, a): index for index, a in enumerate(snapshots)
                if start_state is None or scale_factor_index(simulation, a) > first}
-        at = sorted({*(simulation.scale_factors[step] for step in due), final})
+        taker = _plane_taker(config, simulation)
+        at = sorted({*(simulation.scale_factors[step] for step in due), final, *(taker.at if taker else ())})
 
         def observe(state):
+            if taker is not None:
+                taker.take(state)  # the lens planes at their scale factors (collective)
             index = due.get(scale_factor_index(simulation, state.a))
             if index is not None:
                 for member in range(batch):
@@ -528,6 +569,9 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         kaiser_line = (f"  redshift space along {axis}: P_2/P_0 at {label}: {measured:.3f} "
                        f"(linear Kaiser {kaiser[1] / kaiser[0]:.3f})\n")
     summary["snapshot_tables"] = [path for path in written_tables if path is not None]
+    lensing_line = ""
+    if taker is not None:
+        summary["lensing"], lensing_line = _lensing_outputs(taker, simulation, config, output, main_rank)
 
     per_step = float(np.median(step_times)) if step_times else float("nan")
     lpt_time = marks["lpt"] - start if "lpt" in marks else 0.0
@@ -550,12 +594,74 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         f"  density: std {density_std:.3f}, max {density_max:.1f}; "
         f"P/P_linear at {ratio_label}: {ratio:.3f}\n"
         + kaiser_line
+        + lensing_line
         + f"  wrote {table_path} and {figure_path}"
-        + "".join(f", {summary[key]}" for key in ("multipoles", "density") if key in summary)
+        + "".join(f", {summary[key]}" for key in ("multipoles", "density", "lensing") if key in summary)
         + (f" and {len(written)} snapshot(s)" if written else ""),
         flush=True,
     )
     return summary
+
+
+def _plane_taker(config, simulation):
+    """The lens planes' taker of a run with ``lensing_planes`` > 0, else None."""
+    if not config["lensing_planes"]:
+        return None
+    from torchpm.lensing import _PlaneTaker
+
+    planes = lens_planes(config, simulation.cosmology)
+    across = tuple(simulation.mesh_shape[axis] for axis in range(3) if axis != planes.axis)
+    return _PlaneTaker(simulation, planes, config["lensing_resolution"] or across, simulation.paint_order)
+
+
+def _lensing_outputs(taker, simulation, config, output, main_rank):
+    """The Born convergence maps of the planes taken, their angular power and linear
+    Limber's, written by rank 0 to ``lensing.hdf5`` (every rank computes them: the planes
+    are the same everywhere). Returns the path and a line for the run's report."""
+    import numpy as np
+
+    from torchpm import lensing
+
+    planes, cosmology = taker.lens, simulation.cosmology
+    taken = taker.planes()
+    depth = max(d + 0.5 * w for d, w in zip(planes.distances, planes.widths))
+    sources = config["lensing_sources"]
+    if not sources:  # the far end of the planes
+        a_far = float(cosmology.scale_factor_at_distance(torch.tensor(depth, dtype=torch.float64)))
+        sources = [1.0 / a_far - 1.0]
+    field = config["lensing_field"]
+    angles = lensing.angular_grid(field, config["lensing_pixels"], dtype=taken.dtype, device=taken.device)
+    with torch.no_grad():
+        kappa = lensing.convergence_born(taken, planes, simulation.box_size, angles, sources, cosmology)
+        kappa = kappa.movedim(-1, 1)  # (B, P0, P1, sources) -> (B, sources, P0, P1)
+        spectrum = lensing.angular_power_spectrum(kappa.flatten(0, 1), field)
+        spectrum = spectrum._replace(power=spectrum.power.reshape(*kappa.shape[:2], -1))
+        limber = torch.stack([lensing.limber_convergence_power(spectrum.ell, z, cosmology, chi_max=depth)
+                              for z in sources])
+    path = os.path.join(output, "lensing.hdf5")
+    if main_rank:
+        import h5py
+
+        with h5py.File(path, "w") as handle:
+            handle.attrs["content"] = ("lens planes (projected overdensity of each slab, nearest first), Born "
+                                       "convergence maps of each source redshift, their angular power and linear "
+                                       "Limber's; torchpm.lensing conventions")
+            for name, values in (("planes", taken), ("convergence", kappa), ("ell", spectrum.ell),
+                                 ("convergence_power", spectrum.power), ("ell_modes", spectrum.modes),
+                                 ("limber_power", limber)):
+                handle.create_dataset(name, data=values.detach().cpu().numpy())
+            for name, values in (("plane_distances", planes.distances), ("plane_widths", planes.widths),
+                                 ("plane_scale_factors", planes.scale_factors), ("source_redshifts", sources)):
+                handle.attrs[name] = np.asarray(values, dtype=np.float64)
+            handle.attrs["axis"] = "xyz"[planes.axis]
+            handle.attrs["field_deg"] = field
+            handle.attrs["seed"] = config["seed"]
+    # C_ell / linear Limber over the first three multipole bins (the largest scales), first source
+    ratio = float((spectrum.power[:, 0, :3].mean(0) / limber[0, :3]).mean())
+    line = (f"  lensing: {len(planes.distances)} planes to {depth:.0f} Mpc/h along {'xyz'[planes.axis]}, "
+            f"convergence rms {float(kappa[:, 0].std()):.4g} at z_s = {sources[0]:.3g}; "
+            f"C_ell / linear Limber at ell <= {float(spectrum.ell[2]):.0f}: {ratio:.2f}\n")
+    return path, line
 
 
 class _Tables:

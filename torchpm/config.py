@@ -223,6 +223,15 @@ def as_steps(steps, a_start: float, a_end: float) -> list[float]:
     return [a_start] + values
 
 
+def _redshifts(name, value) -> list[float]:
+    """A list of at most 64 redshifts, each in (0, 1100]."""
+    if isinstance(value, (str, bytes, bool)) or not isinstance(value, Sequence):
+        raise _fail(name, "a list of redshifts in (0, 1100]", value)
+    if len(value) > 64:
+        raise SettingError(f"`{name}` must list at most 64 redshifts, got {len(value)}")
+    return [as_float(f"{name}[{index}]", z, 0.0, 1100.0, low_open=True) for index, z in enumerate(value)]
+
+
 def _range_text(low, high, low_open=False) -> str:
     if low is None and high is None:
         return ""
@@ -495,6 +504,37 @@ SETTINGS: tuple[Setting, ...] = (
         "write_density", "bool", default=False, unit="", allowed="true, false",
         help="write the final density on the force mesh (and in redshift space) to density.hdf5",
         check=lambda n, v: as_bool(n, v),
+    ),
+    Setting(
+        "lensing_planes", "int", default=0, unit="", allowed="0 to 1000",
+        help="lens planes tiling the box along `lensing_axis` (0: none): their scale factors join the steps, and "
+             "lensing.hdf5 holds the planes, the Born convergence maps and their C_ell",
+        check=_int(0, 1000),
+    ),
+    Setting(
+        "lensing_axis", "string", default="z", unit="", allowed="x, y, z",
+        help="line of sight of the light cone (the observer on the box face where it is 0)",
+        check=_choice("x", "y", "z"),
+    ),
+    Setting(
+        "lensing_field", "float", default=5.0, unit="deg", allowed="(0, 90]",
+        help="side of the square convergence maps",
+        check=_float(0.0, 90.0, True),
+    ),
+    Setting(
+        "lensing_pixels", "int", default=128, unit="", allowed="1 to 16384",
+        help="pixels per side of the convergence maps",
+        check=_int(1, 16384),
+    ),
+    Setting(
+        "lensing_resolution", "int", default=0, unit="", allowed="0 to 16384",
+        help="pixels per side of each lens plane (0: the force mesh's cells across)",
+        check=_int(0, 16384),
+    ),
+    Setting(
+        "lensing_sources", "list of floats", default=[], unit="", allowed="redshifts in (0, 1100]",
+        help="source redshifts of the convergence maps ([]: the far end of the planes)",
+        check=lambda n, v: _redshifts(n, v),
     ),
     Setting(
         "shot_noise", "string", default="subtract", unit="", allowed="subtract, keep",
