@@ -7,9 +7,11 @@ gradient of a map statistic in the white noise.
 Box ``(L, L, 5 L)`` with ``L = 200 Mpc/h``, ``(n, n, 5 n)`` particles, mesh factor 2,
 float32, ``--planes`` planes over the depth and 10 linear steps from a = 0.05 besides
 the planes' scale factors (``lensing.lightcone_steps``). Times: median of ``--repeats``
-after one warm-up, synchronised on CUDA. The light cone costs one force evaluation per
-plane more than the plain run (each stretch resumes from the integrator's state), plus
-the painting of the planes. (Run from a source checkout with ``PYTHONPATH=.``.)
+after one warm-up, synchronised on CUDA. The light cone is one
+``Simulation.trajectory``: it evaluates as many forces as the plain run and adds the
+painting of the planes (and, in the fused no-grad steps, one more readout per plane).
+``--adjoint`` also times the gradient with ``adjoint=True``. (Run from a source
+checkout with ``PYTHONPATH=.``.)
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main():
     parser.add_argument("--pixels", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--adjoint", action="store_true", help="also time the gradient with adjoint=True")
     args = parser.parse_args()
 
     n, length = args.particles, 200.0
@@ -91,6 +94,10 @@ def main():
         "born_map_s": timed(born, args.repeats, args.device),
         "lightcone_forward_backward_s": timed(gradient, args.repeats, args.device),
     }
+    if args.adjoint:
+        sim.adjoint = True
+        result["lightcone_forward_backward_adjoint_s"] = timed(gradient, args.repeats, args.device)
+        sim.adjoint = False
     result["lightcone_over_plain"] = result["lightcone_s"] / result["plain_run_s"]
     result["step_s"] = result["plain_run_s"] / len(steps)
     print(json.dumps(result, indent=1))

@@ -802,8 +802,10 @@ class Simulation(nn.Module):
         adjoint integration per stretch between the scale factors, each handing its
         last force, and in the backward pass that force's gradient, to the next: the
         backward pass still costs one force evaluation and pull-back per step, and the
-        memory is that of the kept values plus one state and one force per scale factor
-        of ``at``.
+        memory is that of the kept values plus, per scale factor of ``at``, the
+        particles' positions, momenta and forces there (nothing on the mesh: a
+        stretch's last force is evaluated again when its backward pass starts, in the
+        call that pulls it back).
 
         Args:
             white_noise, linear_field: as in :meth:`forward`; or
