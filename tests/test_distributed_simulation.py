@@ -388,6 +388,28 @@ def case_forces_box_shifted(grid, ctx):
         assert_small(error, scale, f"forces at box-shifted positions against one device's, {name}")
     error = float((grad - by_id(expected_grad))[valid].abs().max())
     assert_small(error, float(expected_grad.abs().max()), "d loss / d positions at box-shifted positions")
+    # evolve from the box-shifted LPT state: the run from the unshifted one (modulo the box)
+    with torch.no_grad():
+        x0, p0, ids0 = distributed.lpt(distributed.linear_field(distributed.white_noise(batch=2, seed=3)))
+        table = distributed.growth_table()
+        kept = x0 + by_id(boxes * cells)
+        given = kept.clone()
+        moved_x, moved_p, moved_ids = distributed.evolve(given, p0, table, ids=ids0, stop=2)
+        plain_x, plain_p, plain_ids = distributed.evolve(x0, p0, table, ids=ids0, stop=2)
+    assert torch.equal(given, kept), "evolve wrote into the caller's positions"
+    # (by id: the arrivals' slots follow the positions, which keep their whole boxes
+    # along the axes that are not split)
+    for b in range(batch):
+        moved_valid, plain_valid = moved_ids[b] >= 0, plain_ids[b] >= 0
+        moved_order = torch.argsort(moved_ids[b][moved_valid])
+        plain_order = torch.argsort(plain_ids[b][plain_valid])
+        assert torch.equal(moved_ids[b][moved_valid][moved_order], plain_ids[b][plain_valid][plain_order])
+        difference = moved_x[b][moved_valid][moved_order] - plain_x[b][plain_valid][plain_order]
+        difference = difference - cells * torch.round(difference / cells)
+        assert_small(float(difference.abs().max()), float(cells.max()), "evolve from box-shifted positions")
+        momenta_difference = moved_p[b][moved_valid][moved_order] - plain_p[b][plain_valid][plain_order]
+        assert_small(float(momenta_difference.abs().max()), float(plain_p.abs().max()),
+                     "evolve from box-shifted positions: momenta")
     # A particle of another rank (half a box along a split axis, not a whole one) is still
     # refused on every rank: forces does not migrate.
     axis = 0 if grid[0] > 1 else 1

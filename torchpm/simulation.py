@@ -1252,7 +1252,9 @@ class Simulation(nn.Module):
         """Integrate from ``scale_factors[start]`` to ``scale_factors[stop]`` (mesh units in
         and out). Returns ``(positions, momenta, ids)``. On a grid ``ids`` is required (the
         LPT and the migrations leave empty slots, id -1); on one device, which gives every
-        slot mass, it may hold no empty slot."""
+        slot mass, it may hold no empty slot. On a grid each rank passes the particles it
+        owns or periodic images of them (shifted by whole boxes), which are wrapped along
+        the split axes as :meth:`forces` wraps them."""
         self._check_transforms("Simulation.evolve")
         error = self._arrays_error("evolve", positions, momenta, ids)
         if error is None and ids is None and not self.force_mesh.is_local:
@@ -1260,6 +1262,7 @@ class Simulation(nn.Module):
         elif error is None and ids is not None and self.force_mesh.is_local and bool((ids < 0).any()):
             error = "evolve: `ids` holds empty slots (id -1), which one device would give mass: pass the particles alone"
         self._check_correction(error, operation="Simulation.evolve", always=True)
+        positions = self.force_mesh.wrap(positions)  # (a new tensor where it wraps: the caller's is not written)
         return self._evolve(positions, momenta, table, callback, ids=ids, start=start, stop=stop, cosmology=cosmology)
 
     def _evolve(self, positions, momenta, table, callback=None, *, ids=None, start: int = 0, stop: int | None = None,
