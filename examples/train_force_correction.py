@@ -13,7 +13,10 @@ what a force correction can learn.
 
 The loss on a batch is ``mean_k (P / P_ref - 1)^2`` over the bins up to the particle
 Nyquist frequency ``k_N = pi n / L`` plus ``position_weight * <|x - x_ref|^2> / cell^2``
-(periodic differences). Evaluation on seeds never used in training reports the mean
+(periodic differences), averaged over ``--snapshots`` scale factors (default 1: a = 1
+alone; with more, evenly spaced step ends of the cheap run, the last a = 1, taken from
+one run of each simulation by ``Simulation.trajectory``, as Lanzieri et al. 2023 train on
+every snapshot). Evaluation on seeds never used in training reports the mean
 ``|P / P_ref - 1|`` up to ``k_N / 2`` before and after training, and r(k).
 
     python examples/train_force_correction.py                 # a few CPU minutes
@@ -62,6 +65,7 @@ class Config:
     hidden: tuple = (32, 32)
     dtype: str = "float32"
     adjoint: bool = False
+    snapshots: int = 1  # scale factors the loss is averaged over (the last a = 1)
 
 
 SIZES = {
@@ -76,6 +80,18 @@ SIZES = {
 def k_nyquist(config: Config) -> float:
     """Nyquist frequency of the particle grid (and of the B = 1 force mesh), h/Mpc."""
     return math.pi * config.particles / config.box_size
+
+
+def snapshot_times(config: Config) -> list[float]:
+    """The scale factors of the loss: ``config.snapshots`` step ends of the cheap run,
+    evenly spaced, the last ``a = 1`` (step ends of the reference run too: its steps
+    split the cheap run's)."""
+    if not 1 <= config.snapshots <= config.steps:
+        raise ValueError(f"snapshots must be in [1, steps = {config.steps}], got {config.snapshots}")
+    if config.reference_steps % config.steps:
+        raise ValueError("reference_steps must be a multiple of steps (the snapshots are step ends of both runs)")
+    ends = [config.a_start + (1.0 - config.a_start) * i / config.steps for i in range(config.steps + 1)]
+    return [ends[round(config.steps * (j + 1) / config.snapshots)] for j in range(config.snapshots)]
 
 
 def make_correction(config: Config, device=None) -> NeuralSplineCorrection:
@@ -102,9 +118,10 @@ class HybridLoss(nn.Module):
     """The cheap simulation (holding the trainable correction) scored against references.
 
     ``forward(noise, target_positions, target_power)``: white noise ``(B, n, n, n)``,
-    reference positions ``(B, n^3, 3)`` in Mpc/h and reference spectra ``(B, bins)``;
-    returns the scalar loss (mean over the batch). One ``forward`` per iteration, so the
-    module can be wrapped in ``DistributedDataParallel`` as it is.
+    reference positions ``(B, S, n^3, 3)`` in Mpc/h and reference spectra ``(B, S, bins)``
+    at the ``S`` scale factors of :func:`snapshot_times`; returns the scalar loss (mean
+    over the batch and the snapshots). One ``forward`` per iteration, so the module can
+    be wrapped in ``DistributedDataParallel`` as it is.
     """
 
     def __init__(self, config: Config, simulation: torchpm.Simulation):
@@ -117,6 +134,7 @@ class HybridLoss(nn.Module):
         self.paint = CICPaint(self.mesh_cells)
         self.power = PowerSpectrum(self.mesh_cells, config.box_size, dtype=dtype)
         self.register_buffer("fit_bins", self.power.k <= k_nyquist(config), persistent=False)
+        self.times = snapshot_times(config)
 
     def spectrum(self, positions: torch.Tensor) -> torch.Tensor:
         """P(k) ``(B, bins)`` of the CIC density of positions ``(B, N, 3)`` in Mpc/h."""
@@ -125,11 +143,22 @@ class HybridLoss(nn.Module):
         return self.power(density - 1)
 
     def forward(self, noise, target_positions, target_power):
-        state = self.simulation(noise)
-        power = self.spectrum(state.positions)
+        # one run; each snapshot's loss is taken as the run passes it (no state kept)
+        snapshots = iter(range(len(self.times)))
+
+        def observe(state):
+            index = next(snapshots)
+            return self.score(state.positions, target_positions[:, index], target_power[:, index])
+
+        losses = self.simulation.trajectory(noise, at=self.times, observe=observe)
+        return sum(losses) / len(losses)
+
+    def score(self, positions, target_positions, target_power):
+        """The loss of positions ``(B, N, 3)`` against one snapshot's references."""
+        power = self.spectrum(positions)
         power_loss = ((power[:, self.fit_bins] / target_power[:, self.fit_bins] - 1) ** 2).mean()
         box = self.config.box_size
-        difference = state.positions - target_positions
+        difference = positions - target_positions
         difference = difference - box * torch.round(difference / box)
         cell = box / self.config.particles
         position_loss = (difference**2).sum(-1).mean() / cell**2
@@ -137,7 +166,8 @@ class HybridLoss(nn.Module):
 
 
 def reference_data(config: Config, seeds, device=None, batch: int = 2):
-    """White noise, final positions (Mpc/h) and P(k) of the reference runs of ``seeds``."""
+    """White noise ``(S, n, n, n)``, positions ``(S, snapshots, N, 3)`` (Mpc/h) and P(k)
+    ``(S, snapshots, bins)`` of the reference runs of ``seeds`` at :func:`snapshot_times`."""
     reference = make_simulation(config, reference=True, device=device)
     scorer = HybridLoss(config, reference).to(device)
     noises, positions, powers = [], [], []
@@ -145,10 +175,10 @@ def reference_data(config: Config, seeds, device=None, batch: int = 2):
         for start in range(0, len(seeds), batch):
             chunk = seeds[start : start + batch]
             noise = torch.cat([reference.white_noise(seed=s) for s in chunk])
-            state = reference(noise)
+            states = reference.trajectory(noise, at=scorer.times)
             noises.append(noise)
-            positions.append(state.positions)
-            powers.append(scorer.spectrum(state.positions))
+            positions.append(torch.stack([state.positions for state in states], dim=1))
+            powers.append(torch.stack([scorer.spectrum(state.positions) for state in states], dim=1))
     return torch.cat(noises), torch.cat(positions), torch.cat(powers)
 
 
@@ -170,6 +200,7 @@ def power_error(config: Config, power: torch.Tensor, reference: torch.Tensor, k:
 def evaluate(config: Config, model: HybridLoss, data):
     """Errors and spectra of the cheap runs with and without the correction on held-out data."""
     noise, target_positions, target_power = data
+    target_positions, target_power = target_positions[:, -1], target_power[:, -1]  # a = 1
     simulation = model.simulation
     correction = simulation.force_correction
     results = {}
@@ -230,6 +261,8 @@ def main():
     parser.add_argument("--size", choices=sorted(SIZES), default="small", help="problem size (small: CPU minutes)")
     parser.add_argument("--iterations", type=int, help="override the number of training iterations")
     parser.add_argument("--adjoint", action="store_true", help="gradients by the adjoint method")
+    parser.add_argument("--snapshots", type=int, default=1,
+                        help="scale factors the loss is averaged over, evenly spaced step ends ending at a = 1")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() and torchpm.has_cuda_kernels() else "cpu")
     parser.add_argument("--out", default="out/train_force_correction")
     parser.add_argument("--seed", type=int, default=0, help="seed of the network initialisation")
@@ -238,6 +271,8 @@ def main():
     if args.iterations is not None:
         config.iterations = args.iterations
     config.adjoint = args.adjoint
+    config.snapshots = args.snapshots
+    snapshot_times(config)  # (a clear error for a bad --snapshots before any run)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0

@@ -358,3 +358,34 @@ def test_loading_refuses_pickled_objects(tmp_path):
     torch.save(NeuralSplineCorrection(k_max=1.0), path)
     with pytest.raises(ValueError, match="refused to unpickle"):
         load_weights(NeuralSplineCorrection(k_max=1.0), path)
+
+
+def test_training_loss_over_snapshots_is_the_mean_over_runs_stopped_there():
+    """The example's loss over several snapshots (one trajectory of each run) equals the
+    mean of the one-snapshot losses of runs stopped at each scale factor, and so does its
+    gradient in the correction's weights (plain autograd through the stopped runs)."""
+    config = training.Config(**{**training.asdict(training.SIZES["tiny"]), "snapshots": 2})
+    times = training.snapshot_times(config)
+    assert len(times) == 2 and times[-1] == 1.0
+    noise, positions, powers = training.reference_data(config, [0, 1])
+    assert positions.shape[:2] == (2, 2) and powers.shape[:2] == (2, 2)
+    reference = training.make_simulation(config, reference=True)
+    with torch.no_grad():
+        for index, a in enumerate(times):
+            assert torch.equal(reference(noise, until=a).positions, positions[:, index])
+    torch.manual_seed(0)
+    correction = training.make_correction(config)
+    with torch.no_grad():  # off the identity, so every weight has a gradient
+        for parameter in correction.parameters():
+            parameter.add_(0.1 * torch.randn(parameter.shape, dtype=parameter.dtype))
+    model = training.HybridLoss(config, training.make_simulation(config, reference=False, correction=correction))
+    loss = model(noise, positions, powers)
+    grads = torch.autograd.grad(loss, list(correction.parameters()))
+    expected = sum(model.score(model.simulation(noise, until=a).positions, positions[:, i], powers[:, i])
+                   for i, a in enumerate(times)) / len(times)
+    expected_grads = torch.autograd.grad(expected, list(correction.parameters()))
+    assert abs(float(loss - expected)) <= 1e-12 * float(expected)
+    for got, want in zip(grads, expected_grads):
+        assert float((got - want).abs().max()) <= 1e-9 * max(float(want.abs().max()), 1e-30)
+    with pytest.raises(ValueError, match="snapshots must be in"):
+        training.snapshot_times(training.Config(**{**training.asdict(config), "snapshots": 9}))
