@@ -24,8 +24,9 @@ from .ops import check, cic_paint, cic_readout, get_error_checking, paint, reado
 get_error_checking()
 
 from . import adjoint, analysis, cosmology, distributed, fourier, ic, lensing, mesh, nn, pm  # noqa: E402
-from . import config, io, resources  # noqa: E402  (io imports h5py only when used)
+from . import config, halos, io, resources  # noqa: E402  (io imports h5py only when used)
 from .cosmology import Cosmology, Planck15, Planck18, PowerTable, linear_power  # noqa: E402
+from .halos import HaloCatalog, find_halos, friends_of_friends, halo_catalog  # noqa: E402
 from .mesh import LocalMesh  # noqa: E402
 from .simulation import MeshUnitsState, Simulation, SimulationState  # noqa: E402
 
@@ -73,6 +74,7 @@ __all__ = [
     "distributed",
     "ic",
     "lensing",
+    "halos",
     "config",
     "io",
     "resources",
@@ -84,6 +86,10 @@ __all__ = [
     "PowerTable",
     "linear_power",
     "LocalMesh",
+    "HaloCatalog",
+    "friends_of_friends",
+    "halo_catalog",
+    "find_halos",
     "Simulation",
     "SimulationState",
     "MeshUnitsState",

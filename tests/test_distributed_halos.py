@@ -1,0 +1,348 @@
+"""Friends-of-friends halos on gloo process grids: the labels and the catalogue equal the
+one-device ones for the same particles.
+
+One pool of processes per world size runs every case (see _spawn.py). Each rank makes
+the same global particle set (same seed), keeps its share, and compares with oracles
+computed on the whole set: scipy's cKDTree pairs and connected components for the
+labels (exact equality, by particle id), numpy sums for the catalogue, and the
+one-device torchpm catalogue and find_halos of the same particles or run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from _spawn import rank_errors, world_results_fixture
+
+pytestmark = pytest.mark.distributed
+
+GRIDS = {2: [(2, 1), (1, 2)], 3: [(3, 1)], 4: [(2, 2)]}
+BOX = (30.0, 24.0, 18.0)
+MESH = (15, 12, 9)  # cells 2 Mpc/h: blocks 7-8 or 5 cells wide over 2 or 3 ranks
+N = 3000
+
+
+def case_ids(world_size):
+    ids = []
+    for p0, p1 in GRIDS[world_size]:
+        grid = f"{p0}x{p1}"
+        ids += [f"owned-{grid}", f"scattered-{grid}", f"catalog-{grid}", f"simulation-{grid}",
+                f"bad_input-{grid}"]
+        if (p0, p1) in ((2, 1), (3, 1)):
+            ids.append(f"thin_blocks-{grid}")
+    return ids
+
+
+# ----------------------------------------------------------------------------
+# Helpers (inside the spawned processes).
+
+
+def make_context(world_size):
+    import torch.distributed as dist
+
+    from torchpm.distributed import process_grid_groups
+
+    ctx = {"rank": dist.get_rank(), "world": world_size, "groups": {}}
+    for grid in GRIDS[world_size]:
+        ctx["groups"][grid] = process_grid_groups(grid)
+    return ctx
+
+
+def run_case(case_id, ctx):
+    kind, grid_text = case_id.rsplit("-", 1)
+    grid = tuple(int(p) for p in grid_text.split("x"))
+    globals()[f"case_{kind}"](grid, ctx)
+
+
+def clustered(seed, n=N, box=BOX, batch=2):
+    """``(batch, n, 3)`` float64: half uniform, half in Gaussian blobs, two of them on a
+    box corner and a face (so groups straddle the periodic edges and the block faces)."""
+    rng = np.random.default_rng(seed)
+    box = np.asarray(box)
+    out = []
+    for _ in range(batch):
+        centres = rng.uniform(0, box, (8, 3))
+        centres[0] = [0.2, 0.1, box[2] - 0.3]
+        centres[1] = [box[0] / 2, 0.0, box[2] / 2]
+        blobs = centres[rng.integers(0, 8, n // 2)] + rng.normal(0, 0.8, (n // 2, 3))
+        out.append(np.mod(np.concatenate([rng.uniform(0, box, (n - n // 2, 3)), blobs]), box))
+    return torch.tensor(np.stack(out))
+
+
+def oracle_labels(points, box, b):
+    """Smallest index of each particle's FoF group (scipy)."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+    from scipy.spatial import cKDTree
+
+    points = np.asarray(points)
+    n = len(points)
+    pairs = cKDTree(points, boxsize=box).query_pairs(b, output_type="ndarray")
+    graph = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
+    _, component = connected_components(graph, directed=False)
+    smallest = np.full(component.max() + 1, n)
+    np.minimum.at(smallest, component, np.arange(n))
+    return smallest[component]
+
+
+def mesh_of(grid, ctx, shape=MESH):
+    from torchpm.distributed import PencilDecomposition
+
+    return PencilDecomposition(shape, ctx["groups"][grid])
+
+
+def owned_share(mesh, points, box=BOX):
+    """This rank's particles by position, padded with empty slots (id -1) to a width
+    that differs between ranks: ``(positions, ids)``."""
+    batch, n, _ = points.shape
+    keep = torch.ones(batch, n, dtype=torch.bool)
+    for axis in (0, 1):
+        cells = torch.floor(points[..., axis] / box[axis] * mesh.global_shape[axis])
+        low = mesh.local_real_offset[axis]
+        keep &= (cells >= low) & (cells < low + mesh.local_real_shape[axis])
+    return pad_share(points, keep, extra=3 + mesh.grid.rank)
+
+
+def pad_share(points, keep, extra):
+    batch, n, _ = points.shape
+    width = int(keep.sum(1).max()) + extra
+    positions = torch.full((batch, width, 3), 0.5, dtype=points.dtype)
+    ids = torch.full((batch, width), -1, dtype=torch.int64)
+    for m in range(batch):
+        index = torch.nonzero(keep[m]).reshape(-1)
+        slots = torch.randperm(width, generator=torch.Generator().manual_seed(m))[: len(index)]
+        positions[m, slots] = points[m, index]
+        ids[m, slots] = index
+    return positions, ids
+
+
+def check_labels(labels, ids, expected):
+    """Each held particle's label equals the oracle's for its id; every id held once."""
+    import torch.distributed as dist
+
+    valid = ids >= 0
+    for m in range(ids.shape[0]):
+        got = labels[m][valid[m]].numpy()
+        want = expected[m][ids[m][valid[m]].numpy()]
+        assert np.array_equal(got, want), f"member {m}: {int((got != want).sum())} labels differ"
+        assert bool((labels[m][~valid[m]] == -1).all())
+    counts = torch.zeros(ids.shape[0], expected.shape[1], dtype=torch.int64)
+    for m in range(ids.shape[0]):
+        counts[m].index_add_(0, ids[m][valid[m]], torch.ones(int(valid[m].sum()), dtype=torch.int64))
+    dist.all_reduce(counts)
+    assert bool((counts == 1).all()), "particles lost or duplicated"
+
+
+def with_min_members(labels, min_members):
+    out = labels.copy()
+    for m in range(out.shape[0]):
+        values, counts = np.unique(out[m], return_counts=True)
+        small = values[counts < min_members]
+        out[m][np.isin(out[m], small)] = -1
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Cases.
+
+
+def case_owned(grid, ctx):
+    """Particles held by the rank owning their position: labels equal scipy's, also with
+    min_members (a group split between ranks is counted over the grid)."""
+    from torchpm.halos import friends_of_friends, linking_distance
+
+    mesh = mesh_of(grid, ctx)
+    points = clustered(1)
+    b = linking_distance(BOX, N, 0.2)
+    expected = np.stack([oracle_labels(p, BOX, b) for p in points.numpy()])
+    positions, ids = owned_share(mesh, points)
+    labels = friends_of_friends(positions, BOX, 0.2, ids=ids, mesh=mesh)
+    check_labels(labels, ids, expected)
+    labels = friends_of_friends(positions, BOX, 0.2, ids=ids, mesh=mesh, min_members=5, chunk_size=777)
+    check_labels(labels, ids, with_min_members(expected, 5))
+    # float32 positions: linked in float64 from the same values
+    single = points.float()
+    expected = np.stack([oracle_labels(p, BOX, b) for p in single.double().numpy()])
+    positions, ids = owned_share(mesh, single)
+    check_labels(friends_of_friends(positions, BOX, 0.2, ids=ids, mesh=mesh), ids, expected)
+
+
+def case_scattered(grid, ctx):
+    """Particles dealt to the ranks at random, whatever their position (a particle's
+    friends may all be elsewhere): the labels still equal scipy's."""
+    from torchpm.halos import friends_of_friends, linking_distance
+
+    mesh = mesh_of(grid, ctx)
+    points = clustered(2)
+    b = linking_distance(BOX, N, 0.25)
+    expected = np.stack([oracle_labels(p, BOX, b) for p in points.numpy()])
+    dealt = torch.randint(0, mesh.grid.size, points.shape[:2], generator=torch.Generator().manual_seed(5))
+    positions, ids = pad_share(points, dealt == mesh.grid.rank, extra=mesh.grid.rank)
+    labels = friends_of_friends(positions, BOX, 0.25, ids=ids, mesh=mesh, min_members=3)
+    check_labels(labels, ids, with_min_members(expected, 3))
+
+
+def case_thin_blocks(grid, ctx):
+    """Blocks thinner than the linking distance (a particle is a ghost of several ranks)
+    and a chain of particles along x that wraps around the box: one group."""
+    from torchpm.halos import friends_of_friends, linking_distance
+
+    mesh = mesh_of(grid, ctx, shape=(12, 4, 4))  # x blocks of 4-6 cells of 2.5 Mpc/h
+    box = (30.0, 10.0, 10.0)
+    n = 400
+    b = linking_distance(box, n, 0.2)  # 1.84 Mpc/h
+    rng = np.random.default_rng(3)
+    chain = np.stack([np.arange(0, 30.0, 0.9 * b), np.full(int(np.ceil(30 / (0.9 * b))), 5.0),
+                      np.full(int(np.ceil(30 / (0.9 * b))), 5.0)], 1)
+    points = np.concatenate([chain, rng.uniform(0, box, (n - len(chain), 3))])
+    points = torch.tensor(points).unsqueeze(0)
+    expected = oracle_labels(points[0].numpy(), box, b)[None]
+    assert len(np.unique(expected[0][: len(chain)])) == 1
+    positions, ids = owned_share(mesh, points, box)
+    labels = friends_of_friends(positions, box, 0.2, ids=ids, mesh=mesh)
+    check_labels(labels, ids, expected)
+    # linking lengths whose b is wider than a block
+    for length in (0.6, 1.2):
+        expected = oracle_labels(points[0].numpy(), box, linking_distance(box, n, length))[None]
+        labels = friends_of_friends(positions, box, length, ids=ids, mesh=mesh, n_particles=n)
+        check_labels(labels, ids, expected)
+
+
+def _numpy_catalog(points, labels, box, masses, velocities):
+    """Per label: count, mass, periodic centre (around the smallest-index member), mean
+    velocity; dict label -> tuple."""
+    out = {}
+    for label in np.unique(labels[labels >= 0]):
+        members = np.nonzero(labels == label)[0]
+        x = points[members]
+        ref = points[members.min()]
+        d = x - ref
+        d -= box * np.round(d / box)
+        m = masses[members]
+        centre = np.mod(ref + (m[:, None] * d).sum(0) / m.sum(), box)
+        out[int(label)] = (len(members), m.sum(), centre, (m[:, None] * velocities[members]).sum(0) / m.sum())
+    return out
+
+
+def case_catalog(grid, ctx):
+    """The catalogue on the grid (replicated on every rank) equals a numpy computation on
+    the whole set and the one-device catalogue; gradients of a loss of the centres equal
+    the one-device gradients at this rank's particles."""
+    from torchpm.halos import friends_of_friends, halo_catalog
+
+    mesh = mesh_of(grid, ctx)
+    points = clustered(4)
+    rng = np.random.default_rng(9)
+    velocities = torch.tensor(rng.normal(0, 300, points.shape))
+    masses = torch.tensor(rng.uniform(0.5, 2.0, points.shape[:2]))
+    positions, ids = owned_share(mesh, points)
+    labels = friends_of_friends(positions, BOX, 0.2, ids=ids, mesh=mesh, min_members=10)
+    safe = ids.clamp(min=0)
+    mine_v = torch.stack([velocities[m][safe[m]] for m in range(2)])
+    mine_m = torch.stack([masses[m][safe[m]] for m in range(2)]) * (ids >= 0) + (ids < 0)
+    x = positions.clone().requires_grad_()
+    catalog = halo_catalog(x, labels, BOX, particle_mass=mine_m, velocities=mine_v, ids=ids, mesh=mesh)
+    serial_labels = friends_of_friends(points, BOX, 0.2, min_members=10)
+    x_serial = points.clone().requires_grad_()
+    serial = halo_catalog(x_serial, serial_labels, BOX, particle_mass=masses, velocities=velocities)
+    assert torch.equal(catalog.labels, serial.labels) and torch.equal(catalog.members, serial.members)
+    for a, b in ((catalog.masses, serial.masses), (catalog.positions, serial.positions),
+                 (catalog.velocities, serial.velocities)):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-10), float((a - b).abs().max())
+    for m in range(2):
+        expected = _numpy_catalog(points[m].numpy(), serial_labels[m].numpy(), np.asarray(BOX), masses[m].numpy(),
+                                  velocities[m].numpy())
+        assert len(expected) == int((catalog.labels[m] >= 0).sum())
+        for h, label in enumerate(catalog.labels[m].tolist()):
+            if label < 0:
+                continue
+            count, mass, centre, velocity = expected[label]
+            assert int(catalog.members[m, h]) == count
+            np.testing.assert_allclose(float(catalog.masses[m, h]), mass, rtol=1e-12)
+            np.testing.assert_allclose(catalog.positions[m, h].detach().numpy(), centre, rtol=0, atol=1e-10)
+            np.testing.assert_allclose(catalog.velocities[m, h].numpy(), velocity, rtol=1e-12, atol=1e-9)
+    # d(sum of centre coordinates * weights)/dx: every rank computes the same replicated loss
+    weights = torch.linspace(0.5, 1.5, catalog.positions[..., 0].numel()).reshape(catalog.positions.shape[:2])
+    (catalog.positions * weights.unsqueeze(-1)).sum().backward()
+    (serial.positions * weights.unsqueeze(-1)).sum().backward()
+    for m in range(2):
+        valid = ids[m] >= 0
+        assert torch.allclose(x.grad[m][valid], x_serial.grad[m][ids[m][valid]], rtol=1e-12, atol=1e-14)
+
+
+def case_simulation(grid, ctx):
+    """find_halos of a run on the grid equals find_halos of the same run on one device."""
+    import torchpm
+
+    config = dict(n_particles=(12, 10, 8), box_size=(36.0, 30.0, 24.0), mesh_factor=2, a_start=0.1, steps=6,
+                  dtype=torch.float64)
+    serial = torchpm.Simulation(**config)
+    distributed = torchpm.Simulation(**config, mesh=ctx["groups"][grid])
+    results = []
+    for sim in (serial, distributed):
+        state = sim(sim.white_noise(batch=2, seed=3))
+        results.append((torchpm.find_halos(sim, state, min_members=5, return_labels=True), state.ids))
+    ((serial_catalog, serial_labels), _), ((catalog, labels), ids) = results
+    assert int((serial_catalog.labels >= 0).sum()) > 2, "too few halos for a test"
+    assert torch.equal(catalog.labels, serial_catalog.labels)
+    assert torch.equal(catalog.members, serial_catalog.members)
+    assert torch.allclose(catalog.masses, serial_catalog.masses, rtol=1e-12)
+    assert torch.allclose(catalog.positions, serial_catalog.positions, rtol=0, atol=1e-9)
+    assert torch.allclose(catalog.velocities, serial_catalog.velocities, rtol=1e-10, atol=1e-8)
+    valid = ids >= 0
+    for m in range(2):
+        assert torch.equal(labels[m][valid[m]], serial_labels[m][ids[m][valid[m]]])
+
+
+def expect_error_everywhere(function, *fragments):
+    try:
+        function()
+    except ValueError as error:
+        text = str(error)
+        assert all(fragment in text for fragment in fragments), text
+        return
+    raise AssertionError(f"no error; expected one with {fragments}")
+
+
+def case_bad_input(grid, ctx):
+    """One rank's bad argument raises on every rank (none waits in a collective)."""
+    from torchpm.halos import friends_of_friends, halo_catalog
+
+    mesh = mesh_of(grid, ctx)
+    first = mesh.grid.rank == 0
+    positions, ids = owned_share(mesh, clustered(6))
+    expect_error_everywhere(lambda: friends_of_friends(positions, BOX, -0.2 if first else 0.2, ids=ids, mesh=mesh),
+                            "`linking_length` must be a positive number", "rank 0")
+    expect_error_everywhere(lambda: friends_of_friends(positions, BOX, 0.2 if first else 0.3, ids=ids, mesh=mesh),
+                            "`linking_length`", "rank 1")
+    broken = positions.clone()
+    if not first:
+        broken[0, ids[0].argmax(), 1] = float("nan")
+    expect_error_everywhere(lambda: friends_of_friends(broken, BOX, 0.2, ids=ids, mesh=mesh),
+                            "`positions` must be finite", "rank 1")
+    expect_error_everywhere(lambda: friends_of_friends(positions, BOX, 0.2, mesh=mesh), "pass `ids`")
+    expect_error_everywhere(lambda: friends_of_friends(positions, BOX, 0.2, ids=ids[:, :3] if first else ids,
+                                                       mesh=mesh), "`ids` must be an int64 tensor", "rank 0")
+    expect_error_everywhere(lambda: friends_of_friends(positions, BOX, 5.0, ids=ids, mesh=mesh),
+                            "at most a third of the shortest box side")
+    labels = friends_of_friends(positions, BOX, 0.2, ids=ids, mesh=mesh)
+    expect_error_everywhere(lambda: halo_catalog(positions, labels, BOX, ids=ids, mesh=mesh,
+                                                 particle_mass=-1.0 if not first else 1.0),
+                            "`particle_mass` must be a positive number", "rank 1")
+    # and the grid still works afterwards
+    assert friends_of_friends(positions, BOX, 0.2, ids=ids, mesh=mesh).shape == ids.shape
+
+
+# ----------------------------------------------------------------------------
+# The pytest side: one spawn per world size, one test per case.
+
+world_results = world_results_fixture(__name__, case_ids, "halo_world", timeout_s=600)
+
+
+@pytest.mark.parametrize("world_size,case_id", [(w, c) for w in sorted(GRIDS) for c in case_ids(w)])
+def test_distributed_halos(world_results, world_size, case_id):
+    errors = rank_errors(world_results(world_size)[case_id])
+    if errors:
+        pytest.fail(errors)
