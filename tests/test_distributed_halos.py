@@ -57,15 +57,15 @@ def run_case(case_id, ctx):
 
 
 def clustered(seed, n=N, box=BOX, batch=2):
-    """``(batch, n, 3)`` float64: half uniform, half in Gaussian blobs, two of them on a
-    box corner and a face (so groups straddle the periodic edges and the block faces)."""
+    """``(batch, n, 3)`` float64: half uniform, half in Gaussian blobs, on a box corner
+    and on the block faces of every grid (x = 10, 16, 20 and y = 12 Mpc/h), so groups
+    straddle the periodic edges and the ranks' blocks."""
     rng = np.random.default_rng(seed)
     box = np.asarray(box)
     out = []
     for _ in range(batch):
         centres = rng.uniform(0, box, (8, 3))
-        centres[0] = [0.2, 0.1, box[2] - 0.3]
-        centres[1] = [box[0] / 2, 0.0, box[2] / 2]
+        centres[:4] = [[0.2, 0.1, box[2] - 0.3], [16.0, 12.0, 9.0], [10.0, 5.0, 3.0], [20.0, 20.0, 15.0]]
         blobs = centres[rng.integers(0, 8, n // 2)] + rng.normal(0, 0.8, (n // 2, 3))
         out.append(np.mod(np.concatenate([rng.uniform(0, box, (n - n // 2, 3)), blobs]), box))
     return torch.tensor(np.stack(out))
@@ -185,26 +185,34 @@ def case_scattered(grid, ctx):
 
 
 def case_thin_blocks(grid, ctx):
-    """Blocks thinner than the linking distance (a particle is a ghost of several ranks)
-    and a chain of particles along x that wraps around the box: one group."""
+    """A chain of particles zigzagging along x across the blocks (not closing around the
+    box): right from x = 1 to 3.9, back to 0.3, right again to 5.5, its smallest id at
+    the start, so its label crosses block faces several times, each leg linked to the
+    next only inside another rank's block (two rounds of the exchange on 3 ranks); then
+    linking distances wider than a block (a particle is a ghost of several ranks)."""
     from torchpm.halos import friends_of_friends, linking_distance
 
-    mesh = mesh_of(grid, ctx, shape=(12, 4, 4))  # x blocks of 4-6 cells of 2.5 Mpc/h
-    box = (30.0, 10.0, 10.0)
+    box = (6.0, 10.0, 10.0)
+    mesh = mesh_of(grid, ctx, shape=(12, 4, 4))  # x blocks of 2 or 3 Mpc/h
     n = 400
-    b = linking_distance(box, n, 0.2)  # 1.84 Mpc/h
+    b = linking_distance(box, n, 0.2)  # 0.23 Mpc/h
     rng = np.random.default_rng(3)
-    chain = np.stack([np.arange(0, 30.0, 0.9 * b), np.full(int(np.ceil(30 / (0.9 * b))), 5.0),
-                      np.full(int(np.ceil(30 / (0.9 * b))), 5.0)], 1)
-    points = np.concatenate([chain, rng.uniform(0, box, (n - len(chain), 3))])
-    points = torch.tensor(points).unsqueeze(0)
+    corners = np.array([[1.0, 5.0], [3.9, 5.0], [3.9, 6.0], [0.3, 6.0], [0.3, 7.0], [5.5, 7.0]])
+    chain = []
+    for start, end in zip(corners[:-1], corners[1:]):
+        steps = int(np.ceil(np.linalg.norm(end - start) / (0.9 * b)))
+        chain += [start + (end - start) * t for t in np.arange(steps) / steps]
+    chain = np.array(chain + [corners[-1]])
+    chain = np.concatenate([chain, np.full((len(chain), 1), 5.0)], 1)
+    background = rng.uniform(0, box, (n - len(chain), 3))
+    background[:, 2] = np.where(np.abs(background[:, 2] - 5.0) < 1.0, background[:, 2] + 2.0, background[:, 2])
+    points = torch.tensor(np.concatenate([chain, background])).unsqueeze(0)
     expected = oracle_labels(points[0].numpy(), box, b)[None]
-    assert len(np.unique(expected[0][: len(chain)])) == 1
+    assert (expected[0][: len(chain)] == 0).all() and (expected[0][len(chain):] > 0).all()
     positions, ids = owned_share(mesh, points, box)
     labels = friends_of_friends(positions, box, 0.2, ids=ids, mesh=mesh)
     check_labels(labels, ids, expected)
-    # linking lengths whose b is wider than a block
-    for length in (0.6, 1.2):
+    for length in (1.0, 1.7):  # b = 1.15 and 1.95 Mpc/h
         expected = oracle_labels(points[0].numpy(), box, linking_distance(box, n, length))[None]
         labels = friends_of_friends(positions, box, length, ids=ids, mesh=mesh, n_particles=n)
         check_labels(labels, ids, expected)
