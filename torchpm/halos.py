@@ -209,17 +209,24 @@ def _local_groups(points: torch.Tensor, member: torch.Tensor, box, b: float, chu
     points = points[order]
     cell_keys, occupancy = torch.unique_consecutive(key, return_counts=True)
     first = torch.cumsum(occupancy, 0) - occupancy
-    cell_member = cell_keys // (cells[0] * cells[1] * cells[2])
-    rest = cell_keys % (cells[0] * cells[1] * cells[2])
-    cell_coords = torch.stack([rest // (cells[1] * cells[2]), (rest // cells[2]) % cells[1], rest % cells[2]], 1)
-    # Every pair of neighbouring occupied cells, and how many candidate pairs it holds.
-    cell_a, cell_b = [], []
-    for offset in _HALF_SHELL:
-        shifted = torch.remainder(cell_coords + torch.tensor(offset, device=device), cells_t)
-        wanted = ((cell_member * cells[0] + shifted[:, 0]) * cells[1] + shifted[:, 1]) * cells[2] + shifted[:, 2]
+    cell_member = member[order][first]
+    cell_coords = [column.contiguous() for column in coords[order][first].unbind(1)]
+    # Every pair of neighbouring occupied cells, and how many candidate pairs it holds:
+    # a cell with itself (if it holds two or more), then with its forward neighbours.
+    crowded = torch.nonzero(occupancy > 1).reshape(-1)
+    cell_a, cell_b = [crowded], [crowded]
+    for offset in _HALF_SHELL[1:]:
+        wanted = cell_member
+        for axis in range(3):
+            shifted = cell_coords[axis] + offset[axis]
+            if offset[axis] > 0:
+                shifted = torch.where(shifted == cells[axis], 0, shifted)
+            elif offset[axis] < 0:
+                shifted = torch.where(shifted < 0, cells[axis] - 1, shifted)
+            wanted = wanted * cells[axis] + shifted
         where = torch.searchsorted(cell_keys, wanted).clamp_(max=cell_keys.numel() - 1)
-        found = cell_keys[where] == wanted
-        cell_a.append(torch.nonzero(found).reshape(-1))
+        found = torch.nonzero(cell_keys[where] == wanted).reshape(-1)
+        cell_a.append(found)
         cell_b.append(where[found])
     cell_a, cell_b = torch.cat(cell_a), torch.cat(cell_b)
     sizes = occupancy[cell_a] * occupancy[cell_b]
