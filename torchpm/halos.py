@@ -162,16 +162,21 @@ def _check_unique_ids(function, ids):
 # ------------------------------------------------------------------- local components
 
 
+def _indices(mask: torch.Tensor) -> torch.Tensor:
+    # (index_select with these is several times faster on the CPU than boolean indexing)
+    return torch.nonzero(mask).reshape(-1)
+
+
 def _find(parent: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-    """Roots of ``nodes`` in the forest ``parent``; points the nodes at them (path halving
-    for the nodes asked)."""
-    roots = parent[nodes]
+    """Roots of ``nodes`` in the forest ``parent``; points the nodes at them (path
+    compression for the nodes asked)."""
+    roots = parent.index_select(0, nodes)
     while True:
-        up = parent[roots]
+        up = parent.index_select(0, roots)
         if torch.equal(up, roots):
             break
         roots = up
-    parent[nodes] = roots
+    parent.index_copy_(0, nodes, roots)
     return roots
 
 
@@ -181,10 +186,10 @@ def _union(parent: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> Non
     a tree's root is its smallest node), repeated until every pair has one root."""
     while left.numel():
         left, right = _find(parent, left), _find(parent, right)
-        apart = left != right
-        left, right = left[apart], right[apart]
-        if not left.numel():
+        apart = _indices(left != right)
+        if not apart.numel():
             break
+        left, right = left.index_select(0, apart), right.index_select(0, apart)
         high, low = torch.maximum(left, right), torch.minimum(left, right)
         parent.scatter_reduce_(0, high, low, reduce="amin")
 
@@ -198,22 +203,24 @@ def _local_groups(points: torch.Tensor, member: torch.Tensor, box, b: float, chu
     parent = torch.arange(count, device=device)
     if count < 2:
         return parent
-    lengths = torch.tensor(box, dtype=torch.float64, device=device)
     cells = [int(math.floor(length / b)) for length in box]
-    cells_t = torch.tensor(cells, dtype=torch.int64, device=device)
-    wrapped = points - lengths * torch.floor(points / lengths)
-    coords = torch.minimum(torch.floor(wrapped / lengths * cells_t).to(torch.int64), cells_t - 1).clamp_(min=0)
-    key = ((member * cells[0] + coords[:, 0]) * cells[1] + coords[:, 1]) * cells[2] + coords[:, 2]
-    order = torch.argsort(key)
-    key = key[order]
-    points = points[order]
+    columns, coords = [], []
+    for axis, length in enumerate(box):
+        x = points[:, axis]
+        x = x - length * torch.floor(x / length)
+        columns.append(x)
+        coords.append(torch.floor(x * (cells[axis] / length)).to(torch.int64).clamp_(0, cells[axis] - 1))
+    key = ((member * cells[0] + coords[0]) * cells[1] + coords[1]) * cells[2] + coords[2]
+    key, order = torch.sort(key)
+    columns = [x.index_select(0, order) for x in columns]
     cell_keys, occupancy = torch.unique_consecutive(key, return_counts=True)
     first = torch.cumsum(occupancy, 0) - occupancy
-    cell_member = member[order][first]
-    cell_coords = [column.contiguous() for column in coords[order][first].unbind(1)]
+    at_first = order.index_select(0, first)
+    cell_member = member.index_select(0, at_first)
+    cell_coords = [c.index_select(0, at_first) for c in coords]
     # Every pair of neighbouring occupied cells, and how many candidate pairs it holds:
     # a cell with itself (if it holds two or more), then with its forward neighbours.
-    crowded = torch.nonzero(occupancy > 1).reshape(-1)
+    crowded = _indices(occupancy > 1)
     cell_a, cell_b = [crowded], [crowded]
     for offset in _HALF_SHELL[1:]:
         wanted = cell_member
@@ -225,11 +232,14 @@ def _local_groups(points: torch.Tensor, member: torch.Tensor, box, b: float, chu
                 shifted = torch.where(shifted < 0, cells[axis] - 1, shifted)
             wanted = wanted * cells[axis] + shifted
         where = torch.searchsorted(cell_keys, wanted).clamp_(max=cell_keys.numel() - 1)
-        found = torch.nonzero(cell_keys[where] == wanted).reshape(-1)
+        found = _indices(cell_keys.index_select(0, where) == wanted)
         cell_a.append(found)
-        cell_b.append(where[found])
+        cell_b.append(where.index_select(0, found))
     cell_a, cell_b = torch.cat(cell_a), torch.cat(cell_b)
-    sizes = occupancy[cell_a] * occupancy[cell_b]
+    first_a, first_b = first.index_select(0, cell_a), first.index_select(0, cell_b)
+    width_b = occupancy.index_select(0, cell_b)
+    same = cell_a == cell_b
+    sizes = occupancy.index_select(0, cell_a) * width_b
     ends = torch.cumsum(sizes, 0)
     total = int(ends[-1]) if ends.numel() else 0
     starts = ends - sizes
@@ -237,26 +247,27 @@ def _local_groups(points: torch.Tensor, member: torch.Tensor, box, b: float, chu
     for low in range(0, total, chunk_size):
         pair = torch.arange(low, min(low + chunk_size, total), device=device)
         which = torch.searchsorted(ends, pair, right=True)
-        within = pair - starts[which]
-        width = occupancy[cell_b[which]]
-        i = first[cell_a[which]] + torch.div(within, width, rounding_mode="floor")
-        j = first[cell_b[which]] + torch.remainder(within, width)
-        keep = (cell_a[which] != cell_b[which]) | (i < j)
-        i, j = i[keep], j[keep]
-        d = points[i] - points[j]
-        d = d - lengths * torch.round(d / lengths)
-        linked = (d * d).sum(1) <= b2
-        _union(parent, i[linked], j[linked])
+        within = pair - starts.index_select(0, which)
+        width = width_b.index_select(0, which)
+        i = first_a.index_select(0, which) + torch.div(within, width, rounding_mode="floor")
+        j = first_b.index_select(0, which) + torch.remainder(within, width)
+        keep = _indices(~same.index_select(0, which) | (i < j))
+        i, j = i.index_select(0, keep), j.index_select(0, keep)
+        distance2 = None
+        for axis, length in enumerate(box):
+            d = columns[axis].index_select(0, i) - columns[axis].index_select(0, j)
+            d = d - length * torch.round(d * (1.0 / length))
+            distance2 = d * d if distance2 is None else distance2 + d * d
+        linked = _indices(distance2 <= b2)
+        _union(parent, i.index_select(0, linked), j.index_select(0, linked))
     # Every node to its root (pointer jumping until nothing changes).
     while True:
-        up = parent[parent]
+        up = parent.index_select(0, parent)
         if torch.equal(up, parent):
             break
         parent = up
     # Back from the cell order to the points' order.
-    roots = torch.empty_like(parent)
-    roots[order] = order[parent]
-    return roots
+    return torch.empty_like(parent).index_copy_(0, order, order.index_select(0, parent))
 
 
 def _row_index(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
