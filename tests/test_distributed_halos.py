@@ -171,8 +171,8 @@ def case_owned(grid, ctx):
 
 def case_scattered(grid, ctx):
     """Particles dealt to the ranks at random, whatever their position (a particle's
-    friends may all be elsewhere): the labels still equal scipy's."""
-    from torchpm.halos import friends_of_friends, linking_distance
+    friends may all be elsewhere), then all on one rank: the labels still equal scipy's."""
+    from torchpm.halos import friends_of_friends, halo_catalog, linking_distance
 
     mesh = mesh_of(grid, ctx)
     points = clustered(2)
@@ -182,6 +182,14 @@ def case_scattered(grid, ctx):
     positions, ids = pad_share(points, dealt == mesh.grid.rank, extra=mesh.grid.rank)
     labels = friends_of_friends(positions, BOX, 0.25, ids=ids, mesh=mesh, min_members=3)
     check_labels(labels, ids, with_min_members(expected, 3))
+    # every particle on the last rank, the others hold only empty slots (or no slot)
+    last = mesh.grid.rank == mesh.grid.size - 1
+    positions, ids = pad_share(points, torch.full(points.shape[:2], last), extra=0)
+    labels = friends_of_friends(positions, BOX, 0.25, ids=ids, mesh=mesh, min_members=3)
+    check_labels(labels, ids, with_min_members(expected, 3))
+    catalog = halo_catalog(positions, labels, BOX, ids=ids, mesh=mesh)
+    serial = halo_catalog(points, torch.tensor(with_min_members(expected, 3)), BOX)
+    assert torch.equal(catalog.labels, serial.labels) and torch.allclose(catalog.positions, serial.positions)
 
 
 def case_thin_blocks(grid, ctx):

@@ -333,7 +333,7 @@ def _ghost_destinations(points: torch.Tensor, valid: torch.Tensor, mesh, box, b:
         above = torch.remainder(x - high, length)  # distance down from its upper face
         masks.append(inside | (below <= reach) | (above <= reach))
     near = masks[0].unsqueeze(-1) & masks[1].unsqueeze(-2)  # (B, n, P0, P1)
-    near = near.reshape(*valid.shape, -1) & valid.unsqueeze(-1)
+    near = near.reshape(*valid.shape, mesh.grid.size) & valid.unsqueeze(-1)
     near[..., mesh.grid.rank] = False
     return torch.nonzero(near).unbind(1)
 
