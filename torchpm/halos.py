@@ -22,9 +22,11 @@ Method (torch only, on whatever device the positions are):
   pointer jumping, until every pair of the chunk has one root; the root of a group is
   its smallest node, and the group's label is the smallest id over its members.
 
-Memory: about ``100 B`` per particle (positions in float64, the cell order, the forest)
-plus about ``100 B`` per candidate pair of a chunk (``chunk_size`` pairs, default
-``2^20``: about 100 MB).
+Memory: about ``400 B`` per particle (positions in float64, the cell order, the pairs of
+neighbouring occupied cells, the forest) plus about ``100 B`` per candidate pair of a
+chunk (``chunk_size`` pairs, default ``2^20``: about 100 MB). Measured on 64^3 evolved
+particles: a peak of 96 MB above the input with ``chunk_size=2**16``, 189 MB with the
+default (benchmarks/RESULTS.md, section 12).
 
 Process grid (``mesh`` a distributed :class:`~torchpm.distributed.PencilDecomposition`,
 e.g. ``sim.force_mesh``): each rank holds some particles (empty slots have id ``-1``).
@@ -468,7 +470,8 @@ def friends_of_friends(
         min_members: groups with fewer particles (over all ranks) are labelled -1.
         mesh: a process grid's mesh (``sim.force_mesh``): each rank passes the particles
             it holds; collective. None or a 1 x 1 mesh: one device.
-        chunk_size: candidate pairs examined at a time (memory about 100 B each).
+        chunk_size: candidate pairs examined at a time (memory about 100 B each, on top
+            of about 400 B per particle).
 
     Returns:
         ``(B, N)`` (or ``(N,)``) int64: each particle's group label, the smallest id in
