@@ -116,7 +116,7 @@ example-dfft: build
 	torchrun --nproc-per-node=4 examples/distributed_fft.py
 
 test-distributed: build
-	$(PYTHON) -m pytest tests/test_distributed_fft.py tests/test_distributed_ops.py tests/test_distributed_simulation.py tests/test_cli_distributed.py tests/test_distributed_agreement.py
+	$(PYTHON) -m pytest tests/test_distributed_fft.py tests/test_distributed_ops.py tests/test_distributed_simulation.py tests/test_cli_distributed.py tests/test_distributed_agreement.py tests/test_distributed_halos.py
 
 clean:
 	rm -rf build .cuda-check torchpm/_C*.so torchpm/libtorchpm_ops.so *.egg-info
