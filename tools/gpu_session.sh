@@ -168,6 +168,9 @@ bench)
     timeout 60 $python benchmarks/bench_analysis.py --device cuda --sizes 256 512 2>&1 | tee "$out/bench_analysis.log"
     # a light cone of 64 x 64 x 320 particles with 10 lens planes: the run alone, with its planes, the Born map
     timeout 60 $python benchmarks/bench_lensing.py --device cuda --particles 64 2>&1 | tee "$out/bench_lensing.log"
+    # friends-of-friends on 64^3 and 128^3 evolved particles against scipy (on the host) in the same run
+    timeout 120 $python benchmarks/bench_halos.py --device cuda --particles 64 128 --repeats 3 2>&1 \
+        | tee "$out/bench_halos.log"
     ;;
 determinism)
     build
