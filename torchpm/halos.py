@@ -37,7 +37,11 @@ particles and ghosts once, then the ranks exchange labels between each particle 
 its ghosts (the migration plan's ``exchange`` and ``gather``), taking the smallest
 label on each local group, until an all-reduced "changed" flag is 0. Every friendship
 lies inside some rank's particles and ghosts (the rank owning one of the two
-positions), so the labels equal the one-device labels for the same particles.
+positions), so the labels equal the one-device labels for the same particles. Extra
+memory on a rank: its ghosts (about a fraction ``2 b / w`` of its particles per split
+axis, ``w`` the block's width) and a ``(B, n, P)`` bool mask choosing them (``P`` ranks).
+Each round of the exchange is one pass of the plan each way and one all-reduce; a
+group's label crosses up to two block faces per round.
 
 :func:`halo_catalog` turns labels into a catalogue (members, mass, centre of mass with
 the periodic wrap handled, mean velocity), sorted by mass; on a process grid the
