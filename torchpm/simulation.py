@@ -1353,18 +1353,22 @@ class Simulation(nn.Module):
             number = start + 1 + index
             following = factors[index + 1] if index + 1 < len(factors) else None
             # From the second step on, the ids are an earlier migration's or sort's.
-            emit_here = None
-            if number in emit_at:
-                def emit_here(positions, momenta, ids, number=number):
-                    if callback is not None:
-                        callback(number, float(factor.a_end))
-                    emit(number, positions, momenta, ids)
+            emit_here = self._emitter(emit, callback, number, factor) if number in emit_at else None
             positions, momenta, ids = self._fused_step(positions, momenta, ids, factor, following, cosmology,
                                                        sort=bool(sort_every) and number % sort_every == 0,
                                                        own_ids=index > 0, emit=emit_here)
             if callback is not None and emit_here is None:
                 callback(number, float(factor.a_end))
         return positions, momenta, ids
+
+    @staticmethod
+    def _emitter(emit, callback, number, factor):
+        """``emit`` of step ``number`` as :meth:`_fused_step` calls it: the step's callback first."""
+        def emit_here(positions, momenta, ids):
+            if callback is not None:
+                callback(number, float(factor.a_end))
+            emit(number, positions, momenta, ids)
+        return emit_here
 
     def _fused_step(self, positions, momenta, ids, factor: StepFactors, following: StepFactors | None,
                     cosmology=None, sort=False, own_ids=False, emit=None):
