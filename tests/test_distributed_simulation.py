@@ -40,7 +40,7 @@ def case_ids(world_size):
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}", f"paint_layers-{grid}",
-                    f"redshift_multipoles-{grid}", f"lightcone-{grid}", f"trajectory-{grid}",
+                    f"redshift_multipoles-{grid}", f"lightcone-{grid}", f"trajectory-{grid}", f"trajectory_sorted_resume-{grid}",
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}", f"forces_box_shifted-{grid}"]
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"migration_dtypes-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
@@ -1211,6 +1211,29 @@ def case_trajectory(grid, ctx):
                             "Simulation.trajectory", "`at[0]` = 0.123 is not one of")
     expect_error_everywhere(lambda: distributed.trajectory(local_noise, at=at, observe=None if first else 3),
                             "Simulation.trajectory", "`observe` must be callable")
+
+
+def case_trajectory_sorted_resume(grid, ctx):
+    """With ``sort_every`` on a grid, a run resumed at a step that is not a sort step
+    starts without a sort: its integration must not write into the arrays it was given.
+    ``trajectory(state=..., at=[state.a, ...])`` returns the state at ``state.a`` in those
+    arrays (it must equal ``resume(state, until=state.a)``), and ``evolve`` must leave
+    the caller's momenta alone."""
+    _, distributed = simulations(grid, ctx, sort_every=2)
+    noise = distributed.white_noise(batch=2, seed=13)
+    a = distributed.scale_factors
+    with torch.no_grad():
+        start = distributed(noise, until=a[1], return_mesh_units=True)
+        states = distributed.trajectory(state=start, at=[a[1], a[3]], return_mesh_units=True)
+        for state, until in zip(states, (a[1], a[3])):
+            expected = distributed.resume(start, until=until, return_mesh_units=True)
+            assert torch.equal(state.positions, expected.positions), f"positions at {until}"
+            assert torch.equal(state.momenta, expected.momenta), f"momenta at {until}"
+            assert torch.equal(state.ids, expected.ids), f"ids at {until}"
+        positions, momenta = start.positions.clone(), start.momenta.clone()
+        distributed.evolve(positions, momenta, distributed.growth_table(), ids=start.ids, start=1, stop=3)
+    assert torch.equal(positions, start.positions), "evolve wrote into the caller's positions"
+    assert torch.equal(momenta, start.momenta), "evolve wrote into the caller's momenta"
 
 
 def case_redshift_agreement(grid, ctx):
