@@ -1295,7 +1295,9 @@ class Simulation(nn.Module):
         # there only at the cadence (start 0: after the LPT) lets a resumed run go on in
         # the order the uninterrupted one has (bit-identical). On one device the state
         # comes back in id order and is sorted again here.
-        if sort_every and (self.force_mesh.is_local or start % sort_every == 0):
+        # (the fused path writes in place only into arrays that are this integration's own)
+        own = bool(sort_every) and (self.force_mesh.is_local or start % sort_every == 0)
+        if own:
             positions, ids, momenta = sort_particles(self.force_mesh, positions, ids, momenta)
         if self.adjoint and torch.is_grad_enabled():
             # One adjoint integration per stretch between emissions, each handing its last
@@ -1316,7 +1318,7 @@ class Simulation(nn.Module):
                 tensor.requires_grad for tensor in (positions, momenta, forces))):
             positions, momenta, ids = self._evolve_fused(
                 positions, momenta, forces, ids, factors, cosmology, callback, start, sort_every,
-                emit=None if not emit_at else (lambda *state: emitted(*state, copy=True)), emit_at=emit_at,
+                emit=None if not emit_at else (lambda *state: emitted(*state, copy=True)), emit_at=emit_at, own=own,
             )
             return self._id_order(positions, momenta, ids, sort_every)
         # With a graph: each step's updates are new tensors.
@@ -1335,7 +1337,7 @@ class Simulation(nn.Module):
         return self._id_order(positions, momenta, ids, sort_every)
 
     def _evolve_fused(self, positions, momenta, forces, ids, factors, cosmology, callback, start, sort_every,
-                      emit=None, emit_at=()):
+                      emit=None, emit_at=(), own=False):
         """:meth:`evolve` outside a graph: the steps of :meth:`_step`, in the same order
         and with the same bits, but each step's second kick and the next step's first
         kick and drift ride on the readout of its force
@@ -1344,8 +1346,9 @@ class Simulation(nn.Module):
         own (after the first update, or a sort here): the caller's tensors are never
         written. ``forces``: those at the first step's start. ``emit(number, positions,
         momenta, ids)``: called after each step whose number is in ``emit_at`` with the
-        integration's own arrays (the caller copies what it keeps)."""
-        update = add_scaled_ if sort_every else add_scaled
+        integration's own arrays (the caller copies what it keeps). ``own``: ``positions``
+        and ``momenta`` are already this integration's (a sort here made them)."""
+        update = add_scaled_ if own else add_scaled
         momenta = update(momenta, forces, factors[0].first_kick)
         positions = update(positions, momenta, factors[0].drift)
         del forces
