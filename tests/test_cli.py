@@ -657,6 +657,18 @@ def test_lensing_default_source_and_resolution(tmp_path):
         assert abs(z - (1 / float(a) - 1)) < 1e-12
 
 
+@pytest.mark.parametrize("pixels", [1, 4])
+def test_lensing_small_maps_finish_the_run(tmp_path, capsys, pixels):
+    """`lensing_pixels` accepts 1 and up: maps with fewer than three multipole bins (the
+    summary's C_ell / Limber ratio takes the first three) still finish the run."""
+    path = tmp_path / "lensing.toml"
+    path.write_text(LENSING.replace("lensing_pixels = 16", f"lensing_pixels = {pixels}").replace("steps = 6", "steps = 3")
+                    .replace("snapshots = [0.55]\n", "") + f'output = "{tmp_path / "out"}"\n')
+    assert main(["run", str(path)]) == 0
+    assert (tmp_path / "out" / "lensing.hdf5").exists()
+    assert "lensing: 4 planes" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("change, message", [
     ("a_start = 0.98\n", "the farthest plane"),
     ("a_end = 0.9\n", "the nearest plane is taken at a ="),
