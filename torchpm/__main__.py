@@ -656,11 +656,15 @@ def _lensing_outputs(taker, simulation, config, output, main_rank):
             handle.attrs["axis"] = "xyz"[planes.axis]
             handle.attrs["field_deg"] = field
             handle.attrs["seed"] = config["seed"]
-    # C_ell / linear Limber over the first three multipole bins (the largest scales), first source
-    ratio = float((spectrum.power[:, 0, :3].mean(0) / limber[0, :3]).mean())
+    # C_ell / linear Limber over the first three multipole bins (the largest scales), first
+    # source (a map of few pixels may have fewer bins, or none)
+    bins = min(3, int(spectrum.ell.numel()))
+    ratio_text = "no multipole bin (too few `lensing_pixels`)"
+    if bins:
+        ratio = float((spectrum.power[:, 0, :bins].mean(0) / limber[0, :bins]).mean())
+        ratio_text = f"C_ell / linear Limber at ell <= {float(spectrum.ell[bins - 1]):.0f}: {ratio:.2f}"
     line = (f"  lensing: {len(planes.distances)} planes to {depth:.0f} Mpc/h along {'xyz'[planes.axis]}, "
-            f"convergence rms {float(kappa[:, 0].std()):.4g} at z_s = {sources[0]:.3g}; "
-            f"C_ell / linear Limber at ell <= {float(spectrum.ell[2]):.0f}: {ratio:.2f}\n")
+            f"convergence rms {float(kappa[:, 0].std()):.4g} at z_s = {sources[0]:.3g}; {ratio_text}\n")
     return path, line
 
 
