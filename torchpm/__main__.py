@@ -21,6 +21,9 @@ progress bar over the steps, and writes into the run's output folder (default ``
   counterpart (:func:`torchpm.io.write_fields`);
 * ``snap_000.hdf5``, ...: Gadget-4 HDF5 snapshots at the scale factors listed in
   ``snapshots`` (numbered in that order; see :mod:`torchpm.io`).
+* ``lensing.hdf5`` (with ``lensing_planes`` > 0): the lens planes taken in the run,
+  their Born convergence maps, C_ell and linear Limber's (the planes' scale factors
+  join the steps; such a run cannot ``--resume``).
 
 The folder is created and tested for writing before the run; a folder that
 already holds outputs is refused unless ``--overwrite``. ``--resume snap.hdf5``
