@@ -106,6 +106,11 @@ def test_observe_keeps_what_it_returns_and_sees_every_state_in_order():
         means = sim.trajectory(noise, at=[a[1], a[4], a[6]], observe=observe)
         expected = [sim(noise, until=x).positions.mean() for x in (a[1], a[4], a[6])]
     assert seen == [a[1], a[4], a[6]]
+    import numpy as np
+
+    with torch.no_grad():  # a tensor or an array of scale factors too
+        for at in (torch.tensor([a[1], a[4]], dtype=torch.float64), np.array([a[1], a[4]])):
+            assert [s.a for s in sim.trajectory(noise, at=at)] == [a[1], a[4]]
     assert [float(m) for m in means] == [float(m) for m in expected]
 
 

@@ -757,7 +757,9 @@ class Simulation(nn.Module):
 
     def _at_indices(self, at, first: int) -> tuple[int, ...]:
         """The step numbers of the scale factors ``at`` (a non-empty increasing sequence
-        of :attr:`scale_factors`, none before step ``first``)."""
+        of :attr:`scale_factors`, none before step ``first``; a 1-D tensor or array too)."""
+        if hasattr(at, "tolist") and getattr(at, "ndim", None) == 1:
+            at = at.tolist()
         if isinstance(at, (str, bytes)) or not isinstance(at, Sequence) or not len(at):
             raise ValueError(f"`at` must be a non-empty sequence of the simulation's scale factors, got {at!r}")
         indices = []
@@ -816,7 +818,10 @@ class Simulation(nn.Module):
                 of ``at`` with its :class:`SimulationState` (in force-mesh cells with
                 ``return_mesh_units``). On a process grid it runs on every rank, in the
                 same order, so it may be collective (:func:`torchpm.lensing.density_plane`,
-                :func:`torchpm.io.write_snapshot`, spectra).
+                :func:`torchpm.io.write_snapshot`, spectra), but then it must fail on every
+                rank or on none: a rank raising alone leaves the others waiting in the
+                run's next collective (torchpm's own collectives agree on their arguments
+                first for that reason).
             callback: as in :meth:`forward`.
 
         Returns:
