@@ -296,7 +296,7 @@ def _group_minimum(values: torch.Tensor, roots: torch.Tensor) -> torch.Tensor:
 
 def _all_gather_rows(rows: torch.Tensor, mesh) -> torch.Tensor:
     """Every rank's ``(n_rank, C)`` int64 rows concatenated (rank order), on every rank."""
-    import torch.distributed as dist
+    from .distributed.groups import all_gather_grid
 
     counts = mesh.grid.all_gather_counts([rows.shape[0]], device=rows.device).reshape(-1)
     width = int(counts.max())
@@ -304,14 +304,7 @@ def _all_gather_rows(rows: torch.Tensor, mesh) -> torch.Tensor:
     padded[: rows.shape[0]] = rows
     valid = torch.zeros(width, dtype=torch.bool, device=rows.device)
     valid[: rows.shape[0]] = True
-    tensor = torch.cat([padded, valid.to(rows.dtype).unsqueeze(1)], 1)
-    for axis in (1, 0):
-        group = mesh.groups[axis]
-        if group is None:
-            continue
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        tensor = torch.cat(parts, 0)
+    tensor = all_gather_grid(torch.cat([padded, valid.to(rows.dtype).unsqueeze(1)], 1), mesh.groups, dim=0)
     return tensor[tensor[:, -1] == 1][:, :-1]
 
 

@@ -24,7 +24,7 @@ from .ic import (
     white_noise as make_white_noise,
 )
 from .distributed.decomposition import PencilDecomposition
-from .distributed.groups import eager, unsummed_leaves
+from .distributed.groups import all_gather_grid, eager, unsummed_leaves
 from .distributed.layout import balanced_grid
 from .mesh import LocalMesh
 from ._transforms import active_transforms, is_transformed, outside_transforms, plain, transforms_active
@@ -1730,15 +1730,5 @@ def _gather_error(state) -> str | None:
 @eager
 def _all_gather_rows(tensor: torch.Tensor, mesh) -> torch.Tensor:
     """Concatenate every rank's ``(B, n, ...)`` along dim 1 (same ``n`` everywhere), on every rank."""
-    import torch.distributed as dist
-
     with outside_transforms():  # (gathered values carry no derivative)
-        tensor = plain(tensor)
-        for axis in (1, 0):
-            group = mesh.groups[axis]
-            if group is None:
-                continue
-            parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(parts, tensor.contiguous(), group=group)
-            tensor = torch.cat(parts, dim=1)
-    return tensor
+        return all_gather_grid(plain(tensor), mesh.groups, dim=1)

@@ -294,6 +294,23 @@ class _ReplicatedInput(torch.autograd.Function):
         return _SumOverGrid.apply(grad, ctx.groups), None
 
 
+def all_gather_grid(tensor: torch.Tensor, groups, dim: int) -> torch.Tensor:
+    """Every rank's ``tensor`` (the same shape on every rank) concatenated along ``dim``
+    in rank order, on every rank: an all-gather over the grid's axis-1 group, then over
+    its axis-0 group (``groups``: a mesh's ``(axis-0 group, axis-1 group)``, None for an
+    axis of one rank). Not differentiable."""
+    import torch.distributed as dist
+
+    for axis in (1, 0):
+        group = groups[axis]
+        if group is None:
+            continue
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        tensor = torch.cat(parts, dim=dim)
+    return tensor
+
+
 def _is_replicated_input(node) -> bool:
     """Whether an autograd node is :class:`_ReplicatedInput`'s (under a torch.func
     transform, that of the function torch generates from it for the transform's level)."""
