@@ -23,7 +23,7 @@ from .ops import check, cic_paint, cic_readout, get_error_checking, paint, reado
 # A bad TORCHPM_ERROR_CHECKING is reported here, at import, not at the first op.
 get_error_checking()
 
-from . import adjoint, analysis, cosmology, distributed, fourier, ic, lensing, mesh, nn, pm  # noqa: E402
+from . import adjoint, analysis, bispectrum, cosmology, distributed, fourier, ic, lensing, mesh, nn, pm  # noqa: E402
 from . import config, halos, io, resources  # noqa: E402  (io imports h5py only when used)
 from .cosmology import Cosmology, Planck15, Planck18, PowerTable, linear_power  # noqa: E402
 from .halos import HaloCatalog, find_halos, friends_of_friends, halo_catalog  # noqa: E402
@@ -70,6 +70,7 @@ __all__ = [
     "adjoint",
     "nn",
     "analysis",
+    "bispectrum",
     "cosmology",
     "distributed",
     "ic",
