@@ -273,15 +273,19 @@ class _TrianglePlan:
         coefficients = torch.stack([torch.ones_like(k_magnitude), k_magnitude]).to(torch.complex128)
         count = torch.zeros(self.count, dtype=torch.float64, device=self.device)
         sides = torch.zeros(self.count, 3, dtype=torch.float64, device=self.device)
+        products = None
         for phase, shells, groups in self.shifts:
             ones, lengths = self.fields(coefficients, shells, phase)
+            if products is None:
+                products = torch.empty(3, ones.shape[-1], dtype=torch.float64, device=self.device)
             for a, b, third, members in groups:
-                pair = ones[a] * ones[b]
-                ones_third, lengths_third = ones[third], lengths[third]
-                count[members] += ones_third @ pair
-                sides[members, 0] += ones_third @ (lengths[a] * ones[b])
-                sides[members, 1] += ones_third @ (ones[a] * lengths[b])
-                sides[members, 2] += lengths_third @ pair
+                torch.mul(ones[a], ones[b], out=products[0])
+                torch.mul(lengths[a], ones[b], out=products[1])
+                torch.mul(ones[a], lengths[b], out=products[2])
+                by_ones = products @ ones[third].T  # (3, n_third): one pass over the third shells' fields
+                count[members] += by_ones[0]
+                sides[members, :2] += by_ones[1:].T
+                sides[members, 2] += lengths[third] @ products[0]
         return count * self.weights, sides * self.weights.unsqueeze(-1)
 
 
