@@ -89,7 +89,7 @@ class Bispectrum(NamedTuple):
 
 # Complex entries held by one batch of shell transforms: the shells are transformed a
 # few at a time so that the complex temporaries stay near this size.
-_SHELL_CHUNK = 1 << 22
+_SHELL_CHUNK = 1 << 18
 
 
 def triangle_configurations(edges) -> list[tuple[int, int, int]]:
@@ -243,6 +243,7 @@ class _TrianglePlan:
             for a, b, third, members in groups:
                 pair = fields[:, a] * fields[:, b]
                 out[:, members] += torch.bmm(fields[:, third], pair.unsqueeze(-1)).squeeze(-1)
+            del fields, pair  # (before the next shift's fields are made)
         return out * self.weights
 
     def gradient(self, coefficients, grad):
@@ -256,14 +257,16 @@ class _TrianglePlan:
             for a, b, third, members in groups:
                 g = grad[:, members]  # (C, n_third)
                 weighted = torch.bmm(g.unsqueeze(1), fields[:, third]).squeeze(1)  # sum_c g_c I_c
-                field_grad[:, a] += fields[:, b] * weighted
-                field_grad[:, b] += fields[:, a] * weighted
-                outer = g.unsqueeze(-1) * (fields[:, a] * fields[:, b]).unsqueeze(1)
-                if isinstance(third, slice):
-                    field_grad[:, third] += outer
+                field_grad[:, a].addcmul_(fields[:, b], weighted)
+                field_grad[:, b].addcmul_(fields[:, a], weighted)
+                pair = (fields[:, a] * fields[:, b]).unsqueeze(1)
+                if isinstance(third, slice):  # (in place: no temporary of the third shells' size)
+                    field_grad[:, third].baddbmm_(g.unsqueeze(-1), pair)
                 else:
-                    field_grad.index_add_(1, third, outer)
+                    field_grad.index_add_(1, third, g.unsqueeze(-1) * pair)
+            del fields, weighted, pair
             result = result + self.adjoint(field_grad, shells, phase)
+            del field_grad
         return result
 
     def counts(self, k_magnitude):
@@ -286,6 +289,7 @@ class _TrianglePlan:
                 count[members] += by_ones[0]
                 sides[members, :2] += by_ones[1:].T
                 sides[members, 2] += lengths[third] @ products[0]
+            del ones, lengths
         return count * self.weights, sides * self.weights.unsqueeze(-1)
 
 
