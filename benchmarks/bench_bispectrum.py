@@ -1,0 +1,154 @@
+"""Time and peak memory of the bispectrum of a float32 ``n^3`` field (CIC window).
+
+    python benchmarks/bench_bispectrum.py [--sizes 64 128] [--repeats 3] [--device cpu|cuda]
+                                          [--reach two-thirds nyquist] [--backward] [--threads T]
+
+Shells ``3 k_f`` wide from ``1.5 k_f`` (``k_f = 2 pi / L``, a typical binning of the
+literature): up to two thirds of the Nyquist frequency (``--reach two-thirds``: no
+configuration reaches past the grid, one inverse FFT per shell) or up to the Nyquist
+frequency (``nyquist``: the configurations of the larger shells are evaluated with
+half-cell shifts too, up to 8 transforms per shell); every configuration ``i <= j <= l``
+with the triangle condition on the shell centres. ``--backward`` also times the gradient
+of a loss of B in the field.
+
+Each measurement runs in a fresh process after one warm-up call: on the CPU the peak
+memory is the growth of the resident set (Linux ``VmHWM``, reset, with the heap's freed
+blocks released, before the call) over the call, on CUDA
+``torch.cuda.max_memory_allocated``; both also in units of the float64 field. Times: the
+median of ``--repeats`` calls after the warm-up, synchronised on CUDA. (Run from a
+source checkout with ``PYTHONPATH=.``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BOX = 1000.0
+
+
+def _status(key: str) -> int:
+    """A ``/proc/self/status`` value in bytes."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def _release_freed_memory() -> None:
+    """Give the heap's freed blocks back to the system and restart the high-water mark, so
+    that ``VmHWM - VmRSS`` over the next call is what the call itself allocates (glibc's
+    ``malloc_trim``; ``clear_refs`` 5 resets ``VmHWM``, Linux >= 4.0)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+def edges(size: int, reach: str) -> list[float]:
+    """Shells 3 k_f wide from 1.5 k_f, up to 2/3 of the Nyquist frequency or to it."""
+    k_fundamental = 2 * math.pi / BOX
+    top = size / 2 * (2 / 3 if reach == "two-thirds" else 1.0)  # in k_f
+    count = int((top - 1.5) // 3)
+    return [k_fundamental * (1.5 + 3 * j) for j in range(count + 1)]
+
+
+def measure(size: int, reach: str, backward: bool, repeats: int, device: str, threads: int | None) -> dict:
+    import torch
+
+    from torchpm.bispectrum import bispectrum
+
+    if threads:
+        torch.set_num_threads(threads)
+    bins = edges(size, reach)
+    field = torch.randn(1, size, size, size, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def call():
+        if not backward:
+            return bispectrum(field, BOX, bins=bins, window="cic")
+        leaf = field.clone().requires_grad_()
+        result = bispectrum(leaf, BOX, bins=bins, window="cic")
+        (result.bispectrum**2).sum().backward()
+        return result
+
+    call()  # warm-up: libraries, FFT plans and the allocator's first blocks outside the measurement
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        _release_freed_memory()
+        base = _status("VmRSS")
+    result = call()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = _status("VmHWM") - base
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return dict(size=size, reach=reach, backward=backward, device=device, threads=torch.get_num_threads(),
+                shells=len(bins) - 1, configurations=int(result.shells.shape[0]),
+                s=statistics.median(times), s_min=min(times), s_max=max(times),
+                peak_mib=peak / 2**20, peak_over_field=peak / (8 * size**3))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--reach", nargs="+", default=["two-thirds", "nyquist"], choices=["two-thirds", "nyquist"])
+    parser.add_argument("--backward", action="store_true", help="also time forward + backward")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--one", nargs=3, metavar=("SIZE", "REACH", "BACKWARD"), help=argparse.SUPPRESS)
+    arguments = parser.parse_args()
+    if arguments.one:
+        size, reach, backward = arguments.one
+        print(json.dumps(measure(int(size), reach, backward == "1", arguments.repeats, arguments.device,
+                                 arguments.threads)))
+        return
+    import torch
+
+    print(f"# torch {torch.__version__}, device {arguments.device}, box {BOX} Mpc/h, float32 field, CIC window, "
+          f"median of {arguments.repeats}")
+    print("| n^3 | shells up to | shells | configurations | pass | time (s) [min-max] | peak MiB | peak / float64 field |")
+    print("|---|---|---|---|---|---|---|---|")
+    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for size in arguments.sizes:
+        for reach in arguments.reach:
+            for backward in ([False, True] if arguments.backward else [False]):
+                command = [sys.executable, os.path.abspath(__file__), "--one", str(size), reach,
+                           "1" if backward else "0", "--repeats", str(arguments.repeats),
+                           "--device", arguments.device]
+                if arguments.threads:
+                    command += ["--threads", str(arguments.threads)]
+                output = subprocess.run(command, capture_output=True, text=True, env=environment)
+                if output.returncode:
+                    print(output.stderr, file=sys.stderr)
+                    raise SystemExit(output.returncode)
+                row = json.loads(output.stdout.strip().splitlines()[-1])
+                label = "2/3 k_Nyq" if reach == "two-thirds" else "k_Nyq"
+                print(f"| {size} | {label} | {row['shells']} | {row['configurations']} | "
+                      f"{'fwd+bwd' if backward else 'fwd'} | {row['s']:.2f} [{row['s_min']:.2f}-{row['s_max']:.2f}] | "
+                      f"{row['peak_mib']:.0f} | {row['peak_over_field']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
