@@ -356,10 +356,12 @@ def bispectrum(
     Cost: for each shell, one inverse FFT of the batch (up to 8 per shell for shells
     beyond two thirds of the Nyquist frequency, see the module's docstring), plus one
     product over the mesh per configuration and batch member; the number of
-    configurations grows as ``n_bins^3``. Memory: one float64 real field per shell and
-    batch member of this rank's block, ``8 B n_bins n_cells`` bytes (twice that in the
-    backward pass), plus two per shell for the triangle counts, whatever the number of
-    configurations; the transforms run a few shells at a time.
+    configurations grows as ``n_bins^3``. Memory, whatever the number of configurations:
+    the triangle counts hold two float64 real fields of this rank's block per shell, then
+    the bispectrum one per shell and batch member (two in the backward pass), so the
+    peak is about ``8 max(2, B) n_bins n_cells`` bytes (``2 B`` in the backward) plus
+    transients of some ten fields (the transforms run shell by shell on large meshes;
+    benchmarks/RESULTS.md has measurements).
 
     Differentiable in the field, also twice (the backward recomputes the shell fields).
 
