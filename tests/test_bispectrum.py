@@ -310,6 +310,17 @@ def test_gradcheck(device):
     torch.autograd.gradgradcheck(lambda x: bispectrum(x, box).bispectrum, (field,), fast_mode=True)
 
 
+def test_torch_func_grad_equals_autograd(device):
+    field = _random_field((7, 6, 6), batch=1, seed=6)[0].to(device)
+
+    def loss(x):
+        return (bispectrum(x, 30.0, window="cic").bispectrum ** 2).sum()
+
+    leaf = field.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(loss(leaf), leaf)
+    _close(torch.func.grad(loss)(field), expected.cpu().numpy(), "torch.func.grad")
+
+
 def test_gradient_of_a_batch_matches_brute_force():
     """The gradient of a loss of B in each member of a batch against the brute-force sum
     differentiated by torch (the oracle's DFT taken with torch.fft, the triples the same)."""

@@ -301,10 +301,14 @@ class _TriangleSums(torch.autograd.Function):
     sums can be differentiated again."""
 
     @staticmethod
-    def forward(ctx, coefficients, plan):
+    def forward(coefficients, plan):
+        return plan.sums(coefficients)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        coefficients, plan = inputs
         ctx.plan = plan
         ctx.save_for_backward(coefficients)
-        return plan.sums(coefficients)
 
     @staticmethod
     def backward(ctx, grad):
