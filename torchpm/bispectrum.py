@@ -28,9 +28,10 @@ the fields are also evaluated half a cell away (``delta_k`` times ``exp(i w/2)``
 with ``w`` the mode's wavevector in radians per cell); the sum over the shifts
 multiplies a triangle closing exactly by 2 and one closing only modulo the grid by
 ``1 + exp(i pi) = 0``, so only geometric triangles remain (the interlacing trick
-applied to the shell fields). A triangle needs up to ``2^3`` evaluations; its
-configuration costs nothing extra when its shells stay below two thirds of the
-Nyquist frequency. Shells lie in ``(0, k_Nyquist]`` (the smallest Nyquist frequency
+applied to the shell fields). A configuration needs up to ``2^3`` evaluations, and
+none extra when its three shells' upper edges add up to at most ``2 pi n / L`` along
+every axis (twice that axis's Nyquist frequency: e.g. shells below two thirds of the
+Nyquist frequency). Shells lie in ``(0, k_Nyquist]`` (the smallest Nyquist frequency
 of the axes), so no shell holds a mode on a Nyquist plane, whose wavevector would be
 ambiguous.
 
