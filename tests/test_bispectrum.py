@@ -116,6 +116,12 @@ def test_default_shells_match_brute_force(device, shape, box):
     _close(result.reduced, expected / (p1 * p2 + p2 * p3 + p3 * p1), "Q")
 
 
+def test_default_configurations_by_hand():
+    """Shell centres 1, 2, 3: every i <= j <= l with c_l <= c_i + c_j, i.e. all but (0, 0, 2)."""
+    assert triangle_configurations([0.5, 1.5, 2.5, 3.5]) == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 1), (0, 1, 2), (0, 2, 2), (1, 1, 1), (1, 1, 2), (1, 2, 2), (2, 2, 2)]
+
+
 def test_given_configurations_bins_and_window(device):
     """Edges given, configurations in any order (the sides follow it), a repeated shell, the
     CIC window divided out of each mode; and an int number of bins up to Nyquist."""
