@@ -672,7 +672,7 @@ def test_lensing_small_maps_finish_the_run(tmp_path, capsys, pixels):
 @pytest.mark.parametrize("change, message", [
     ("a_start = 0.98\n", "the farthest plane"),
     ("a_end = 0.9\n", "the nearest plane is taken at a ="),
-    ("lensing_sources = [0.0]\n", "`lensing_sources[0]`"),
+    ("lensing_sources = [0.0]\n", "`lensing_sources` must be a list of redshifts in (0, 1100] (item 0 is not)"),
     ("lensing_sources = 0.5\n", "`lensing_sources`"),
     ("lensing_axis = \"w\"\n", "`lensing_axis`"),
     ("lensing_planes = -1\n", "`lensing_planes`"),

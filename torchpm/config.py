@@ -229,7 +229,13 @@ def _redshifts(name, value) -> list[float]:
         raise _fail(name, "a list of redshifts in (0, 1100]", value)
     if len(value) > 64:
         raise SettingError(f"`{name}` must list at most 64 redshifts, got {len(value)}")
-    return [as_float(f"{name}[{index}]", z, 0.0, 1100.0, low_open=True) for index, z in enumerate(value)]
+    redshifts = []
+    for index, z in enumerate(value):
+        try:
+            redshifts.append(as_float(name, z, 0.0, 1100.0, low_open=True))
+        except SettingError:
+            raise _fail(name, f"a list of redshifts in (0, 1100] (item {index} is not)", value) from None
+    return redshifts
 
 
 def _range_text(low, high, low_open=False) -> str:
