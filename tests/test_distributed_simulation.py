@@ -1212,6 +1212,31 @@ def case_trajectory(grid, ctx):
     expect_error_everywhere(lambda: distributed.trajectory(local_noise, at=at, observe=None if first else 3),
                             "Simulation.trajectory", "`observe` must be callable")
 
+    # An observer raising on the last rank only, at the second scale factor: every rank
+    # raises (the others would otherwise wait in the run's next all-to-all), the failing
+    # rank's error chained to its own exception; then the grid still runs.
+    last = ctx["rank"] == ctx["world"] - 1
+    seen = []
+
+    def observe(state):
+        seen.append(state.a)
+        if last and len(seen) == 2:
+            raise KeyError("no such plane")
+        return state.a
+
+    try:
+        distributed.trajectory(local_noise, at=at, observe=observe)
+    except RuntimeError as error:
+        text = str(error)
+        assert "`observe` raised at a = " in text and "KeyError" in text and "no such plane" in text, text
+        assert f"rank {ctx['world'] - 1}" in text and "every rank" in text, text
+        assert isinstance(error.__cause__, KeyError) == last, repr(error.__cause__)
+    else:
+        raise AssertionError("an observer raising on one rank did not raise on every rank")
+    assert seen == at[:2], seen
+    with torch.no_grad():
+        assert distributed.trajectory(local_noise, at=at[:2], observe=lambda state: state.a) == at[:2]
+
 
 def case_trajectory_sorted_resume(grid, ctx):
     """With ``sort_every`` on a grid, a run resumed at a step that is not a sort step

@@ -818,10 +818,13 @@ class Simulation(nn.Module):
                 of ``at`` with its :class:`SimulationState` (in force-mesh cells with
                 ``return_mesh_units``). On a process grid it runs on every rank, in the
                 same order, so it may be collective (:func:`torchpm.lensing.density_plane`,
-                :func:`torchpm.io.write_snapshot`, spectra), but then it must fail on every
-                rank or on none: a rank raising alone leaves the others waiting in the
-                run's next collective (torchpm's own collectives agree on their arguments
-                first for that reason).
+                :func:`torchpm.io.write_snapshot`, spectra). After each call the ranks
+                check together whether it raised (one small all-reduce): an exception on
+                one rank raises a RuntimeError naming it on every rank (chained to the
+                original on the rank that raised) instead of leaving the others waiting
+                in the run's next collective. An observer with collectives of its own
+                must still reach them on every rank or on none, as torchpm's do (they
+                agree on their arguments first).
             callback: as in :meth:`forward`.
 
         Returns:
@@ -830,8 +833,28 @@ class Simulation(nn.Module):
         """
         self._check_transforms("Simulation.trajectory")
         kept = []
-        finish = observe if observe is not None else (lambda value: value)
         problem = None
+
+        def finish(state):
+            if observe is None:
+                return state
+            if self.force_mesh.is_local:
+                return observe(state)
+            error, value = None, None
+            try:
+                value = observe(state)
+            except Exception as exc:  # noqa: BLE001 - raised again below, on every rank
+                error = exc
+            message = error and f"`observe` raised at a = {state.a:g}: {type(error).__name__}: {error}"
+            try:
+                self.force_mesh.raise_together(message, exception=RuntimeError,
+                                               operation="Simulation.trajectory (`observe`)")
+            except RuntimeError as together:
+                if error is None:
+                    raise
+                raise together from error
+            return value
+
         if observe is not None and not callable(observe):
             problem = f"`observe` must be callable or None, got {type(observe).__name__}"
         elif state is not None and (white_noise is not None or linear_field is not None):
