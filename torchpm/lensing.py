@@ -265,13 +265,19 @@ def density_plane(
         mass = (along >= lo) | (along < hi - length)
     if ids is not None:
         mass = mass & (ids >= 0)
-    # Only the slab's particles are painted (a slab holds a fraction of them): the first
-    # K slots of each member after moving its slab's particles to the front (K the
-    # largest count of a member; the others' extra slots keep mass 0). Gathering them is
-    # exact for values and gradients: a particle outside paints nothing either way.
-    selected = torch.argsort(mass.logical_not().to(torch.uint8), dim=1, stable=True)[:, :int(mass.sum(1).max())]
+    # Only the slab's particles are painted (a slab holds a fraction of them): each
+    # member's slab particles, in slot order, in the first of K slots (K the largest
+    # count of a member; the others' extra slots point at slot 0 with mass 0). One
+    # linear compaction (nonzero, then each particle's place within its member's row).
+    # Gathering them is exact for values and gradients: a particle outside paints
+    # nothing either way.
+    counts = mass.sum(1)
+    rows, columns = mass.nonzero(as_tuple=True)
+    starts = (counts.cumsum(0) - counts).repeat_interleave(counts)
+    selected = torch.zeros(mass.shape[0], int(counts.max()), dtype=torch.int64, device=device)
+    selected[rows, torch.arange(len(rows), device=device) - starts] = columns
+    inside = torch.arange(selected.shape[1], device=device) < counts.unsqueeze(1)
     plane_positions = positions[..., transverse].gather(1, selected.unsqueeze(-1).expand(-1, -1, 2))
-    inside = mass.gather(1, selected)
     mass = inside.to(dtype)
     if weights is not None:
         mass = mass * weights.gather(1, selected)
