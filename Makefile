@@ -94,12 +94,13 @@ cpp: deps
 # library setup.py built with CMake and builds the C++ examples on it, or prints
 # why it was skipped (no cmake or compiler). Tests marked slow (minutes each on
 # 2 cores: the C++ library compiled from source as `make cpp` does, the longer
-# runs against JaxPM) run in `make test-all`.
+# runs against JaxPM) run in `make test-all`, which also fuzzes the migration
+# longer (1000 random rounds per grid instead of 200).
 test: build test-deps cuda-check
 	$(PYTHON) -m pytest -ra --durations=20 -m "not slow"
 
 test-all: build test-deps cuda-check
-	$(PYTHON) -m pytest -ra --durations=20
+	TORCHPM_TEST_MIGRATION_ROUNDS=1000 $(PYTHON) -m pytest -ra --durations=20
 
 bench: build
 	$(PYTHON) benchmarks/bench_mass_assignment.py
