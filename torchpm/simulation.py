@@ -1315,9 +1315,11 @@ class Simulation(nn.Module):
         sort_every = self._sort_cadence(ids)
 
         def emitted(number, positions, momenta, ids, copy=False):
-            if copy:
-                positions, momenta, ids = positions.clone(), momenta.clone(), ids.clone()
-            emit(number, *self._id_order(positions, momenta, ids, sort_every))
+            state = self._id_order(positions, momenta, ids, sort_every)
+            if copy:  # (the arrays the integration writes afterwards: those handed back as they are)
+                state = tuple(out.clone() if out is given else out
+                              for out, given in zip(state, (positions, momenta, ids)))
+            emit(number, *state)
 
         # On a grid the slot order is the run's own and comes back with a state: sorting
         # there only at the cadence (start 0: after the LPT) lets a resumed run go on in
