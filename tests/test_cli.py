@@ -695,3 +695,100 @@ def test_lensing_run_does_not_resume(tmp_path, capsys):
     capsys.readouterr()
     assert main(["run", str(path), "--overwrite", "--resume", str(tmp_path / "out" / "snap_000.hdf5")]) == 2
     assert "cannot resume" in capsys.readouterr().err
+
+
+HALOS = ('n_particles = 16\nbox_size = 32.0\nmesh_factor = 2\nsteps = 6\ndtype = "float64"\nseed = 2\n'
+         'snapshots = [0.55]\nhalos_linking_length = 0.2\nhalos_min_members = 5\n')
+
+
+def test_halos_outputs_are_the_library_catalogue(tmp_path, capsys):
+    """`halos_linking_length` writes halos.hdf5 (the final state) and halos_000.hdf5 (the
+    snapshot): the catalogues `find_halos` makes of the library run stopped there, bit for
+    bit, with the masses the particle count times the particle mass written beside them;
+    the summary names the count and the heaviest. A rerun with --overwrite and no halos
+    leaves no catalogue of the earlier run behind (nor an earlier run's lensing.hdf5)."""
+    import h5py
+
+    from torchpm.__main__ import build_simulation
+    from torchpm.config import load_config
+
+    path = tmp_path / "halos.toml"
+    out = tmp_path / "out"
+    path.write_text(HALOS + f'output = "{out}"\n')
+    assert main(["run", str(path)]) == 0
+    report = capsys.readouterr().out
+    config = load_config(str(path))
+    sim = build_simulation(config)
+    with torch.no_grad():
+        states = sim.trajectory(sim.white_noise(seed=2), at=[0.55, 1.0])
+    for name, state in (("halos_000.hdf5", states[0]), ("halos.hdf5", states[1])):
+        expected = torchpm.find_halos(sim, state, linking_length=0.2, min_members=5)
+        with h5py.File(out / name, "r") as handle:
+            assert handle.attrs["a"] == state.a and handle.attrs["min_members"] == 5
+            for key, field in (("label", "labels"), ("members", "members"), ("mass", "masses"),
+                               ("position", "positions"), ("velocity", "velocities")):
+                assert torch.equal(torch.from_numpy(handle[key][...]), getattr(expected, field)), (name, key)
+            members, masses = handle["members"][...], handle["mass"][...]
+            assert members.shape[1] > 0 and members.min() >= 5, (name, members)
+            np.testing.assert_allclose(masses, members * handle.attrs["particle_mass_msun_h"], rtol=1e-12)
+            box = handle.attrs["box_size"]
+            assert (handle["position"][...] >= 0).all() and (handle["position"][...] < box).all()
+            # b = 0.2 mean separations: 0.2 * 32 Mpc/h / 16
+            assert abs(handle.attrs["linking_distance_mpc_h"] - 0.4) < 1e-12
+    (line,) = [line for line in report.splitlines() if "halos (friends-of-friends" in line]
+    with h5py.File(out / "halos.hdf5", "r") as handle:
+        count, heaviest = int((handle["label"][0] >= 0).sum()), float(handle["mass"][0, 0])
+    assert f": {count} found; heaviest {heaviest:.3e} Msun/h" in line and ">= 5 particles" in line, line
+    (out / "lensing.hdf5").write_bytes(b"an earlier run's light cone")
+    path.write_text(HALOS.replace("halos_linking_length = 0.2\n", "") + f'output = "{out}"\n')
+    assert main(["run", str(path), "--overwrite"]) == 0
+    assert "halos (" not in capsys.readouterr().out
+    left = sorted(p.name for p in out.iterdir())
+    assert not [name for name in left if name.startswith(("halos", "lensing"))], left
+    assert "snap_000.hdf5" in left
+
+
+def test_halos_files_make_a_folder_hold_outputs(tmp_path, capsys):
+    """A folder holding only an earlier run's halo catalogue is refused without
+    --overwrite, like its other outputs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "halos_002.hdf5").write_bytes(b"")
+    path = tmp_path / "run.toml"
+    path.write_text('n_particles = 4\nbox_size = 40.0\nsteps = 2\n' + f'output = "{out}"\n')
+    assert main(["run", str(path)]) == 2
+    assert "halos_002.hdf5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, message", [
+    ("halos_linking_length = 1.0\n", "`halos_linking_length` must be 0 (no halos) or a linking length in (0, 1)"),
+    ("halos_linking_length = -0.2\n", "`halos_linking_length` must be 0"),
+    ("halos_linking_length = \"0.2\"\n", "`halos_linking_length` must be 0"),
+    ("halos_linking_length = true\n", "`halos_linking_length` must be 0"),
+    ("halos_min_members = 1\n", "`halos_min_members`"),
+    ("halos_min_members = 2.5\n", "`halos_min_members`"),
+])
+def test_halos_config_errors(tmp_path, capsys, change, message):
+    key = change.split("=")[0].strip()
+    lines = [line for line in HALOS.splitlines(keepends=True) if line.split("=")[0].strip() != key]
+    path = tmp_path / "bad.toml"
+    path.write_text("".join(lines) + change + f'output = "{tmp_path / "out"}"\n')
+    assert main(["run", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("key", ["snapshots", "halos_linking_length"])
+def test_hdf5_outputs_without_h5py_are_one_line(tmp_path, capsys, monkeypatch, key):
+    """A run asking for HDF5 outputs where h5py is missing stops before running, naming the key."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "h5py" else real(name, *args))
+    text = HALOS if key == "halos_linking_length" else HALOS.replace("halos_linking_length = 0.2\n", "")
+    if key == "halos_linking_length":
+        text = text.replace("snapshots = [0.55]\n", "")
+    path = tmp_path / "run.toml"
+    path.write_text(text + f'output = "{tmp_path / "out"}"\n')
+    assert main(["run", str(path)]) == 2
+    assert f"`{key}` needs h5py" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -33,7 +33,8 @@ def _run(command, tmp_path):
 
 def test_torchrun_four_ranks_matches_single_process(tmp_path):
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG + 'redshift_space = "y"\nwrite_density = true\nlensing_planes = 3\nlensing_pixels = 8\n')
+    config.write_text(CONFIG + 'redshift_space = "y"\nwrite_density = true\nlensing_planes = 3\nlensing_pixels = 8\n'
+                      'halos_linking_length = 0.3\nhalos_min_members = 2\n')
     _run([sys.executable, "-m", "torchpm", "run", str(config), "--output", str(tmp_path / "single")], tmp_path)
     result = _run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
@@ -66,6 +67,16 @@ def test_torchrun_four_ranks_matches_single_process(tmp_path):
         for name in ("planes", "convergence", "convergence_power"):
             scale = np.abs(one[name][...]).max()
             assert scale > 0 and np.abs(four[name][...] - one[name][...]).max() <= 1e-10 * scale, name
+    # The halo catalogue, found across the grid's blocks: the same groups (labels are their
+    # smallest particle ids), masses and centres.
+    with h5py.File(tmp_path / "single" / "halos.hdf5", "r") as one, \
+            h5py.File(tmp_path / "grid" / "halos.hdf5", "r") as four:
+        assert one["label"].shape[1] > 0
+        for name in ("label", "members"):
+            np.testing.assert_array_equal(four[name][...], one[name][...])
+        for name in ("mass", "position", "velocity"):
+            scale = np.abs(one[name][...]).max()
+            assert np.abs(four[name][...] - one[name][...]).max() <= 1e-10 * scale, name
     # Only rank 0 prints the summary and writes the outputs.
     assert result.stdout.count("torchpm run:") == 1, result.stdout
     assert (tmp_path / "grid" / "power_spectrum.png").exists()

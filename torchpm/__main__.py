@@ -24,6 +24,10 @@ progress bar over the steps, and writes into the run's output folder (default ``
 * ``lensing.hdf5`` (with ``lensing_planes`` > 0): the lens planes taken in the run,
   their Born convergence maps, C_ell and linear Limber's (the planes' scale factors
   join the steps; such a run cannot ``--resume``).
+* ``halos.hdf5`` and ``halos_000.hdf5``, ... (with ``halos_linking_length`` > 0): the
+  friends-of-friends halo catalogue of the final state and of each snapshot's
+  (:func:`torchpm.find_halos`: mass in Msun/h, centre of mass in Mpc/h, mean
+  velocity in km/s, heaviest first).
 
 The folder is created and tested for writing before the run; a folder that
 already holds outputs is refused unless ``--overwrite``. ``--resume snap.hdf5``
@@ -40,8 +44,9 @@ from __future__ import annotations
 
 import argparse
 import glob
-import math
+import importlib.util
 import inspect
+import math
 import os
 import re
 import sys
@@ -55,7 +60,7 @@ from .config import SETTINGS, SettingError, defaults, load_config, markdown_tabl
 DEFAULTS = defaults()
 OUTPUT_NAMES = ("config.toml", "power_spectrum.txt", "power_spectrum.png")
 # Written by some runs only: with --overwrite removed first, so none is left from another run.
-OPTIONAL_OUTPUTS = ("power_multipoles.txt", "density.hdf5")
+OPTIONAL_OUTPUTS = ("power_multipoles.txt", "density.hdf5", "lensing.hdf5", "halos.hdf5")
 
 
 class UserError(Exception):
@@ -170,7 +175,8 @@ def lensing_steps(config: dict, planes) -> list[float]:
 
 _SNAPSHOT_FILE = re.compile(r"^snap_(?P<index>\d{3,})(_member\d+)?(\.\d+)?\.hdf5$")
 # The spectra written at each snapshot (numbered as the snapshots).
-_SNAPSHOT_TABLE = re.compile(r"^power_(spectrum|multipoles)_(?P<index>\d{3,})\.txt$")
+_SNAPSHOT_TABLE = re.compile(r"^power_(spectrum|multipoles)_(?P<index>\d{3,})\.txt$|"
+                             r"^halos_(?P<halos>\d{3,})\.hdf5$")
 
 
 def prepare_output(folder: str, overwrite: bool, keep: frozenset = frozenset()) -> None:
@@ -195,7 +201,8 @@ def prepare_output(folder: str, overwrite: bool, keep: frozenset = frozenset()) 
         raise UserError(f"output folder {folder!r} is not writable: {error.strerror}") from None
     existing = [name for name in OUTPUT_NAMES + OPTIONAL_OUTPUTS if os.path.exists(os.path.join(folder, name))]
     snapshots = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "snap_*.hdf5")))
-    snapshots += sorted(name for name in (os.path.basename(p) for p in glob.glob(os.path.join(folder, "power_*_*.txt")))
+    snapshots += sorted(name for name in (os.path.basename(p) for pattern in ("power_*_*.txt", "halos_*.hdf5")
+                                          for p in glob.glob(os.path.join(folder, pattern)))
                         if _SNAPSHOT_TABLE.match(name))
     existing += snapshots
     if existing and not overwrite:
@@ -215,7 +222,7 @@ def prepare_output(folder: str, overwrite: bool, keep: frozenset = frozenset()) 
                                 f"{error.strerror}") from None
         for name in snapshots:
             match = _SNAPSHOT_FILE.match(name) or _SNAPSHOT_TABLE.match(name)
-            if match and int(match["index"]) not in keep:
+            if match and int(match["index"] or match["halos"]) not in keep:
                 try:
                     os.remove(os.path.join(folder, name))
                 except OSError as error:
@@ -421,11 +428,9 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     device = simulation.device
     batch = config["batch"]
     snapshots = [simulation.scale_factors[scale_factor_index(simulation, a)] for a in config["snapshots"]]
-    if snapshots:
-        try:
-            import h5py  # noqa: F401
-        except ImportError:
-            raise UserError("`snapshots` needs h5py: pip install h5py") from None
+    for key, used in (("snapshots", snapshots), ("halos_linking_length", config["halos_linking_length"])):
+        if used and importlib.util.find_spec("h5py") is None:
+            raise UserError(f"`{key}` needs h5py (its outputs are HDF5 files): pip install h5py")
 
     start_state = None
     if resume is not None and config["lensing_planes"]:
@@ -512,6 +517,8 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
                 _, _, snapshot_spectra, snapshot_multipoles = tables.measure(state)
                 if main_rank:
                     written_tables.extend(tables.write(f"_{index:03d}", state.a, snapshot_spectra, snapshot_multipoles)[:2])
+                if config["halos_linking_length"]:  # (collective)
+                    written_tables.append(_halos(simulation, state, config, output, f"_{index:03d}", main_rank)[0])
             return state if state.a == final else None
 
         if start_state is None:
@@ -544,6 +551,10 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     slab = gather_blocks(density[0, :, :, :thickness].mean(-1), mesh.local_real_offset[:2],
                          simulation.mesh_shape[:2], mesh)
     summary = dict(steps=simulation.steps, snapshots=written)
+    halos = None
+    if config["halos_linking_length"]:  # (collective; rank 0 writes)
+        with torch.no_grad():
+            halos = _halos(simulation, state, config, output, "", main_rank)
     if config["write_density"]:
         # Collective on a grid: every rank writes its block of the file in turn.
         fields = {"density": density} if density_rsd is None else {"density": density,
@@ -575,6 +586,9 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     lensing_line = ""
     if taker is not None:
         summary["lensing"], lensing_line = _lensing_outputs(taker, simulation, config, output, main_rank)
+    halos_line = ""
+    if halos is not None:
+        summary["halos"], halos_line = halos
 
     per_step = float(np.median(step_times)) if step_times else float("nan")
     lpt_time = marks["lpt"] - start if "lpt" in marks else 0.0
@@ -598,12 +612,53 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         f"P/P_linear at {ratio_label}: {ratio:.3f}\n"
         + kaiser_line
         + lensing_line
+        + halos_line
         + f"  wrote {table_path} and {figure_path}"
-        + "".join(f", {summary[key]}" for key in ("multipoles", "density", "lensing") if key in summary)
+        + "".join(f", {summary[key]}" for key in ("multipoles", "density", "lensing", "halos") if key in summary)
         + (f" and {len(written)} snapshot(s)" if written else ""),
         flush=True,
     )
     return summary
+
+
+def _halos(simulation, state, config, output, suffix, main_rank):
+    """The friends-of-friends halos of ``state`` (collective on a grid: every rank finds
+    the whole catalogue), written by rank 0 to ``halos{suffix}.hdf5``. Returns the path
+    (None on the other ranks) and a line for the run's report."""
+    import numpy as np
+
+    from torchpm.halos import CRITICAL_DENSITY_MSUN, find_halos, linking_distance
+
+    length, least = config["halos_linking_length"], config["halos_min_members"]
+    catalog = find_halos(simulation, state, linking_length=length, min_members=least)
+    found = (catalog.labels >= 0).sum(1).tolist()
+    heaviest = catalog.masses[:, 0].tolist() if catalog.masses.shape[1] else [0.0] * len(found)
+    particle_mass = float(simulation.cosmology.Omega_m) * CRITICAL_DENSITY_MSUN * math.prod(simulation.box_size) / simulation.n_total
+    line = (f"  halos (friends-of-friends, b = {length:g} mean separations, >= {least} particles): "
+            f"{', '.join(map(str, found))} found" + (" (per batch member)" if len(found) > 1 else "")
+            + (f"; heaviest {max(heaviest):.3e} Msun/h" if max(found) else "") + "\n")
+    if not main_rank:
+        return None, line
+    import h5py
+
+    path = os.path.join(output, f"halos{suffix}.hdf5")
+    with h5py.File(path, "w") as handle:
+        handle.attrs["content"] = (
+            "friends-of-friends halos (torchpm.find_halos) of each batch member, heaviest first; rows past a "
+            "member's last halo are padding (label -1, members 0); label: the smallest particle id of the halo, "
+            "members: particles, mass [Msun/h], position: centre of mass [Mpc/h] in [0, box), velocity: mean "
+            "peculiar velocity [km/s]")
+        for name, values in (("label", catalog.labels), ("members", catalog.members), ("mass", catalog.masses),
+                             ("position", catalog.positions), ("velocity", catalog.velocities)):
+            handle.create_dataset(name, data=values.detach().cpu().numpy())
+        handle.attrs["a"] = float(state.a)
+        handle.attrs["linking_length"] = length
+        handle.attrs["linking_distance_mpc_h"] = linking_distance(simulation.box_size, simulation.n_total, length)
+        handle.attrs["min_members"] = least
+        handle.attrs["particle_mass_msun_h"] = particle_mass
+        handle.attrs["box_size"] = np.asarray(simulation.box_size, dtype=np.float64)
+        handle.attrs["seed"] = config["seed"]
+    return path, line
 
 
 def _plane_taker(config, simulation):

@@ -322,6 +322,12 @@ def _check_output(name, value):
     return value
 
 
+def _linking_length(name, value):
+    if not (_is_number(value) and math.isfinite(float(value)) and 0.0 <= float(value) < 1.0):
+        raise _fail(name, "0 (no halos) or a linking length in (0, 1) mean particle separations (0.2 is usual)", value)
+    return float(value)
+
+
 def _check_grid(name, value):
     expected = "[] (a balanced grid for the world size) or a list of 2 positive integers [P0, P1]"
     items = _items(name, value, expected)
@@ -541,6 +547,17 @@ SETTINGS: tuple[Setting, ...] = (
         "lensing_sources", "list of floats", default=[], unit="", allowed="redshifts in (0, 1100]",
         help="source redshifts of the convergence maps ([]: the far end of the planes)",
         check=lambda n, v: _redshifts(n, v),
+    ),
+    Setting(
+        "halos_linking_length", "float", default=0.0, unit="mean separation", allowed="0 (none) or (0, 1)",
+        help="friends-of-friends halos at the end and at each snapshot, linked within this many mean particle "
+             "separations (0: none; 0.2 is usual), written to halos.hdf5 and halos_000.hdf5, ...",
+        check=lambda n, v: _linking_length(n, v),
+    ),
+    Setting(
+        "halos_min_members", "int", default=20, unit="particles", allowed="2 to 2147483647",
+        help="the smallest halo kept in the halo catalogues",
+        check=_int(2, 2**31 - 1),
     ),
     Setting(
         "shot_noise", "string", default="subtract", unit="", allowed="subtract, keep",
