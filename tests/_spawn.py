@@ -6,6 +6,10 @@ processes, joins them into one gloo process group (a FileStore under
 for every id in order, recording on each rank either ``None`` or the error's
 traceback. Returns ``{case_id: {rank: error or None}}``; a rank that never
 reported (it hung or died) reports an error saying so.
+
+The grid test modules share the helpers below that run inside the processes:
+``grid_context`` (the groups of each process grid), ``run_grid_case`` (case ids
+``kind-P0xP1`` to ``case_kind((P0, P1), ctx)``) and ``expect_error_everywhere``.
 """
 
 from __future__ import annotations
@@ -99,6 +103,37 @@ def run_world(world_size, module_name, case_ids, tmp_path, timeout_s=600):
             if case_id + "#seconds" in reported:
                 outcome[case_id][f"{rank}#seconds"] = reported[case_id + "#seconds"]
     return outcome
+
+
+def grid_context(world_size, grids) -> dict:
+    """Inside a pool's process: ``{"rank", "world", "groups"}``, ``groups`` the two
+    process groups of each ``(P0, P1)`` of ``grids[world_size]`` (a collective: every
+    rank builds the same grids in the same order)."""
+    import torch.distributed as dist
+
+    from torchpm.distributed import process_grid_groups
+
+    return {"rank": dist.get_rank(), "world": world_size,
+            "groups": {grid: process_grid_groups(grid) for grid in grids[world_size]}}
+
+
+def run_grid_case(cases, case_id, ctx) -> None:
+    """Run the case ``kind-P0xP1`` as ``cases["case_kind"]((P0, P1), ctx)`` (``cases``: the
+    test module's ``globals()``)."""
+    kind, grid_text = case_id.rsplit("-", 1)
+    cases[f"case_{kind}"](tuple(int(p) for p in grid_text.split("x")), ctx)
+
+
+def expect_error_everywhere(function, *fragments, exception=ValueError):
+    """``function()`` must raise ``exception`` on this rank, its message holding every
+    fragment (each rank of a grid calls this: the error must reach every rank)."""
+    try:
+        function()
+    except exception as error:
+        text = str(error)
+        assert all(fragment in text for fragment in fragments), text
+        return
+    raise AssertionError(f"no {exception.__name__}; expected one with {fragments}")
 
 
 def rank_errors(outcome) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _spawn import rank_errors, world_results_fixture
+from _spawn import grid_context, rank_errors, world_results_fixture
 
 pytestmark = pytest.mark.distributed
 
@@ -42,14 +42,7 @@ def case_ids(world_size):
 
 
 def make_context(world_size):
-    import torch.distributed as dist
-
-    from torchpm.distributed import process_grid_groups
-
-    ctx = {"rank": dist.get_rank(), "world": world_size, "groups": {}}
-    for grid in GRIDS[world_size]:
-        ctx["groups"][grid] = process_grid_groups(grid)
-    return ctx
+    return grid_context(world_size, GRIDS)
 
 
 def run_case(case_id, ctx):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from _spawn import rank_errors, world_results_fixture
+from _spawn import grid_context, rank_errors, run_grid_case, world_results_fixture
 
 pytestmark = pytest.mark.distributed
 
@@ -173,13 +173,9 @@ def as_global_function(fn, in_shapes, out_shapes):
 
 
 def make_context(world_size):
-    import torch.distributed as dist
-
     from torchpm.distributed import process_grid_groups
 
-    ctx = {"rank": dist.get_rank(), "groups": {}}
-    for grid in GRIDS[world_size]:
-        ctx["groups"][grid] = process_grid_groups(grid)
+    ctx = grid_context(world_size, GRIDS)
     if world_size > 1:
         ctx["failfast_groups"] = process_grid_groups(GRIDS[world_size][0], timeout=FAILFAST_TIMEOUT)
     if world_size == 4:
@@ -190,9 +186,7 @@ def make_context(world_size):
 
 
 def run_case(case_id, ctx):
-    kind, grid_text = case_id.rsplit("-", 1)
-    grid = tuple(int(p) for p in grid_text.split("x"))
-    globals()[f"case_{kind}"](grid, ctx)
+    run_grid_case(globals(), case_id, ctx)
 
 
 def decomposition(shape, grid, ctx):

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from _spawn import rank_errors, world_results_fixture
+from _spawn import expect_error_everywhere, grid_context, rank_errors, run_grid_case, world_results_fixture
 
 pytestmark = pytest.mark.distributed
 
@@ -63,22 +63,16 @@ def case_ids(world_size):
 
 
 def make_context(world_size):
-    import torch.distributed as dist
-
     from torchpm.distributed import process_grid_groups
 
-    ctx = {"rank": dist.get_rank(), "world": world_size, "groups": {}}
-    for grid in GRIDS[world_size]:
-        ctx["groups"][grid] = process_grid_groups(grid)
+    ctx = grid_context(world_size, GRIDS)
     if world_size > 1:
         ctx["failfast_groups"] = process_grid_groups(GRIDS[world_size][0], timeout=FAILFAST_TIMEOUT)
     return ctx
 
 
 def run_case(case_id, ctx):
-    kind, grid_text = case_id.rsplit("-", 1)
-    grid = tuple(int(p) for p in grid_text.split("x"))
-    globals()[f"case_{kind}"](grid, ctx)
+    run_grid_case(globals(), case_id, ctx)
 
 
 def simulations(grid, ctx, **overrides):
@@ -583,16 +577,6 @@ def case_whole_state_refused(grid, ctx):
     expect_error_everywhere(lambda: sim.resume(nan, until=state.a), "resume: the state's momenta are not finite")
     # the run's own state resumes
     assert sim.gather(sim.resume(state)).positions.shape == (1, 210, 3)
-
-
-def expect_error_everywhere(function, *fragments):
-    try:
-        function()
-    except ValueError as error:
-        text = str(error)
-        assert all(fragment in text for fragment in fragments), text
-        return
-    raise AssertionError(f"no error; expected one with {fragments}")
 
 
 # ----------------------------------------------------------------------------
