@@ -60,7 +60,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .analysis import _bin_edges, _binned, _measure, _outside_torchpm, _shot_noise_argument
+from .analysis import _bin_edges, _measure, _outside_torchpm, _shot_noise_argument, _window_argument
 from .fourier import window_of
 from .mesh import LocalMesh, as_box_size
 from .ops._arguments import order_number
@@ -144,27 +144,42 @@ def _triangles_argument(triangles, n_bins: int) -> list[tuple[int, int, int]]:
     return [tuple(int(v) for v in row) for row in values.tolist()]
 
 
-class _TrianglePlan:
+class _TrianglePlan(torch.nn.Module):
     """Which shell fields each triangle configuration needs, and their sums over the cells.
 
-    ``triangles``: sorted shell triples ``a <= b <= c``. For each shift (a set of axes
+    ``triangles``: sorted shell triples ``a <= b <= c``; ``index``: the shell of each
+    entry of this rank's rfft block (``n_bins`` for none). For each shift (a set of axes
     along which the fields are evaluated half a cell away) the plan holds the shells
     needed and the configurations grouped by their first two shells, so that the third
     shells of a group are one matrix product. Every quantity that sets a collective's
     size (shells, chunks, batch) is global, so every rank of a grid runs the same
-    transforms."""
+    transforms.
 
-    def __init__(self, mesh, box, edges, index, triangles, device):
-        self.mesh, self.index, self.device = mesh, index, device
+    Its tensors are non-persistent integer buffers, so the plan follows ``.to(device)``
+    and a ``.to(dtype)`` leaves it exact: the shifts' phases and weights are made from
+    the integer frequencies and shift counts where they are used."""
+
+    def __init__(self, mesh, box, edges, index, triangles):
+        super().__init__()
+        self.mesh = mesh
         self.count = len(triangles)
-        upper = edges[1:].tolist()
+        device = index.device
+        self.register_buffer("index", index, persistent=False)
+        # Integer frequencies of this rank's rfft block (fftfreq times n; rfftfreq along z).
         shape = mesh.global_shape
+        for axis, (n, local, offset) in enumerate(zip(shape, mesh.local_fourier_shape, mesh.local_fourier_offset)):
+            full = torch.arange(n // 2 + 1) if axis == 2 else torch.fft.ifftshift(torch.arange(n) - n // 2)
+            self.register_buffer(f"frequencies_{axis}", full[offset:offset + local].to(device), persistent=False)
+        upper = edges[1:].tolist()
         aliased = []
         for a, b, c in triangles:
             reach = upper[a] + upper[b] + upper[c]  # h/Mpc; |k_d| of a side stays below its upper edge
             aliased.append(frozenset(d for d in range(3) if reach * box[d] / (2 * math.pi) > shape[d] * (1 - 1e-10)))
-        self.weights = torch.tensor([0.5 ** len(axes) for axes in aliased], dtype=torch.float64, device=device)
-        w = mesh.wavevectors(dtype=torch.float64, device=device)
+        # (each sum is weighted by 2^-(number of shifted axes))
+        self.register_buffer("aliased_axes", torch.tensor([len(axes) for axes in aliased], dtype=torch.int64,
+                                                          device=device), persistent=False)
+        # Per shift: the shifted axes, and groups (a, b, third, members) of Python ints and
+        # slices into the shift's buffers shells_s, thirds_s and members_s.
         self.shifts = []
         for size in range(4):
             for shift in itertools.combinations(range(3), size):
@@ -177,24 +192,59 @@ class _TrianglePlan:
                 for t in members:
                     a, b, c = triangles[t]
                     groups.setdefault((position[a], position[b]), []).append((position[c], t))
-                plan_groups = []
+                plan_groups, thirds, ordered = [], [], []
                 for (a, b), items in groups.items():
                     items.sort()
                     third = [p for p, _ in items]
                     if third == list(range(third[0], third[0] + len(third))):
                         third_index = slice(third[0], third[0] + len(third))
                     else:
-                        third_index = torch.tensor(third, dtype=torch.int64, device=device)
-                    plan_groups.append((a, b, third_index, torch.tensor([t for _, t in items], dtype=torch.int64,
-                                                                         device=device)))
-                phase = None
-                if shift:
-                    angle = sum(w[d] for d in shift) * 0.5
-                    phase = torch.exp(1j * angle).expand(*mesh.local_fourier_shape)
-                self.shifts.append((phase, torch.tensor(shells, dtype=torch.int64, device=device), plan_groups))
+                        third_index = (len(thirds), len(thirds) + len(third))
+                        thirds += third
+                    plan_groups.append((a, b, third_index, (len(ordered), len(ordered) + len(items))))
+                    ordered += [t for _, t in items]
+                s = len(self.shifts)
+                self.register_buffer(f"shells_{s}", torch.tensor(shells, dtype=torch.int64, device=device),
+                                     persistent=False)
+                self.register_buffer(f"thirds_{s}", torch.tensor(thirds, dtype=torch.int64, device=device),
+                                     persistent=False)
+                self.register_buffer(f"members_{s}", torch.tensor(ordered, dtype=torch.int64, device=device),
+                                     persistent=False)
+                self.shifts.append((shift, plan_groups))
         p0, p1 = mesh.grid_shape
-        entries = max(1, math.prod(mesh.fourier_shape) // (p0 * p1))
-        self.entries = entries
+        self.entries = max(1, math.prod(mesh.fourier_shape) // (p0 * p1))
+
+    @property
+    def device(self) -> torch.device:
+        return self.index.device
+
+    def wavevectors(self):
+        """``(w_x, w_y, w_z)`` float64 in radians per cell, broadcastable against this rank's
+        rfft block (:meth:`~torchpm.mesh.Mesh.wavevectors`, made from the integer buffers)."""
+        local = self.mesh.local_fourier_shape
+        result = []
+        for axis, n in enumerate(self.mesh.global_shape):
+            shape = [1, 1, 1]
+            shape[axis] = local[axis]
+            frequencies = getattr(self, f"frequencies_{axis}").to(torch.float64)
+            result.append((2 * math.pi * (frequencies / n)).reshape(shape))
+        return tuple(result)
+
+    def weights(self) -> torch.Tensor:
+        return torch.pow(0.5, self.aliased_axes.to(torch.float64))
+
+    def _shift(self, s):
+        """``(phase or None, shells, groups)`` of shift ``s``, each group ``(a, b, third,
+        members)`` with ``third`` a slice or an index tensor and ``members`` an index tensor."""
+        axes, plan_groups = self.shifts[s]
+        phase = None
+        if axes:
+            w = self.wavevectors()
+            phase = torch.exp(1j * (sum(w[d] for d in axes) * 0.5)).expand(*self.mesh.local_fourier_shape)
+        thirds, members = getattr(self, f"thirds_{s}"), getattr(self, f"members_{s}")
+        groups = [(a, b, third if isinstance(third, slice) else thirds[third[0]:third[1]], members[start:end])
+                  for a, b, third, (start, end) in plan_groups]
+        return phase, getattr(self, f"shells_{s}"), groups
 
     def _chunk(self, batch: int) -> int:
         return max(1, _SHELL_CHUNK // (batch * self.entries))
@@ -239,20 +289,22 @@ class _TrianglePlan:
         """``(C, n)``: this rank's ``sum_x I_a I_b I_c`` of each configuration, each shift's
         sum weighted by ``2^-(number of shifted axes)``."""
         out = torch.zeros(coefficients.shape[0], self.count, dtype=torch.float64, device=self.device)
-        for phase, shells, groups in self.shifts:
+        for s in range(len(self.shifts)):
+            phase, shells, groups = self._shift(s)
             fields = self.fields(coefficients, shells, phase)
             for a, b, third, members in groups:
                 pair = fields[:, a] * fields[:, b]
                 out[:, members] += torch.bmm(fields[:, third], pair.unsqueeze(-1)).squeeze(-1)
             del fields, pair  # (before the next shift's fields are made)
-        return out * self.weights
+        return out * self.weights()
 
     def gradient(self, coefficients, grad):
         """The vector-Jacobian product of :meth:`sums` in the coefficients (the shell
         fields recomputed, one shift at a time)."""
-        grad = grad * self.weights
+        grad = grad * self.weights()
         result = torch.zeros_like(coefficients)
-        for phase, shells, groups in self.shifts:
+        for s in range(len(self.shifts)):
+            phase, shells, groups = self._shift(s)
             fields = self.fields(coefficients, shells, phase)
             field_grad = torch.zeros_like(fields)
             for a, b, third, members in groups:
@@ -278,7 +330,8 @@ class _TrianglePlan:
         count = torch.zeros(self.count, dtype=torch.float64, device=self.device)
         sides = torch.zeros(self.count, 3, dtype=torch.float64, device=self.device)
         products = None
-        for phase, shells, groups in self.shifts:
+        for s in range(len(self.shifts)):
+            phase, shells, groups = self._shift(s)
             ones, lengths = self.fields(coefficients, shells, phase)
             if products is None:
                 products = torch.empty(3, ones.shape[-1], dtype=torch.float64, device=self.device)
@@ -291,7 +344,8 @@ class _TrianglePlan:
                 sides[members, :2] += by_ones[1:].T
                 sides[members, 2] += lengths[third] @ products[0]
             del ones, lengths
-        return count * self.weights, sides * self.weights.unsqueeze(-1)
+        weights = self.weights()
+        return count * weights, sides * weights.unsqueeze(-1)
 
 
 class _TriangleSums(torch.autograd.Function):
@@ -315,6 +369,168 @@ class _TriangleSums(torch.autograd.Function):
     def backward(ctx, grad):
         (coefficients,) = ctx.saved_tensors
         return ctx.plan.gradient(coefficients, grad), None
+
+
+class _Tables(torch.nn.Module):
+    """Everything of a bispectrum measurement that does not depend on the field, for one
+    mesh, box, set of shells and configurations, window and shot noise: each Fourier
+    entry's shell, each shell's mode count, the triangle plan, the triangle counts and
+    mean side lengths. Built once (on a grid collective: the mode counts and the triangle
+    counts are all-reduced), then :meth:`forward` measures any number of fields; the
+    function :func:`bispectrum` builds one per call, :class:`torchpm.nn.BispectrumEstimator`
+    keeps one.
+
+    Non-persistent buffers: ``k`` ``(n, 3)`` and ``edges`` (float64 as built; the only
+    floating-point ones, reported, never computed with, so a ``.to(dtype)`` loses nothing
+    the measurement uses), ``triangles`` ``(n,)``, ``shells`` ``(n, 3)``, ``modes``
+    ``(n_bins,)``, ``hermitian`` (the rfft entries' mode weights) int64, and the plan's.
+
+    ``configurations``: the ``(i, j, l)`` shell triples, or None for the default ones
+    (:func:`triangle_configurations`), of which those without a closed triangle are left
+    out; raises ValueError (on every rank of a grid alike: it is decided from all-reduced
+    counts) for an empty shell that a configuration uses or a given configuration without
+    a closed triangle."""
+
+    def __init__(self, function: str, mesh, box, edges, configurations, window, noise: float, device):
+        super().__init__()
+        self.mesh, self.box, self.window, self.noise, self.function = mesh, tuple(box), window, float(noise), function
+        n_bins = edges.numel() - 1
+        w = mesh.wavevectors(dtype=torch.float64, device=device)
+        k_axes = [wi * n / b for wi, n, b in zip(w, mesh.global_shape, box)]
+        k_magnitude = torch.sqrt(k_axes[0] ** 2 + k_axes[1] ** 2 + k_axes[2] ** 2)
+        edges_here = edges.to(device)
+        index = torch.bucketize(k_magnitude, edges_here, right=True) - 1
+        index = torch.where((index >= 0) & (index < n_bins) & (k_magnitude > 0), index, torch.full_like(index, n_bins))
+        hermitian = mesh.hermitian_weights(dtype=torch.float64, device=device)
+        modes = torch.zeros(n_bins + 1, dtype=torch.float64, device=device).index_add(
+            0, index.reshape(-1), hermitian.expand(*mesh.local_fourier_shape).reshape(-1))
+        modes = mesh.all_reduce(modes[:n_bins])  # (every rank's modes: the global counts)
+
+        default = configurations is None
+        if default:
+            configurations = triangle_configurations(edges)
+        used = sorted({s for triple in configurations for s in triple})
+        empty = [s for s in used if not bool(modes[s] > 0)]
+        if empty:
+            ranges = ", ".join(f"[{float(edges[s]):.4g}, {float(edges[s + 1]):.4g})" for s in empty[:5])
+            raise ValueError(
+                f"{function}: {len(empty)} of the shells the configurations use hold no mode of the "
+                f"{'x'.join(map(str, mesh.global_shape))} mesh (h/Mpc: {ranges}{', ...' if len(empty) > 5 else ''}); "
+                "pass wider bins (the modes are 2 pi / L apart) or configurations without them"
+            )
+
+        # Sorted triples (the sums are symmetric); each side is mapped back to its position.
+        orders = [sorted(range(3), key=lambda p: triple[p]) for triple in configurations]
+        sorted_triples = [tuple(triple[p] for p in order) for triple, order in zip(configurations, orders)]
+        plan = _TrianglePlan(mesh, box, edges, index, sorted_triples)
+        with torch.no_grad():
+            count, sides = plan.counts(k_magnitude)
+            totals = mesh.all_reduce(torch.cat([count.unsqueeze(-1), sides], dim=-1)) * mesh.size**2
+        counted = torch.round(totals[:, 0])
+        closed = (counted > 0).tolist()
+        if not all(closed):
+            if not default:
+                missing = [configurations[t] for t, ok in enumerate(closed) if not ok]
+                raise ValueError(
+                    f"{function}: {len(missing)} of the configurations in `triangles` have no closed triangle on this "
+                    f"mesh ({', '.join(map(str, missing[:5]))}{', ...' if len(missing) > 5 else ''}; the shells' edges "
+                    f"are {[round(float(e), 6) for e in edges]} h/Mpc): leave them out"
+                )
+            keep = [t for t, ok in enumerate(closed) if ok]
+            if not keep:
+                raise ValueError(
+                    f"{function}: no configuration of the shells (edges {[round(float(e), 6) for e in edges]} h/Mpc) "
+                    f"has a closed triangle on the {'x'.join(map(str, mesh.global_shape))} mesh; pass more or wider "
+                    "bins"
+                )
+            configurations = [configurations[t] for t in keep]
+            orders = [orders[t] for t in keep]
+            sorted_triples = [sorted_triples[t] for t in keep]
+            totals, counted = totals[keep], counted[keep]
+            plan = _TrianglePlan(mesh, box, edges, index, sorted_triples)
+        self.plan = plan
+        self.configurations = [tuple(triple) for triple in configurations]
+        # Mean side lengths, back in each configuration's own order.
+        sorted_k = totals[:, 1:] / counted.unsqueeze(-1)
+        position = torch.tensor([[order.index(p) for p in range(3)] for order in orders], dtype=torch.int64,
+                                device=device)
+        self.register_buffer("k", torch.gather(sorted_k, 1, position), persistent=False)
+        self.register_buffer("edges", edges_here, persistent=False)
+        self.register_buffer("triangles", counted.to(torch.int64), persistent=False)
+        self.register_buffer("shells", torch.tensor(configurations, dtype=torch.int64, device=device).reshape(-1, 3),
+                             persistent=False)
+        self.register_buffer("modes", torch.round(modes).to(torch.int64), persistent=False)
+        self.register_buffer("hermitian", hermitian.to(torch.int64), persistent=False)
+
+    def forward(self, field_k: torch.Tensor):
+        """``(B, n)`` B, ``(B, n)`` Q and ``(B, n, 3)`` the sides' P, float64, from ``field_k``:
+        the complex128 transform ``(B, *local_fourier_shape)`` of the field (this rank's
+        block of it on a grid; every rank gets the global result)."""
+        mesh, plan, box = self.mesh, self.plan, self.box
+        n_bins = self.modes.numel()
+        batch = field_k.shape[0]
+        if self.window is not None:
+            field_k = field_k / window_of(plan.wavevectors(), self.window)
+        # The shells' power sums and the triangle sums: one all-reduce for both.
+        values = (field_k.real**2 + field_k.imag**2) * self.hermitian.to(torch.float64)
+        power_sums = values.new_zeros(batch, n_bins + 1).index_add(1, plan.index.reshape(-1), values.reshape(batch, -1))
+        totals = mesh.all_reduce(torch.cat([power_sums[:, :n_bins], _TriangleSums.apply(field_k, plan)], dim=1))
+        modes = self.modes.to(torch.float64)
+        # (a shell without modes is used by no configuration: its entry is never read)
+        power_full = totals[:, :n_bins] * (math.prod(box) / mesh.size**2) / torch.where(modes > 0, modes, 1.0) \
+            - self.noise
+        value = totals[:, n_bins:] * (math.prod(box) ** 2 / mesh.size) / self.triangles.to(torch.float64)
+        power = power_full[:, self.shells]  # (B, n, 3)
+        if self.noise:
+            value = value - self.noise * power.sum(-1) - self.noise**2
+        p1, p2, p3 = power.unbind(-1)
+        denominator = p1 * p2 + p2 * p3 + p3 * p1
+        defined = denominator != 0
+        if not bool(defined.all()):
+            undefined = [self.configurations[t] for t in sorted(set((~defined).nonzero()[:, 1].tolist()))]
+            warnings.warn(
+                f"{self.function}: the reduced bispectrum Q is undefined (NaN) for {len(undefined)} configurations "
+                f"whose shells hold no power (P1 P2 + P2 P3 + P3 P1 = 0): {', '.join(map(str, undefined[:5]))}"
+                f"{', ...' if len(undefined) > 5 else ''}",
+                stacklevel=_outside_torchpm(),
+            )
+        reduced = torch.where(defined, value / torch.where(defined, denominator, torch.ones_like(denominator)),
+                              torch.full_like(value, math.nan))
+        return value, reduced, power
+
+
+def _settings(function: str, shape, box_size, bins, triangles, compensate_cic, window, shot_noise, n_particles):
+    """The arguments that do not depend on the field, checked: ``(box, edges,
+    configurations, window, noise, key, error)`` with ``configurations`` None for the
+    default ones, ``window`` the window's name (or None), ``noise`` the shot noise to
+    subtract, ``key`` the configurations as the ranks of a grid compare them and
+    ``error`` the first problem found (a message or an exception; None if none), for
+    the caller to raise with the ranks' other errors. ``shape``: the global mesh's, or
+    None where unknown (then ``edges`` is None)."""
+    noise, error = _shot_noise_argument(shot_noise, n_particles, box_size)
+    if window is not None and error is None:
+        try:
+            order_number(window, function, "window")
+        except (TypeError, ValueError) as exc:
+            error = exc
+    try:
+        window = _window_argument(window, compensate_cic)
+    except (TypeError, ValueError) as exc:
+        window, error = None, error or exc
+    edges, configurations = None, None
+    try:
+        box = as_box_size(box_size)
+    except ValueError as exc:
+        box, error = None, error or exc
+    if box is not None and shape is not None:
+        try:
+            edges = _shell_edges(bins, shape, box)
+            if triangles is not None:
+                configurations = _triangles_argument(triangles, edges.numel() - 1)
+        except ValueError as exc:
+            error = error or exc
+    key = None if triangles is None or configurations is None else repr(configurations)
+    return box, edges, configurations, window, noise, key, error
 
 
 def bispectrum(
@@ -374,122 +590,16 @@ def bispectrum(
         :class:`Bispectrum`.
     """
     function = "bispectrum"
-    noise, error = _shot_noise_argument(shot_noise, n_particles, box_size)
-    if window is not None and error is None:
-        try:
-            order_number(window, function, "window")
-        except (TypeError, ValueError) as exc:
-            error = exc
     shape = getattr(mesh, "global_shape", None)
     if shape is None and mesh is None and isinstance(field, torch.Tensor) and field.dim() in (3, 4):
         shape = tuple(field.shape[-3:])
-    edges, configurations = None, None
-    try:
-        box = as_box_size(box_size)
-    except ValueError:
-        box = None  # (reported by the checks of the field and the box below)
-    if box is not None and shape is not None:
-        try:
-            edges = _shell_edges(bins, shape, box)
-            if triangles is not None:
-                configurations = _triangles_argument(triangles, edges.numel() - 1)
-        except ValueError as exc:
-            error = error or exc
-    key = None if triangles is None or configurations is None else repr(configurations)
+    _, edges, configurations, _, noise, key, error = _settings(
+        function, shape, box_size, bins, triangles, compensate_cic, window, shot_noise, n_particles)
     mesh, box, window, (field_k,), single = _measure(
         function, {"field": field}, box_size, bins, compensate_cic, window, mesh,
         [("the shot noise subtracted", noise), ("`triangles`", key)], error)
-    device = field_k.device
-    n_bins = edges.numel() - 1
-    batch = field_k.shape[0]
-
-    w = mesh.wavevectors(dtype=torch.float64, device=device)
-    k_axes = [wi * n / b for wi, n, b in zip(w, mesh.global_shape, box)]
-    k_magnitude = torch.sqrt(k_axes[0] ** 2 + k_axes[1] ** 2 + k_axes[2] ** 2)
-    edges_here = edges.to(device)
-    index = torch.bucketize(k_magnitude, edges_here, right=True) - 1
-    index = torch.where((index >= 0) & (index < n_bins) & (k_magnitude > 0), index, torch.full_like(index, n_bins))
-
-    if window is not None:
-        field_k = field_k / window_of(w, window)
-
-    def values_of(start, end):
-        modes = field_k[:, start:end]
-        return (modes.real**2 + modes.imag**2) * (math.prod(box) / mesh.size**2)
-
-    # The shells' power (compensated as the field_k above), all-reduced, empty shells left out.
-    k_shell, power_shell, modes = _binned(values_of, batch, mesh, box, edges, None, device)
-    power_shell = power_shell - noise
-    filled = torch.bucketize(k_shell, edges_here, right=True) - 1
-    default = configurations is None
-    if default:
-        configurations = triangle_configurations(edges)
-    used = sorted({s for triple in configurations for s in triple})
-    present = set(filled.tolist())
-    empty = [s for s in used if s not in present]
-    if empty:
-        ranges = ", ".join(f"[{float(edges[s]):.4g}, {float(edges[s + 1]):.4g})" for s in empty[:5])
-        raise ValueError(
-            f"{function}: {len(empty)} of the shells the configurations use hold no mode of the "
-            f"{'x'.join(map(str, mesh.global_shape))} mesh (h/Mpc: {ranges}{', ...' if len(empty) > 5 else ''}); "
-            "pass wider bins (the modes are 2 pi / L apart) or configurations without them"
-        )
-    power_full = torch.zeros(batch, n_bins, dtype=torch.float64, device=device)
-    power_full = power_full.index_copy(1, filled, power_shell)
-
-    # Sorted triples (the sums are symmetric); each side is mapped back to its position.
-    orders = [sorted(range(3), key=lambda p: triple[p]) for triple in configurations]
-    sorted_triples = [tuple(triple[p] for p in order) for triple, order in zip(configurations, orders)]
-    plan = _TrianglePlan(mesh, box, edges, index, sorted_triples, device)
-    with torch.no_grad():
-        count, sides = plan.counts(k_magnitude)
-        totals = mesh.all_reduce(torch.cat([count.unsqueeze(-1), sides], dim=-1)) * mesh.size**2
-    counted = torch.round(totals[:, 0])
-    closed = (counted > 0).tolist()
-    if not all(closed):
-        if not default:
-            missing = [configurations[t] for t, ok in enumerate(closed) if not ok]
-            raise ValueError(
-                f"{function}: {len(missing)} of the configurations in `triangles` have no closed triangle on this mesh "
-                f"({', '.join(map(str, missing[:5]))}{', ...' if len(missing) > 5 else ''}; the shells' edges are "
-                f"{[round(float(e), 6) for e in edges]} h/Mpc): leave them out"
-            )
-        keep = [t for t, ok in enumerate(closed) if ok]
-        if not keep:
-            raise ValueError(
-                f"{function}: no configuration of the shells (edges {[round(float(e), 6) for e in edges]} h/Mpc) "
-                f"has a closed triangle on the {'x'.join(map(str, mesh.global_shape))} mesh; pass more or wider bins"
-            )
-        configurations = [configurations[t] for t in keep]
-        orders = [orders[t] for t in keep]
-        sorted_triples = [sorted_triples[t] for t in keep]
-        totals, counted = totals[keep], counted[keep]
-        plan = _TrianglePlan(mesh, box, edges, index, sorted_triples, device)
-    # Mean side lengths, back in each configuration's own order.
-    sorted_k = totals[:, 1:] / counted.unsqueeze(-1)
-    position = torch.tensor([[order.index(p) for p in range(3)] for order in orders], dtype=torch.int64,
-                            device=device)
-    k_sides = torch.gather(sorted_k, 1, position)
-
-    sums = mesh.all_reduce(_TriangleSums.apply(field_k, plan))  # (B, n)
-    value = sums * (math.prod(box) ** 2 / mesh.size) / counted
-    shells = torch.tensor(configurations, dtype=torch.int64, device=device).reshape(-1, 3)
-    power = power_full[:, shells]  # (B, n, 3)
-    if noise:
-        value = value - noise * power.sum(-1) - noise**2
-    p1, p2, p3 = power.unbind(-1)
-    denominator = p1 * p2 + p2 * p3 + p3 * p1
-    defined = denominator != 0
-    if not bool(defined.all()):
-        undefined = [configurations[t] for t in sorted(set((~defined).nonzero()[:, 1].tolist()))]
-        warnings.warn(
-            f"{function}: the reduced bispectrum Q is undefined (NaN) for {len(undefined)} configurations whose "
-            f"shells hold no power (P1 P2 + P2 P3 + P3 P1 = 0): {', '.join(map(str, undefined[:5]))}"
-            f"{', ...' if len(undefined) > 5 else ''}",
-            stacklevel=_outside_torchpm(),
-        )
-    reduced = torch.where(defined, value / torch.where(defined, denominator, torch.ones_like(denominator)),
-                          torch.full_like(value, math.nan))
+    tables = _Tables(function, mesh, box, edges, configurations, window, noise, field_k.device)
+    value, reduced, power = tables(field_k)
     if single:
         value, reduced, power = value[0], reduced[0], power[0]
-    return Bispectrum(k_sides, value, counted.to(torch.int64), reduced, power, shells, edges_here)
+    return Bispectrum(tables.k, value, tables.triangles, reduced, power, tables.shells, tables.edges)
