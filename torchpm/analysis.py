@@ -333,12 +333,15 @@ def _warn_if_block(shape, box_size, function: str) -> None:
 
 
 def _outside_torchpm() -> int:
-    """The ``stacklevel`` of the first caller outside the torchpm package (the user's line)."""
+    """The ``stacklevel`` of the first caller outside the torchpm package and torch's
+    ``nn.Module`` call (the user's line, also when a torchpm layer warns)."""
     import inspect
 
     package = os.path.dirname(os.path.abspath(__file__))
+    module_call = os.path.abspath(inspect.getsourcefile(torch.nn.Module))
     level, frame = 1, inspect.currentframe().f_back
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+    while frame is not None and (os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep)
+                                 or os.path.abspath(frame.f_code.co_filename) == module_call):
         level, frame = level + 1, frame.f_back
     return level
 
