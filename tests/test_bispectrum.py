@@ -411,3 +411,202 @@ def test_bad_arguments():
     # default configurations without any closed triangle (one shell of the unit vectors)
     with pytest.raises(ValueError, match="no configuration of the shells"):
         bispectrum(field, box, bins=[0.5 * k_fundamental, 1.2 * k_fundamental])
+
+
+# ----------------------------------------------------------------------------- the layer
+# torchpm.nn.BispectrumEstimator builds the tables once; its oracle is the function above
+# (itself checked against the brute-force sum): the same results to rounding.
+
+LAYER_CASES = [
+    ((6, 6, 6), 30.0, dict(window="cic", n_particles=200)),
+    ((7, 6, 5), (35.0, 30.0, 20.0), dict(bins=3, shot_noise=2.0)),
+    ((9, 6, 10), (45.0, 40.0, 30.0), dict(bins=3, triangles=[(2, 0, 1), (1, 1, 1), (2, 2, 2)], window="tsc")),
+]
+
+
+def _layer(shape, box, dtype=torch.float64, **options):
+    from torchpm.nn import BispectrumEstimator
+
+    return BispectrumEstimator(shape, box, dtype=dtype, **options)
+
+
+def _same_result(got, expected, tolerance, what):
+    """Every field of two Bispectrum results: the floating ones within ``tolerance`` of the
+    largest value, the integer ones equal."""
+    for name in ("k", "bispectrum", "reduced", "power", "edges"):
+        value = getattr(got, name)
+        _close(value.double(), getattr(expected, name).detach().cpu().numpy(), f"{what}: {name}", tolerance)
+    for name in ("triangles", "shells"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(expected, name).cpu()), (what, name)
+
+
+@pytest.mark.parametrize("shape,box,options", LAYER_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_layer_equals_the_function(device, shape, box, options, dtype):
+    """Shapes odd and even, cubic and not, default and given configurations, windows and
+    noise; a batch and a single field. float32: the layer's results are the function's
+    (measured in float64) rounded to float32, so within 2^-23 of the largest value."""
+    field = _random_field(shape, batch=2, seed=11).to(device=device, dtype=dtype)
+    layer = _layer(shape, box, dtype=dtype, **options).to(device)
+    tolerance = TOLERANCE if dtype == torch.float64 else 2.0**-23
+    got = layer(field)
+    assert got.bispectrum.dtype == dtype and got.k.dtype == dtype and got.bispectrum.device.type == device.type
+    _same_result(got, bispectrum(field, box, **options), tolerance, "batch")
+    single = layer(field[1])
+    assert single.bispectrum.shape == got.bispectrum.shape[1:] and single.power.shape == got.power.shape[1:]
+    _same_result(single, bispectrum(field[1], box, **options), tolerance, "single field")
+
+
+def test_layer_gradients():
+    """float64 gradcheck and gradgradcheck through the layer (6 x 5 x 4, half-cell shifts
+    along every axis; window, noise, Q, P), and its gradient of a loss equal to the
+    function's."""
+    shape, box = (6, 5, 4), (30.0, 25.0, 20.0)
+    options = dict(window="cic", n_particles=50)
+    layer = _layer(shape, box, **options)
+    field = _random_field(shape, batch=1, seed=4).requires_grad_()
+
+    def measured(x):
+        result = layer(x)
+        return result.bispectrum, result.reduced, result.power
+
+    torch.autograd.gradcheck(measured, (field,), fast_mode=True)
+    torch.autograd.gradgradcheck(lambda x: layer(x).bispectrum, (field,), fast_mode=True)
+
+    def loss(result):
+        weights = torch.arange(1.0, result.bispectrum.shape[-1] + 1, dtype=torch.float64)
+        return (result.bispectrum**2 * weights).sum() + (result.reduced * weights).sum() + result.power.sum()
+
+    (got,) = torch.autograd.grad(loss(layer(field)), field)
+    (expected,) = torch.autograd.grad(loss(bispectrum(field, box, **options)), field)
+    _close(got, expected.numpy(), "d loss / d field, layer against function")
+
+
+def test_layer_under_torch_func_grad():
+    shape, box = (7, 6, 6), 30.0
+    layer = _layer(shape, box, window="cic")
+    field = _random_field(shape, batch=1, seed=6)[0]
+
+    def loss(x):
+        return (layer(x).bispectrum ** 2).sum()
+
+    leaf = field.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(loss(leaf), leaf)
+    _close(torch.func.grad(loss)(field), expected.numpy(), "torch.func.grad through the layer")
+
+
+def test_layer_counts_once(monkeypatch):
+    """The triangle counts (the plan's ``counts``) run at construction only: never in a
+    forward or backward pass; the function runs them at every call."""
+    import torchpm.bispectrum as module
+
+    calls = []
+    original = module._TrianglePlan.counts
+
+    def counted(self, k_magnitude):
+        calls.append(self.count)
+        return original(self, k_magnitude)
+
+    monkeypatch.setattr(module._TrianglePlan, "counts", counted)
+    shape, box = (6, 6, 6), 30.0
+    layer = _layer(shape, box)
+    assert len(calls) == 1
+    field = _random_field(shape, batch=1, seed=2).requires_grad_()
+    for _ in range(3):
+        (layer(field).bispectrum ** 2).sum().backward()
+    assert len(calls) == 1, "the layer's forward or backward recomputed the triangle counts"
+    bispectrum(field, box)
+    bispectrum(field, box)
+    assert len(calls) == 3, "the check counts the function's calls"
+
+
+def test_layer_buffers_follow_to_and_state_dict_is_empty():
+    """The buffers are non-persistent (an empty state_dict, loadable); ``.to(float64)`` makes
+    a float32 layer take float64 fields and give the float64 layer's B, Q and P; the
+    tables it measures with are integers, so a round trip through float16 changes B, Q
+    and P not at all (only the reported k and edges are rounded)."""
+    shape, box = (7, 6, 5), (35.0, 30.0, 20.0)
+    options = dict(window="cic", bins=3)
+    layer = _layer(shape, box, dtype=torch.float32, **options)
+    reference = _layer(shape, box, **options)
+    assert len(list(layer.buffers())) > 10 and layer.state_dict() == {}
+    layer.load_state_dict({})
+    assert layer.k.dtype == torch.float32 and layer.edges.dtype == torch.float32
+    field = _random_field(shape, batch=2, seed=8)
+    expected = reference(field)
+    with pytest.raises(ValueError, match=r"`field` must be torch.float32 \(the layer's dtype\), got torch.float64"):
+        layer(field)
+    layer.to(torch.float64)
+    assert layer.dtype == torch.float64 and layer.k.dtype == torch.float64 and layer.triangles.dtype == torch.int64
+    moved = layer(field)
+    for name in ("bispectrum", "reduced", "power"):
+        _close(getattr(moved, name), getattr(expected, name).numpy(), f"float32 layer moved to float64: {name}")
+    # (the reported k and edges keep the float32 rounding they were held in)
+    _same_result(moved, expected, 2.0**-23, "float32 layer moved to float64")
+    with pytest.raises(ValueError, match="`field` must be torch.float64"):
+        layer(field.float())
+    reference.half().double()
+    again = reference(field)
+    for name in ("bispectrum", "reduced", "power"):
+        assert torch.equal(getattr(again, name), getattr(expected, name)), name
+
+
+def test_layer_refuses_fields_it_was_not_built_for():
+    shape = (6, 6, 6)
+    layer = _layer(shape, 30.0, dtype=torch.float32)
+    good = torch.zeros(2, *shape)
+    cases = [
+        (good[..., :-1], r"`field` must be a tensor of shape \(B, 6, 6, 6\) or \(6, 6, 6\) \(the mesh the layer was "
+                         r"built for\), got \(2, 6, 6, 5\)"),
+        (good.unsqueeze(0), r"`field` must be a tensor of shape \(B, 6, 6, 6\)"),
+        (good[0, 0], r"`field` must be a tensor of shape"),
+        (good.tolist(), r"`field` must be a tensor of shape .* got list"),
+        (good.double(), r"`field` must be torch.float32 \(the layer's dtype\), got torch.float64; convert the "
+                        r"field, or the layer with .to\(torch.float64\)"),
+        (good.to(torch.complex64), r"`field` must be a real torch.float32 tensor"),
+        (good.to(torch.int32), r"`field` must be a real torch.float32 tensor"),
+        (torch.zeros(2, *shape, device="meta"), r"`field` is on meta but the layer was built for cpu; move the field, "
+                                                r"or the layer with .to\('meta'\)"),
+        (torch.full(shape, math.nan), r"`field` contains NaN or infinite values"),
+    ]
+    for field, message in cases:
+        with pytest.raises(ValueError, match="BispectrumEstimator: " + message):
+            layer(field)
+    assert layer(_random_field(shape, seed=1).float()).bispectrum.shape == (2, layer.shells.shape[0])
+
+
+def test_layer_warns_at_the_callers_line():
+    """Q undefined (a field without power): the warning names the line that called the layer."""
+    layer = _layer((6, 6, 6), 30.0)
+    with pytest.warns(UserWarning, match=r"BispectrumEstimator: the reduced bispectrum Q is undefined") as caught:
+        result = layer(torch.zeros(6, 6, 6, dtype=torch.float64))
+    assert caught[0].filename == __file__, caught[0].filename
+    assert torch.isnan(result.reduced).all()
+
+
+def test_layer_bad_arguments():
+    from torchpm.nn import BispectrumEstimator
+
+    shape, box = (6, 6, 6), 30.0
+    k_nyquist = math.pi * 6 / 30.0
+    cases = [
+        (dict(bins=[0.1, 0.3, k_nyquist * 1.01]), ValueError, r"BispectrumEstimator: `bins` must lie in \(0, k_Nyq"),
+        (dict(triangles=[(0, 1, 5)]), ValueError, "BispectrumEstimator: `triangles` must be None or a non-empty"),
+        (dict(window="quadratic"), ValueError, "BispectrumEstimator: `window` must be one of"),
+        (dict(window="tsc", compensate_cic=True), ValueError, "BispectrumEstimator: `compensate_cic=True` contradicts"),
+        (dict(n_particles=0), ValueError, "BispectrumEstimator: `n_particles` must be a positive integer"),
+        (dict(dtype=torch.int64), ValueError, "BispectrumEstimator: `dtype` must be a real floating-point"),
+        (dict(mesh=LocalMesh((6, 6, 5))), ValueError, r"BispectrumEstimator: `mesh` has the global shape \(6, 6, 5\)"),
+        (dict(mesh=(6, 6, 6)), TypeError, "BispectrumEstimator: `mesh` must be None or a torchpm.distributed"),
+        (dict(box_size=-1.0), ValueError, "BispectrumEstimator: `box_size` must be positive"),
+    ]
+    for options, kind, message in cases:
+        arguments = dict(box_size=box) | options
+        with pytest.raises(kind, match=message):
+            BispectrumEstimator(shape, **arguments)
+    with pytest.raises(ValueError, match="`shape`"):
+        BispectrumEstimator((6, 6), box)
+    # decided from the counts, at construction
+    k_fundamental = 2 * math.pi / box
+    with pytest.raises(ValueError, match="BispectrumEstimator: no configuration of the shells"):
+        BispectrumEstimator(shape, box, bins=[0.5 * k_fundamental, 1.2 * k_fundamental])

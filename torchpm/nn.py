@@ -1,5 +1,5 @@
-"""``torch.nn`` layers: CIC paint and readout, a differentiable power spectrum, and
-learnable force corrections for ``Simulation(force_correction=...)``.
+"""``torch.nn`` layers: CIC paint and readout, a differentiable power spectrum and
+bispectrum, and learnable force corrections for ``Simulation(force_correction=...)``.
 
 A force correction is a module ``(k, a) -> filter``: ``k`` is the ``|k|`` mesh of the
 force mesh's rfft block in h/Mpc (shape broadcastable like the block), ``a`` a 0-d
@@ -12,8 +12,10 @@ All layers follow ``torch.nn`` conventions: ``.to(device, dtype)`` moves paramet
 buffers, ``state_dict`` holds the learned weights only, ``extra_repr`` prints the
 settings. They run on cpu and cuda in float32 and float64.
 
-``torch.compile``: every layer here compiles with ``fullgraph=True`` (no graph
-breaks), forward and backward (tests/test_nn.py checks each against eager):
+``torch.compile``: every layer here but :class:`BispectrumEstimator` compiles with
+``fullgraph=True`` (no graph breaks), forward and backward (tests/test_nn.py checks
+each against eager; the bispectrum's forward checks its field and Q's denominator on
+the host, loops over the shells in Python and was not tried under the compiler):
 :class:`NeuralSplineCorrection`, :class:`PGDCorrection` and :class:`PowerSpectrum`
 are pure torch ops; :class:`CICPaint` and :class:`CICReadout` call the
 ``torch.ops.torchpm`` custom ops, whose fake kernels and registered backwards
@@ -40,6 +42,7 @@ from torch import nn
 
 from ._transforms import is_transformed, outside_transforms
 from .analysis import _bin_edges, _bins_key, _ells_argument, _multipole_weights, line_of_sight_axis
+from .bispectrum import Bispectrum, _settings, _Tables
 from .fourier import window_of
 from .distributed import PencilDecomposition
 from .mesh import LocalMesh, as_box_size, as_shape
@@ -49,6 +52,7 @@ __all__ = [
     "CICPaint",
     "CICReadout",
     "PowerSpectrum",
+    "BispectrumEstimator",
     "NeuralSplineCorrection",
     "PGDCorrection",
     "save_weights",
@@ -314,6 +318,167 @@ class PowerSpectrum(nn.Module):
             f"compensate_cic={self.compensate_cic}"
             f"{'' if self.ells is None else f', ells={self.ells}, axis={self.axis}'}{grid}"
         )
+
+
+class BispectrumEstimator(nn.Module):
+    """The bispectrum of fields on a fixed mesh, prepared once for a training loop:
+    :func:`torchpm.bispectrum.bispectrum`'s estimator and results, without its set-up
+    at every call.
+
+    Construction does everything that does not depend on the field: the shells and the
+    configurations (the default ones without a closed triangle left out), the shell of
+    every Fourier entry and the triangle plan, and the triangle counts and mean side
+    lengths (the inverse FFTs of each shell's indicator, about two thirds of a call of
+    the function at 64^3). The forward pass transforms the field and computes what
+    depends on it: the shells' power, the triangle sums (whose backward recomputes the
+    shell fields), B, Q and the shot noise. The function builds the same tables at
+    every call and runs the same code, so the two agree to rounding.
+
+    Args:
+        shape: mesh cells per side (int) or ``(nx, ny, nz)``: the global mesh.
+        box_size, bins, triangles, window, compensate_cic, shot_noise, n_particles: as
+            for :func:`~torchpm.bispectrum.bispectrum` (the default ``bins`` and
+            configurations are the same).
+        dtype: of the fields the layer takes and of its results and ``k`` / ``edges``
+            buffers (``.to(dtype)`` changes it). The measurement itself runs in float64
+            whatever the dtype, as the function's does: the buffers it uses are
+            integers (frequencies, shells, counts), which a ``.to(dtype)`` leaves exact.
+        device: where the buffers live and the fields must be (``.to(device)`` moves
+            them).
+        mesh: None (the whole mesh on this device), a :class:`~torchpm.LocalMesh` or a
+            :class:`~torchpm.distributed.PencilDecomposition` of global shape ``shape``
+            (e.g. ``sim.force_mesh``). On a process grid construction is collective:
+            every rank builds the layer with the same arguments (checked first: one
+            rank's bad or different argument raises on every rank), and the mode and
+            triangle counts are all-reduced. So is the forward pass: each rank passes
+            its block ``(B, *mesh.local_real_shape)`` (the same ``B`` on every rank) and
+            every rank gets the global result, differentiable with the convention of
+            :class:`PowerSpectrum` (every rank computes the same loss from it and calls
+            backward; each rank's block receives its part of the gradient).
+
+    ``forward(field)``: ``(B, nx, ny, nz)`` or ``(nx, ny, nz)`` real field (this rank's
+    block on a grid) of the layer's dtype, on its device, finite; a field that does not
+    match raises a ValueError saying what the layer was built for (on every rank of a
+    grid). Returns a :class:`~torchpm.bispectrum.Bispectrum`: ``bispectrum``,
+    ``reduced`` and ``power`` computed from the field, in the layer's dtype (unbatched
+    for a 3-d field); ``k``, ``triangles``, ``shells`` and ``edges`` are the layer's
+    buffers (also its attributes). Differentiable in the field, also twice, and under
+    ``torch.func.grad``. The buffers are non-persistent: ``state_dict`` is empty.
+
+    Memory: the shells' indices (int64, half a float64 field) stay between calls; a
+    call needs what the function's bispectrum part does (one float64 field per shell
+    and batch member, two in the backward), not the counts' two fields per shell.
+    """
+
+    def __init__(
+        self,
+        shape: int | Sequence[int],
+        box_size: float | Sequence[float],
+        *,
+        bins=None,
+        triangles=None,
+        window: str | None = None,
+        compensate_cic: bool = False,
+        shot_noise: float | None = None,
+        n_particles: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        mesh: PencilDecomposition | None = None,
+    ):
+        super().__init__()
+        name = "BispectrumEstimator"
+        self.shape = as_shape(shape, "shape")
+        if mesh is None:
+            mesh = LocalMesh(self.shape)
+        _check_mesh_type(name, mesh)
+        box, edges, configurations, window, noise, key, error = _settings(
+            name, self.shape, box_size, bins, triangles, compensate_cic, window, shot_noise, n_particles)
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            error = error or f"`dtype` must be a real floating-point torch.dtype (e.g. torch.float32), got {dtype!r}"
+        error = error or _mesh_shape_error(name, mesh, self.shape, "the fields live on")
+        if error and not str(error).startswith(name):  # (the exception's type kept: TypeError or ValueError)
+            error = type(error)(f"{name}: {error}") if isinstance(error, BaseException) else f"{name}: {error}"
+        # The counts are all-reduced, as many as there are configurations: the ranks agree
+        # on what sets them first (one rank's error raises on every rank).
+        mesh.agree(name, [("`shape`", self.shape), ("`box_size`", box), ("`bins`", _bins_key(bins)),
+                          ("`window`", window), ("the shot noise subtracted", noise), ("`triangles`", key)], error)
+        self.box_size = box
+        self._mesh = mesh
+        device = torch.empty(0, device=device).device
+        self._tables = _Tables(name, mesh, box, edges, configurations, window, noise, device).to(dtype=dtype)
+
+    @property
+    def k(self) -> torch.Tensor:
+        """``(n, 3)``: the mean ``|k|`` (h/Mpc) of each side over its configuration's triangles."""
+        return self._tables.k
+
+    @property
+    def triangles(self) -> torch.Tensor:
+        """``(n,)`` int64: the number of closed triangles of each configuration."""
+        return self._tables.triangles
+
+    @property
+    def shells(self) -> torch.Tensor:
+        """``(n, 3)`` int64: each side's shell (an index into ``edges``)."""
+        return self._tables.shells
+
+    @property
+    def edges(self) -> torch.Tensor:
+        """``(n_bins + 1,)``: the shells' edges in h/Mpc."""
+        return self._tables.edges
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the fields the layer takes and of its results."""
+        return self._tables.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._tables.triangles.device
+
+    def _field_error(self, field) -> str | None:
+        """What is wrong with ``field`` (None if nothing)."""
+        name = "BispectrumEstimator"
+        block = tuple(self._mesh.local_real_shape)
+        if not isinstance(field, torch.Tensor) or field.dim() not in (3, 4) or tuple(field.shape[-3:]) != block:
+            where = "" if self._mesh.is_local else (
+                f", this rank's block of the {self.shape} mesh on the {self._mesh.grid_shape[0]} x "
+                f"{self._mesh.grid_shape[1]} grid")
+            cells = ", ".join(map(str, block))
+            got = tuple(field.shape) if isinstance(field, torch.Tensor) else type(field).__name__
+            return f"{name}: `field` must be a tensor of shape (B, {cells}) or ({cells}) (the mesh the layer was " \
+                   f"built for{where}), got {got}"
+        if field.dtype != self.dtype:
+            return (f"{name}: `field` must be {self.dtype} (the layer's dtype), got {field.dtype}; convert the field, "
+                    f"or the layer with .to({field.dtype})" if field.is_floating_point() and not field.is_complex()
+                    else f"{name}: `field` must be a real {self.dtype} tensor (the layer's dtype), got {field.dtype}")
+        if field.device != self.device:
+            return (f"{name}: `field` is on {field.device} but the layer was built for {self.device}; move the field, "
+                    f"or the layer with .to({str(field.device)!r})")
+        if not bool(torch.isfinite(field).all()):
+            return f"{name}: `field` contains NaN or infinite values"
+        return None
+
+    def forward(self, field: torch.Tensor) -> Bispectrum:
+        error = self._field_error(field)
+        batch = field.shape[0] if error is None and field.dim() == 4 else 1
+        # Every rank checks its block (and the ranks' batch sizes, which set the sums'
+        # size) before the transforms: a bad block raises on every rank.
+        self._mesh.agree("BispectrumEstimator", [("the batch size", batch)], error)
+        single = field.dim() == 3
+        batched = field.unsqueeze(0) if single else field
+        value, reduced, power = self._tables(self._mesh.rfftn(batched.to(torch.float64)))
+        value, reduced, power = (x.to(self.dtype) for x in (value, reduced, power))
+        if single:
+            value, reduced, power = value[0], reduced[0], power[0]
+        return Bispectrum(self.k, value, self.triangles, reduced, power, self.shells, self.edges)
+
+    def extra_repr(self) -> str:
+        tables = self._tables
+        grid = "" if self._mesh.is_local else f", grid={self._mesh.grid_shape}"
+        return (f"shape={self.shape}, box_size={self.box_size}, n_bins={tables.modes.numel()}, "
+                f"configurations={len(tables.configurations)}, window={tables.window}, shot_noise={tables.noise:g}"
+                f"{grid}")
 
 
 def _bspline_taps(k: torch.Tensor, knots: int, k_max: float):
