@@ -1,6 +1,7 @@
-"""The bispectrum on gloo process grids (2x1, 1x2, 3x1, 2x2): equal on every rank to the
-single-device result of the whole field, its gradient equal to the single-device one,
-and one rank's bad argument raising on every rank.
+"""The bispectrum on gloo process grids (2x1, 1x2, 3x1, 2x2), the function and the layer
+(torchpm.nn.BispectrumEstimator): equal on every rank to the single-device result of the
+whole field, its gradient equal to the single-device one, and one rank's bad argument
+raising on every rank.
 
 One pool of processes per world size runs every case of that size (see _spawn.py);
 every rank also measures the whole field itself without a process group (the oracle,
@@ -28,7 +29,7 @@ def case_ids(world_size):
     ids = []
     for p0, p1 in GRIDS[world_size]:
         grid = f"{p0}x{p1}"
-        ids += [f"field-{grid}", f"painted-{grid}", f"bad_input-{grid}"]
+        ids += [f"field-{grid}", f"painted-{grid}", f"bad_input-{grid}", f"layer-{grid}", f"layer_bad_input-{grid}"]
     return ids
 
 
@@ -164,6 +165,77 @@ def case_bad_input(grid, ctx):
     # and after all of these, the ranks still measure together
     assert_same(bispectrum(field, BOX, mesh=mesh),
                 bispectrum(global_random((1, *SHAPE), 2), BOX))
+
+
+def case_layer(grid, ctx):
+    """The layer built on the grid (collective: the counts all-reduced once): every output
+    on every rank equals the function's on one device, for a batch and a single field,
+    and so does the gradient of a loss of B and Q in each rank's block; its forward and
+    backward passes run no triangle count."""
+    import torchpm.bispectrum as module
+    from torchpm.bispectrum import bispectrum
+    from torchpm.distributed import PencilDecomposition
+    from torchpm.nn import BispectrumEstimator
+
+    mesh = PencilDecomposition(SHAPE, ctx["groups"][grid])
+    options = dict(window="cic", n_particles=300)
+    calls = []
+    original = module._TrianglePlan.counts
+    module._TrianglePlan.counts = lambda plan, k: calls.append(1) or original(plan, k)
+    try:
+        layer = BispectrumEstimator(SHAPE, BOX, dtype=torch.float64, mesh=mesh, **options)
+        assert len(calls) == 1
+        whole = global_random((2, *SHAPE), 4)
+        fields = [whole.clone().requires_grad_(), mesh.local_real_part(whole).clone().requires_grad_()]
+        results = [bispectrum(fields[0], BOX, **options), layer(fields[1])]
+        assert len(calls) == 2  # (the function's own)
+        assert_same(results[1], results[0])
+        grads = []
+        for field, result in zip(fields, results):
+            weights = torch.arange(1.0, result.bispectrum.shape[-1] + 1, dtype=torch.float64)
+            loss = (result.bispectrum**2 * weights).sum() + (result.reduced * weights).sum()
+            (grad,) = torch.autograd.grad(loss, field)
+            grads.append(grad)
+        assert len(calls) == 2, "the layer's forward or backward ran the triangle counts"
+        assert_small(grads[1], mesh.local_real_part(grads[0]), "d loss / d field through the layer")
+        assert_same(layer(mesh.local_real_part(whole[1])), bispectrum(whole[1], BOX, **options))
+    finally:
+        module._TrianglePlan.counts = original
+
+
+def case_layer_bad_input(grid, ctx):
+    """One rank's bad or different argument to the layer's construction, or one rank's bad
+    block or batch size in its forward pass: every rank raises, naming that rank; the
+    layer then still measures."""
+    from torchpm.bispectrum import bispectrum
+    from torchpm.distributed import PencilDecomposition
+    from torchpm.nn import BispectrumEstimator
+
+    mesh = PencilDecomposition(SHAPE, ctx["groups"][grid])
+    last = ctx["rank"] == ctx["world"] - 1
+    rank = f"rank {ctx['world'] - 1}"
+
+    def build(**options):
+        return lambda: BispectrumEstimator(SHAPE, BOX, dtype=torch.float64, mesh=mesh, **options)
+
+    expect_error_everywhere(build(bins=4 if last else 3), "the ranks disagree on `bins`", rank)
+    expect_error_everywhere(build(triangles=[(0, 1, 9 if last else 2)]), "`triangles` must be", rank)
+    expect_error_everywhere(build(window="tsc" if last else "cic"), "the ranks disagree on `window`", rank)
+    expect_error_everywhere(build(shot_noise=2.0 if last else 1.0), "the ranks disagree on the shot noise", rank)
+    expect_error_everywhere(lambda: BispectrumEstimator((10, 8, 7) if last else SHAPE, BOX, mesh=mesh),
+                            "`mesh` has the global shape", rank)
+    layer = build()()
+    whole = global_random((2, *SHAPE), 5)
+    block = mesh.local_real_part(whole)
+    expect_error_everywhere(lambda: layer(block[..., :-1] if last else block), "`field` must be a tensor of shape",
+                            "this rank's block", rank)
+    expect_error_everywhere(lambda: layer(block.float() if last else block), "`field` must be torch.float64", rank)
+    broken = block.clone()
+    if last:
+        broken[0, 0, 0, 0] = float("inf")
+    expect_error_everywhere(lambda: layer(broken), "`field` contains NaN or infinite values", rank)
+    expect_error_everywhere(lambda: layer(block[:1] if last else block), "the ranks disagree on the batch size", rank)
+    assert_same(layer(block), bispectrum(whole, BOX))
 
 
 # ----------------------------------------------------------------------------
