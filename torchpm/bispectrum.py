@@ -582,7 +582,11 @@ def bispectrum(
     the bispectrum one per shell and batch member (two in the backward pass), so the
     peak is about ``8 max(2, B) n_bins n_cells`` bytes (``2 B`` in the backward) plus
     transients of some ten fields (the transforms run shell by shell on large meshes;
-    benchmarks/RESULTS.md has measurements).
+    benchmarks/RESULTS.md has measurements). The shells, the plan and the triangle
+    counts do not depend on the field, yet are made at every call (about two thirds of a
+    call at 64^3): for many fields on the same mesh with the same settings (a training
+    loss), :class:`torchpm.nn.BispectrumEstimator` makes them once and runs the rest of
+    this code.
 
     Differentiable in the field, also twice (the backward recomputes the shell fields).
 
