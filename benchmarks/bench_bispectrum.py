@@ -1,7 +1,7 @@
 """Time and peak memory of the bispectrum of a float32 ``n^3`` field (CIC window).
 
     python benchmarks/bench_bispectrum.py [--sizes 64 128] [--repeats 3] [--device cpu|cuda]
-                                          [--reach two-thirds nyquist] [--backward] [--threads T]
+                                          [--reach two-thirds nyquist] [--backward] [--threads T] [--layer]
 
 Shells ``3 k_f`` wide from ``1.5 k_f`` (``k_f = 2 pi / L``, a typical binning of the
 literature): up to two thirds of the Nyquist frequency (``--reach two-thirds``: no
@@ -9,7 +9,9 @@ configuration reaches past the grid, one inverse FFT per shell) or up to the Nyq
 frequency (``nyquist``: the configurations of the larger shells are evaluated with
 half-cell shifts too, up to 8 transforms per shell); every configuration ``i <= j <= l``
 with the triangle condition on the shell centres. ``--backward`` also times the gradient
-of a loss of B in the field.
+of a loss of B in the field. ``--layer``: the function against
+:class:`torchpm.nn.BispectrumEstimator` (built once, then called), in the same process,
+their calls alternating; the layer's construction time and both peaks.
 
 Each measurement runs in a fresh process after one warm-up call: on the CPU the peak
 memory is the growth of the resident set (Linux ``VmHWM``, reset, with the heap's freed
@@ -109,6 +111,66 @@ def measure(size: int, reach: str, backward: bool, repeats: int, device: str, th
                 peak_mib=peak / 2**20, peak_over_field=peak / (8 * size**3))
 
 
+def measure_layer(size: int, reach: str, backward: bool, repeats: int, device: str, threads: int | None) -> dict:
+    """The function and the layer on the same field: median times of ``repeats`` calls of
+    each (alternating), the layer's construction time, and each one's peak over a call."""
+    import torch
+
+    from torchpm.bispectrum import bispectrum
+    from torchpm.nn import BispectrumEstimator
+
+    if threads:
+        torch.set_num_threads(threads)
+    bins = edges(size, reach)
+    field = torch.randn(1, size, size, size, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def synchronise():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    synchronise()
+    start = time.perf_counter()
+    layer = BispectrumEstimator(size, BOX, bins=bins, window="cic", device=device)
+    synchronise()
+    construction = time.perf_counter() - start
+
+    def call(measure):
+        if not backward:
+            return measure(field)
+        leaf = field.clone().requires_grad_()
+        result = measure(leaf)
+        (result.bispectrum**2).sum().backward()
+        return result
+
+    calls = {"function": lambda x: bispectrum(x, BOX, bins=bins, window="cic"), "layer": layer}
+    peaks = {}
+    for name, measure in calls.items():
+        call(measure)  # warm-up
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            _release_freed_memory()
+            base = _status("VmRSS")
+        call(measure)
+        synchronise()
+        peaks[name] = (torch.cuda.max_memory_allocated() if device == "cuda" else _status("VmHWM")) - base
+    times = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, measure in calls.items():
+            synchronise()
+            start = time.perf_counter()
+            call(measure)
+            synchronise()
+            times[name].append(time.perf_counter() - start)
+    return dict(size=size, reach=reach, backward=backward, device=device, threads=torch.get_num_threads(),
+                shells=len(bins) - 1, configurations=int(layer.shells.shape[0]), construction_s=construction,
+                **{f"{name}_s": statistics.median(values) for name, values in times.items()},
+                **{f"{name}_range": (min(values), max(values)) for name, values in times.items()},
+                **{f"{name}_peak_mib": peak / 2**20 for name, peak in peaks.items()})
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128])
@@ -117,19 +179,28 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--layer", action="store_true",
+                        help="the function against torchpm.nn.BispectrumEstimator, in the same process")
     parser.add_argument("--one", nargs=3, metavar=("SIZE", "REACH", "BACKWARD"), help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.one:
         size, reach, backward = arguments.one
-        print(json.dumps(measure(int(size), reach, backward == "1", arguments.repeats, arguments.device,
-                                 arguments.threads)))
+        run = measure_layer if arguments.layer else measure
+        print(json.dumps(run(int(size), reach, backward == "1", arguments.repeats, arguments.device,
+                             arguments.threads)))
         return
     import torch
 
     print(f"# torch {torch.__version__}, device {arguments.device}, box {BOX} Mpc/h, float32 field, CIC window, "
           f"median of {arguments.repeats}")
-    print("| n^3 | shells up to | shells | configurations | pass | time (s) [min-max] | peak MiB | peak / float64 field |")
-    print("|---|---|---|---|---|---|---|---|")
+    if arguments.layer:
+        print("| n^3 | shells up to | shells | configurations | pass | function (s) [min-max] | layer (s) [min-max] | "
+              "function / layer | layer built (s) | peak MiB function / layer |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+    else:
+        print("| n^3 | shells up to | shells | configurations | pass | time (s) [min-max] | peak MiB | "
+              "peak / float64 field |")
+        print("|---|---|---|---|---|---|---|---|")
     environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for size in arguments.sizes:
         for reach in arguments.reach:
@@ -139,12 +210,22 @@ def main():
                            "--device", arguments.device]
                 if arguments.threads:
                     command += ["--threads", str(arguments.threads)]
+                if arguments.layer:
+                    command += ["--layer"]
                 output = subprocess.run(command, capture_output=True, text=True, env=environment)
                 if output.returncode:
                     print(output.stderr, file=sys.stderr)
                     raise SystemExit(output.returncode)
                 row = json.loads(output.stdout.strip().splitlines()[-1])
                 label = "2/3 k_Nyq" if reach == "two-thirds" else "k_Nyq"
+                if arguments.layer:
+                    function, layer = row["function_range"], row["layer_range"]
+                    print(f"| {size} | {label} | {row['shells']} | {row['configurations']} | "
+                          f"{'fwd+bwd' if backward else 'fwd'} | {row['function_s']:.3f} [{function[0]:.3f}-"
+                          f"{function[1]:.3f}] | {row['layer_s']:.3f} [{layer[0]:.3f}-{layer[1]:.3f}] | "
+                          f"{row['function_s'] / row['layer_s']:.2f} | {row['construction_s']:.2f} | "
+                          f"{row['function_peak_mib']:.0f} / {row['layer_peak_mib']:.0f} |", flush=True)
+                    continue
                 print(f"| {size} | {label} | {row['shells']} | {row['configurations']} | "
                       f"{'fwd+bwd' if backward else 'fwd'} | {row['s']:.2f} [{row['s_min']:.2f}-{row['s_max']:.2f}] | "
                       f"{row['peak_mib']:.0f} | {row['peak_over_field']:.1f} |", flush=True)
