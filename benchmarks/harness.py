@@ -360,9 +360,9 @@ def header_lines(title: str, device=None, details: Iterable[str] = ()) -> list[s
 
         import torchpm
 
+        source = os.path.dirname(os.path.abspath(torchpm.__file__))
         parts = [f"# device: {device} ({device_name(device)})", f"torch {torch.__version__}",
-                 f"{torch.get_num_threads()} threads",
-                 f"torchpm {getattr(torchpm, '__version__', '?')} from {os.path.dirname(torchpm.__file__)}"]
+                 f"{torch.get_num_threads()} threads", f"torchpm {getattr(torchpm, '__version__', '?')} from {source}"]
         lines.append(", ".join(parts + list(details)))
     elif details:
         lines.append("# " + ", ".join(details))
