@@ -12,7 +12,7 @@ momenta; its gradient is taken w.r.t. the white noise and Omega_c. "forward" is 
 same run under ``torch.no_grad()``. Times are medians of ``--repeats`` runs after a
 warm-up, forward and forward + backward alternating. Peak memory of one forward +
 backward is measured in a fresh child process for every (mode, steps) with
-bench_pm.py's ``PeakMemory`` (CUDA
+harness.py's ``PeakMemory`` (CUDA
 ``max_memory_allocated``; on the CPU the sampled resident set size, glibc's mmap
 threshold fixed so that freed blocks leave it). Targets (issue 8): adjoint peak at
 100 steps <= 1.1x its peak at 10 steps; adjoint forward + backward <= 3x forward.
@@ -27,12 +27,9 @@ spin-waiting).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -42,7 +39,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 import torchpm  # noqa: E402
-from bench_pm import PeakMemory, timed  # noqa: E402
+from harness import FIXED_MMAP_THRESHOLD, ChildFailed, PeakMemory, Table, child_report, print_header  # noqa: E402
+from harness import timed_together  # noqa: E402
 
 MODES = ("autograd", "checkpoint", "adjoint")
 
@@ -78,24 +76,15 @@ def child(arguments):
 
 
 def peak_memory(arguments, mode, steps):
-    environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     command = [
         sys.executable, os.path.abspath(__file__), "--memory-child", mode, "--steps", str(steps),
         "--size", str(arguments.size), "--device", arguments.device, "--threads", str(torch.get_num_threads()),
     ]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True)
     try:
-        return json.loads(result.stdout.strip().splitlines()[-1])["memory"]
-    except (IndexError, ValueError, KeyError):
-        print(f"# memory child failed ({mode}, {steps} steps): {result.stderr.strip()[-500:]}")
+        return child_report(command, FIXED_MMAP_THRESHOLD)["memory"]
+    except ChildFailed as error:
+        print(f"# memory child failed ({mode}, {steps} steps): {error.stderr.strip()[-500:]}")
         return float("nan")
-
-
-def _process_time(function):
-    """CPU seconds this process spends in ``function()`` (all its threads)."""
-    start = time.process_time()
-    function()
-    return time.process_time() - start
 
 
 def main():
@@ -121,34 +110,26 @@ def main():
     device = torch.device(arguments.device)
     if arguments.clock == "process" and device.type != "cpu":
         parser.error("--clock process measures CPU time: use it with --device cpu")
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    print(f"# torchpm gradient benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"# device: {device} ({name}), torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
-          f"{arguments.size}^3 particles and mesh, CPU kernels {torchpm.cpu_kernels()}")
-    print(f"# command: python {' '.join(sys.argv)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print_header("gradient benchmark", device, ["float32", f"{arguments.size}^3 particles and mesh",
+                                                f"CPU kernels {torchpm.cpu_kernels()}"])
     print()
-    steps_columns = " | ".join(f"peak {s} steps [MiB]" for s in arguments.steps)
-    print(f"| mode | {steps_columns} | peak ratio {arguments.steps[-1]}/{arguments.steps[0]} | "
-          f"forward [s] | forward+backward [s] | ratio |")
-    print("|---|" + "---|" * (len(arguments.steps) + 4))
+    table = Table(["mode"] + [f"peak {s} steps [MiB]" for s in arguments.steps]
+                  + [f"peak ratio {arguments.steps[-1]}/{arguments.steps[0]}", "forward [s]", "forward+backward [s]",
+                     "ratio"])
+    table.print_header()
+    clock = time.perf_counter if arguments.clock == "wall" else time.process_time
     for mode in arguments.modes:
         peaks = [float("nan") if arguments.no_memory else peak_memory(arguments, mode, steps) for steps in arguments.steps]
         forward_backward, forward = setup(arguments.size, arguments.timing_steps, mode, device)
         # Alternate the two, one run of each per repeat, so that a change of load on a
         # shared machine hits both sides of the ratio alike.
-        forward(), forward_backward()  # warm-up
-        if arguments.clock == "wall":
-            pairs = [(timed(forward, device, 1, warmup=0)[0], timed(forward_backward, device, 1, warmup=0)[0])
-                     for _ in range(arguments.repeats)]
-        else:
-            pairs = [(_process_time(forward), _process_time(forward_backward)) for _ in range(arguments.repeats)]
-        time_forward = statistics.median(p[0] for p in pairs)
-        time_both = statistics.median(p[1] for p in pairs)
+        timings = timed_together({"forward": forward, "forward+backward": forward_backward}, device,
+                                 arguments.repeats, clock=clock)
+        forwards, boths = timings["forward"].times, timings["forward+backward"].times
         # The ratio of each pair taken back to back, then the median: robust to load drift.
-        ratio = statistics.median(p[1] / p[0] for p in pairs)
-        cells = " | ".join(f"{p / 2**20:.0f}" for p in peaks)
-        print(f"| {mode} | {cells} | {peaks[-1] / peaks[0]:.2f}x | {time_forward:.2f} | {time_both:.2f} | "
-              f"{ratio:.2f}x |", flush=True)
+        ratio = statistics.median(both / alone for alone, both in zip(forwards, boths))
+        table.print_row(mode, *(f"{p / 2**20:.0f}" for p in peaks), f"{peaks[-1] / peaks[0]:.2f}x",
+                        f"{statistics.median(forwards):.2f}", f"{statistics.median(boths):.2f}", f"{ratio:.2f}x")
     print()
     print(f"Timings ({arguments.clock} clock) at {arguments.timing_steps} steps; ratio = median over the repeats of (forward + backward) / "
           "forward (no_grad), each pair timed back to back.")

@@ -39,7 +39,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -50,6 +49,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
+from harness import PeakMemory, Table, fixed_mmap_threshold, print_header, time_call  # noqa: E402
 
 PHASES = ["paint", "halo", "FFT local", "transposes", "stencil", "readout", "migration", "sort"]
 
@@ -104,15 +104,14 @@ def _timed_steps(sim, factors, positions, momenta, ids, sort_every):
     steps, breakdowns = [], []
     for index in range(1, len(factors)):
         number = index + 1
-        dist.barrier()
-        timer.take()
-        start = time.perf_counter()
         sort = bool(sort_every) and number % sort_every == 0
         # every timed step carries a following step's first kick and drift, the last one too
         following = factors[min(index + 1, len(factors) - 1)]
-        positions, momenta, ids = sim._fused_step(positions, momenta, ids, factors[index], following, sort=sort,
-                                                  own_ids=True)
-        steps.append(time.perf_counter() - start)
+        dist.barrier()
+        timer.take()
+        elapsed, (positions, momenta, ids) = time_call(
+            lambda: sim._fused_step(positions, momenta, ids, factors[index], following, sort=sort, own_ids=True))
+        steps.append(elapsed)
         breakdowns.append(timer.take())
     return {"steps": steps, "breakdowns": breakdowns, "particles": int((ids >= 0).sum())}
 
@@ -126,7 +125,6 @@ def _worker(rank, world, size, repeats, threads, store, result_path, sort_every=
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     import torchpm
-    from bench_pm import PeakMemory
     from torchpm import simulation
     from torchpm.distributed import balanced_grid
     from torchpm.pm import add_scaled, step_factors
@@ -184,14 +182,9 @@ def _adjoint_worker(rank, world, size, repeats, threads, store, result_path, ste
         leaf = noise.detach().requires_grad_(True)
         dist.barrier()
         timer.take()
-        start = time.perf_counter()
-        density = sim.density(sim(leaf))
-        loss = (density * field).sum()
-        forward = time.perf_counter() - start
+        forward, loss = time_call(lambda: (sim.density(sim(leaf)) * field).sum())
         halo_forward = timer.take().get("halo", 0.0)
-        start = time.perf_counter()
-        loss.backward()
-        backward = time.perf_counter() - start
+        backward, _ = time_call(loss.backward)
         rows.append([forward, backward, halo_forward, timer.take().get("halo", 0.0)])
     with open(result_path.format(rank=rank), "w") as handle:
         json.dump({"rank": rank, "rows": rows[1:], "grid": list(grid)}, handle)
@@ -236,15 +229,8 @@ def run(size, world, repeats, threads, sort_every=0):
     back to the system when freed, so the sampled resident set follows live memory), then
     the timings from processes without it (its fresh mmaps add page faults to every large
     allocation: 20-40 ms per migration at 128^3 on 2 ranks)."""
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    try:
+    with fixed_mmap_threshold():
         memory = _spawn(world, size, repeats, threads, sort_every, memory_only=True)
-    finally:
-        if saved is None:
-            del os.environ["MALLOC_MMAP_THRESHOLD_"]
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     reports = _spawn(world, size, repeats, threads, sort_every, memory_only=False)
     step = statistics.median(max(r["steps"][i] for r in reports) for i in range(repeats))
     late = statistics.median(max(r["steps"][i] for r in reports) for i in range(repeats // 2, repeats))
@@ -277,26 +263,24 @@ def main():
                              "(Simulation's sort_every; 0: never)")
     arguments = parser.parse_args()
     if arguments.adjoint:
-        print(f"# torchpm distributed adjoint, gloo on the CPU ({os.cpu_count()} cores), torch {torch.__version__}, "
-              f"{datetime.date.today()}, {arguments.steps} steps, {arguments.threads_per_rank} thread(s) per rank, "
-              f"median of {arguments.repeats} runs (slowest rank)")
-        print("| size | ranks | grid | forward s | backward s | halo in forward s | halo in backward s |")
-        print("|---|---|---|---|---|---|---|")
+        print_header("distributed adjoint", "cpu", [
+            "gloo", f"{arguments.steps} steps", f"{arguments.threads_per_rank} thread(s) per rank",
+            f"median of {arguments.repeats} runs (slowest rank)"])
+        table = Table(["size", "ranks", "grid", ("forward s", ".3f"), ("backward s", ".3f"),
+                       ("halo in forward s", ".3f"), ("halo in backward s", ".3f")])
+        table.print_header()
         for size in arguments.sizes:
             for world in arguments.ranks:
                 grid, (forward, backward, halo_f, halo_b) = run_adjoint(
                     size, world, arguments.repeats, arguments.threads_per_rank, arguments.steps)
-                print(f"| {size}^3 | {world} | {'x'.join(map(str, grid))} | {forward:.3f} | {backward:.3f} | "
-                      f"{halo_f:.3f} | {halo_b:.3f} |", flush=True)
+                table.print_row(f"{size}^3", world, "x".join(map(str, grid)), forward, backward, halo_f, halo_b)
         return
-    print(f"# torchpm distributed PM step, gloo on the CPU ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), "
-          f"torch {torch.__version__}, CPU kernels {torchpm.cpu_kernels()}, {datetime.date.today()}")
+    print_header("distributed PM step", "cpu", ["gloo", f"CPU kernels {torchpm.cpu_kernels()}"])
     print(f"# {arguments.threads_per_rank} thread(s) per rank, median of {arguments.repeats} steps (slowest rank); "
           f"sort_every {arguments.sort_every}; late steps = the second half of the run")
-    header = (["size", "ranks", "grid", "step ms", "late steps ms"] + [f"{p} ms" for p in PHASES]
-              + ["peak MiB/rank", "vs 1 rank"])
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    table = Table(["size", "ranks", "grid", "step ms", "late steps ms"] + [f"{p} ms" for p in PHASES]
+                  + ["peak MiB/rank", "vs 1 rank"])
+    table.print_header()
     single = {}
     for size in arguments.sizes:
         for world in arguments.ranks:
@@ -309,7 +293,7 @@ def main():
                      f"{result['late_step_s'] * 1e3:.1f}"]
             cells += [f"{result['breakdown'][p] * 1e3:.1f}" for p in PHASES]
             cells += [f"{peak:.0f}", ratio]
-            print("| " + " | ".join(cells) + " |", flush=True)
+            table.print_row(*cells)
 
 
 if __name__ == "__main__":

@@ -35,117 +35,18 @@ one step on a displaced lattice (XLA's peak cannot be reset, so its child skips 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import os
-import platform
-import statistics
 import sys
-import threading
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torchpm  # noqa: E402
-from torchpm.fourier import multiply_real, stack_products
+from harness import FIXED_MMAP_THRESHOLD, ChildFailed, PeakMemory, Table, child_report, print_header  # noqa: E402
+from harness import restorer, timed, timed_together  # noqa: E402
+from torchpm.fourier import multiply_real, stack_products  # noqa: E402
 from torchpm.pm import add_scaled_, readout_kick_drift_, step_factors  # noqa: E402
-
-
-class PeakMemory:
-    """Peak memory above the baseline (bytes) over a ``with`` block."""
-
-    def __init__(self, device):
-        self.device = torch.device(device)
-        self.peak = 0
-
-    def _rss(self):
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self._max = max(self._max, self._rss())
-            time.sleep(0.0005)
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-        else:
-            self._base = self._max = self._rss()
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
-        else:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self._max, self._rss()) - self._base
-        return False
-
-
-def timed(function, device, repeats, warmup=1, setup=None):
-    """Median wall time (s) of ``function()`` over ``repeats`` runs after ``warmup``;
-    ``setup()``, if given, runs untimed before each."""
-    sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
-    setup = setup or (lambda: None)
-    result = None
-    for _ in range(warmup):
-        setup()
-        result = function()
-    sync()
-    times = []
-    for _ in range(repeats):
-        setup()
-        sync()
-        start = time.perf_counter()
-        result = function()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
-def timed_together(functions, device, repeats, warmup=1):
-    """Medians (s) of several functions timed in alternation, so that each sees the same
-    machine load (other processes share the CPU); ``{name: median}``. An entry may be a
-    ``(setup, function)`` pair: ``setup()`` runs untimed before each call."""
-    sync = (lambda: torch.cuda.synchronize(device)) if torch.device(device).type == "cuda" else (lambda: None)
-    pairs = {name: entry if isinstance(entry, tuple) else (lambda: None, entry) for name, entry in functions.items()}
-    for setup, function in pairs.values():
-        for _ in range(warmup):
-            setup()
-            function()
-    sync()
-    times = {name: [] for name in functions}
-    for _ in range(repeats):
-        for name, (setup, function) in pairs.items():
-            setup()
-            sync()
-            start = time.perf_counter()
-            function()
-            sync()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
-def private_copies(*tensors):
-    """Copies of ``tensors`` and a setup that restores them: for the steps that update
-    the simulation's own particle arrays in place (each timed call starts from the same
-    particles, as a run's step starts from the arrays the step before left)."""
-    copies = tuple(tensor.clone() for tensor in tensors)
-
-    def restore():
-        for copy, tensor in zip(copies, tensors):
-            copy.copy_(tensor)
-
-    return copies, restore
 
 
 def stream_bandwidth(device, repeats, megabytes=256):
@@ -154,9 +55,10 @@ def stream_bandwidth(device, repeats, megabytes=256):
     n = megabytes * 2**20 // 4
     a = torch.rand(n, device=device)
     b, c = torch.empty_like(a), torch.rand(n, device=device)
-    medians = timed_together(
+    timings = timed_together(
         {"copy": lambda: b.copy_(a), "triad": lambda: torch.add(b, c, alpha=0.5, out=a)}, device, repeats
     )
+    medians = {name: timing.median for name, timing in timings.items()}
     return {"copy": 2 * 4 * n / medians["copy"], "triad": 3 * 4 * n / medians["triad"]}
 
 
@@ -193,19 +95,20 @@ def bench_torchpm(n, device, repeats, memory_only=False, late_steps=10):
     noise = sim.white_noise(seed=0)
     out = {}
     with torch.no_grad():
-        out["lpt"], (x, p, ids) = timed(lambda: sim.lpt(sim.linear_field(noise)), device, repeats)
+        lpt = timed(lambda: sim.lpt(sim.linear_field(noise)), device, repeats)
+        out["lpt"], (x, p, ids) = lpt.median, lpt.result
         table = sim.growth_table()
         factor = step_factors(table, torch.tensor([0.1, 0.19], dtype=torch.float64))[0]
 
         # The simulation's steady state outside a graph (Simulation.evolve from its second
         # step on): the force, with the second kick and the next step's first kick and
         # drift in its readout, on the particle arrays of the step before.
-        (step_x, step_p), restore = private_copies(x, p)
+        (step_x, step_p), restore = restorer(x, p)
 
         def step():
             return sim._fused_step(step_x, step_p, ids, factor, factor)
 
-        out["step"], _ = timed(step, device, repeats, setup=restore)
+        out["step"] = timed(step, device, repeats, setup=restore).median
         if memory_only:
             with PeakMemory(device) as memory:
                 step()
@@ -238,8 +141,8 @@ def bench_torchpm(n, device, repeats, memory_only=False, late_steps=10):
                 field = mesh.irfftn(spectra)
             # Steps as Simulation.evolve takes them after its first outside a graph: in place,
             # on arrays it owns, the updates in the force's readout.
-            (ux, up), restore_unsorted = private_copies(cx, cp)
-            (ox, op), restore_sorted = private_copies(sx, sp)
+            (ux, up), restore_unsorted = restorer(cx, cp)
+            (ox, op), restore_sorted = restorer(sx, sp)
             kicks = [cfactor.second_kick, cfactor.first_kick]
             functions = {
                 "step unsorted": (restore_unsorted, lambda: sim._fused_step(ux, up, cids, cfactor, cfactor)),
@@ -270,7 +173,7 @@ def bench_torchpm(n, device, repeats, memory_only=False, late_steps=10):
                                                            add_scaled_(ux, up, cfactor.drift),
                                                            add_scaled_(up, cforce, cfactor.second_kick))),
             }
-            cases[case] = timed_together(functions, device, repeats)
+            cases[case] = {name: timing.median for name, timing in timed_together(functions, device, repeats).items()}
         out["cases"] = cases
         out["stream"] = stream_bandwidth(device, repeats)
     return out
@@ -349,7 +252,8 @@ def bench_jaxpm(n, modules, repeats, factor, memory_only=False):
 
     out = {}
     try:
-        out["lpt"], (x, p, f) = timed(run_lpt, "cpu", repeats)
+        lpt_timing = timed(run_lpt, "cpu", repeats)  # "cpu": block_until_ready waits for the device
+        out["lpt"], (x, p, _) = lpt_timing.median, lpt_timing.result
         x, p = x.astype(jnp.float32), p.astype(jnp.float32)
     except Exception as error:  # XLA's out-of-memory: the step is still timed
         if "RESOURCE_EXHAUSTED" not in str(error):
@@ -359,7 +263,7 @@ def bench_jaxpm(n, modules, repeats, factor, memory_only=False):
         out["lpt"] = float("nan")
         x, p = grid + 0.25, jnp.zeros_like(grid)
     f0 = jpm.pm_forces(x, mesh_shape=shape) * scale
-    out["step"], _ = timed(lambda: jax.block_until_ready(step(x, p, f0)), "cpu", repeats)
+    out["step"] = timed(lambda: jax.block_until_ready(step(x, p, f0)), "cpu", repeats).median
     if memory_only:
         with PeakMemory("cpu") as memory:
             jax.block_until_ready(step(x, p, f0))
@@ -374,21 +278,15 @@ def peak_memory(code, n, device, threads):
     goes back to the system when freed and the sampled resident set size follows live
     memory. (Timings are taken here, without it: fresh mmaps add page faults.)
     """
-    import json
-    import subprocess
-
-    environment = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # the child needs the memory this process's allocator caches
     command = [sys.executable, os.path.abspath(__file__), "--memory-child", code, "--sizes", str(n),
                "--device", str(device), "--threads", str(threads), "--repeats", "1",
                "--paint-method", torchpm.ops.get_paint_method()]
-    result = subprocess.run(command, env=environment, capture_output=True, text=True)
     try:
-        return json.loads(result.stdout.strip().splitlines()[-1])["memory"]
-    except (IndexError, ValueError, KeyError):
-        last = (result.stderr.strip().splitlines() or ["no output"])[-1]
-        print(f"# {code} memory at {n}^3: child failed (exit {result.returncode}): {last}", file=sys.stderr)
+        return child_report(command, FIXED_MMAP_THRESHOLD)["memory"]
+    except ChildFailed as error:
+        print(f"# {code} memory at {n}^3: {error}", file=sys.stderr)
         return float("nan")
 
 
@@ -431,20 +329,17 @@ def main():
         if (device.type == "cuda") != ("gpu" in jax_devices or "cuda" in jax_devices):
             jax_ok, jax_modules = False, f"JaxPM would run on {sorted(jax_devices)}, not on {device.type}"
 
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    print(f"# torchpm PM benchmark, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    print(f"# device: {device} ({name}), torch {torch.__version__}, {torch.get_num_threads()} threads, float32, "
-          f"paint method {torchpm.ops.get_paint_method()}, CPU kernels {torchpm.cpu_kernels()}")
-    print(f"# command: python {' '.join(sys.argv)}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print_header("PM benchmark", device, ["float32", f"paint method {torchpm.ops.get_paint_method()}",
+                                          f"CPU kernels {torchpm.cpu_kernels()}"])
     if not jax_ok:
         print(f"# JaxPM: not run ({jax_modules if jax_modules else 'disabled'})")
     else:
         print(f"# JaxPM {importlib.metadata.version('jaxpm')}, jax {importlib.metadata.version('jax')}, "
               f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print()
-    print("| N^3 | torchpm step [ms] | JaxPM step [ms] | ratio | torchpm 2LPT [ms] | JaxPM 2LPT [ms] | ratio "
-          "| torchpm peak [MiB] | JaxPM peak [MiB] |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    summary = Table(["N^3", "torchpm step [ms]", "JaxPM step [ms]", "ratio", "torchpm 2LPT [ms]", "JaxPM 2LPT [ms]",
+                     "ratio", "torchpm peak [MiB]", "JaxPM peak [MiB]"])
+    summary.print_header()
     breakdowns = []
     for n in sizes:
         ours = bench_torchpm(n, device, arguments.repeats)
@@ -470,12 +365,8 @@ def main():
         def ratio(key):
             return f"{theirs[key] / ours[key]:.2f}x" if theirs else "-"
 
-        print(
-            f"| {n} | {ours['step'] * 1e3:.1f} | {cell('step')} | {ratio('step')} | {ours['lpt'] * 1e3:.1f} | "
-            f"{cell('lpt')} | {ratio('lpt')} | {ours['memory'] / 2**20:.0f} | "
-            f"{cell('memory', 2.0**-20)} |",
-            flush=True,
-        )
+        summary.print_row(n, f"{ours['step'] * 1e3:.1f}", cell("step"), ratio("step"), f"{ours['lpt'] * 1e3:.1f}",
+                          cell("lpt"), ratio("lpt"), f"{ours['memory'] / 2**20:.0f}", cell("memory", 2.0**-20))
     print()
     print("ratio = JaxPM time / torchpm time (above 1: torchpm faster).")
     print()
@@ -484,11 +375,11 @@ def main():
     parts = ["step unsorted", "step sorted", "step sorted, out of place", "step+sort", "sort", "first sort",
              "paint unsorted", "paint sorted", "readout x3 unsorted", "readout x3 sorted", "readout+updates sorted",
              "rfftn", "kernels", "irfftn", "gradient", "kicks+drift"]
-    print("| N^3 | particles | " + " | ".join(parts) + " |")
-    print("|---|---" + "|---" * len(parts) + "|")
+    by_order = Table(["N^3", "particles"] + parts)
+    by_order.print_header()
     for n, ours in breakdowns:
         for case, values in ours["cases"].items():
-            print(f"| {n} | {case} | " + " | ".join(f"{values[p] * 1e3:.1f}" for p in parts) + " |")
+            by_order.print_row(n, case, *(f"{values[p] * 1e3:.1f}" for p in parts))
     print()
     for n, ours in breakdowns:
         stream = ours["stream"]
