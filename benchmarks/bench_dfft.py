@@ -31,7 +31,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import torchpm  # noqa: E402,F401
+from harness import Table, print_header, timed  # noqa: E402
 from torchpm.distributed import PencilDecomposition, process_grid_groups  # noqa: E402
 
 
@@ -48,17 +48,9 @@ def default_grid(world):
     return world // p1, p1
 
 
-def median_time(fn, repeats, sync=lambda: None, barrier=lambda: None, warmup=2):
-    values = []
-    for i in range(repeats + warmup):
-        barrier()
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        if i >= warmup:
-            values.append(time.perf_counter() - start)
-    return statistics.median(values)
+def median_time(fn, repeats, device="cpu", barrier=None):
+    """Median of ``repeats`` calls after 2 warm-up calls, each after ``barrier()``."""
+    return timed(fn, device, repeats, warmup=2, barrier=barrier).median
 
 
 # ----------------------------------------------------------------------------
@@ -75,7 +67,7 @@ def _cpu_worker(rank, world, grid, sizes, repeats, store, queue):
         d = PencilDecomposition((n, n, n), groups)
         field = torch.randn(1, *d.local_real_shape)
         field_k = d.rfftn(field)
-        barrier = dist.barrier if world > 1 else (lambda: None)
+        barrier = dist.barrier if world > 1 else None
         t_forward = median_time(lambda: d.rfftn(field), repeats, barrier=barrier)
         t_inverse = median_time(lambda: d.irfftn(field_k), repeats, barrier=barrier)
         # The two forward transposes alone, on tensors of the right layouts.
@@ -95,8 +87,8 @@ def _cpu_worker(rank, world, grid, sizes, repeats, store, queue):
 
 
 def run_cpu(args):
-    print(f"# CPU, gloo, float32, 1 thread per rank; {os.cpu_count()} cores; torch {torch.__version__}")
     torch.set_num_threads(1)
+    print_header("distributed FFT benchmark", "cpu", ["gloo", "float32", "1 thread per rank"])
     serial = {}
     for n in args.sizes:
         x = torch.randn(1, n, n, n)
@@ -105,10 +97,11 @@ def run_cpu(args):
             median_time(lambda: torch.fft.rfftn(x, dim=(-3, -2, -1)), args.repeats),
             median_time(lambda: torch.fft.irfftn(xk, s=(n, n, n), dim=(-3, -2, -1)), args.repeats),
         )
-    header = f"{'ranks':>5} {'grid':>5} {'n':>5} {'rfftn ms':>10} {'irfftn ms':>10} {'transposes ms':>14} {'vs serial fwd':>14} {'vs serial inv':>14}"
-    print(header)
+    table = Table([("ranks", ">5"), ("grid", ">5"), ("n", ">5"), ("rfftn ms", "10.2f"), ("irfftn ms", "10.2f"),
+                   ("transposes ms", "14.2f"), ("vs serial fwd", "14.2f"), ("vs serial inv", "14.2f")], style="aligned")
+    table.print_header()
     for n in args.sizes:
-        print(f"{'serial':>5} {'-':>5} {n:>5} {1e3 * serial[n][0]:10.2f} {1e3 * serial[n][1]:10.2f} {'-':>14} {1.0:14.2f} {1.0:14.2f}")
+        table.print_row("serial", "-", n, 1e3 * serial[n][0], 1e3 * serial[n][1], "-", 1.0, 1.0)
     context = mp.get_context("spawn")
     for world in args.ranks:
         grid = default_grid(world)
@@ -123,10 +116,8 @@ def run_cpu(args):
                 )
                 rows = queue.get()
             for n, forward, inverse, transposes in rows:
-                print(
-                    f"{world:>5} {f'{grid[0]}x{grid[1]}':>5} {n:>5} {1e3 * forward:10.2f} {1e3 * inverse:10.2f} "
-                    f"{1e3 * transposes:14.2f} {forward / serial[n][0]:14.2f} {inverse / serial[n][1]:14.2f}"
-                )
+                table.print_row(world, f"{grid[0]}x{grid[1]}", n, 1e3 * forward, 1e3 * inverse, 1e3 * transposes,
+                                forward / serial[n][0], inverse / serial[n][1])
 
 
 # ----------------------------------------------------------------------------
@@ -170,8 +161,10 @@ def _agreement_worker(rank, world, grid, sizes, repeats, store, queue):
 
 
 def run_agreement(args):
-    print(f"# agreement check, CPU, gloo, float32, 1 thread per rank; {os.cpu_count()} cores; torch {torch.__version__}")
-    print(f"{'ranks':>5} {'grid':>5} {'n':>5} {'call':>14} {'check on ms':>12} {'check off ms':>13} {'cost ms':>8} {'cost %':>7}")
+    print_header("distributed FFT benchmark: the agreement check", "cpu", ["gloo", "float32", "1 thread per rank"])
+    table = Table([("ranks", ">5"), ("grid", ">5"), ("n", ">5"), ("call", ">14"), ("check on ms", "12.3f"),
+                   ("check off ms", "13.3f"), ("cost ms", "8.3f"), ("cost %", ">7")], style="aligned")
+    table.print_header()
     context = mp.get_context("spawn")
     for world in args.ranks:
         grid = (world, 1)
@@ -185,12 +178,10 @@ def run_agreement(args):
             rows = queue.get()
         for n, name, on, off in rows:
             if name == "agree() alone":
-                print(f"{world:>5} {f'{grid[0]}x{grid[1]}':>5} {n:>5} {name:>14} {1e3 * on:12.3f} {'-':>13} {'-':>8} {'-':>7}")
+                table.print_row(world, f"{grid[0]}x{grid[1]}", n, name, 1e3 * on, "-", "-", "-")
                 continue
-            print(
-                f"{world:>5} {f'{grid[0]}x{grid[1]}':>5} {n:>5} {name:>14} {1e3 * on:12.3f} {1e3 * off:13.3f} "
-                f"{1e3 * (on - off):8.3f} {100 * (on / off - 1):6.1f}%"
-            )
+            table.print_row(world, f"{grid[0]}x{grid[1]}", n, name, 1e3 * on, 1e3 * off, 1e3 * (on - off),
+                            f"{100 * (on / off - 1):6.1f}%")
 
 
 # ----------------------------------------------------------------------------
@@ -205,27 +196,26 @@ def run_gpu(args):
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=0, world_size=1)
         world = dist.group.WORLD
-        print(f"# GPU {torch.cuda.get_device_name(device)}, NCCL world size 1, float32; torch {torch.__version__}")
-        print(f"{'n':>5} {'path':>22} {'rfftn ms':>10} {'irfftn ms':>10} {'overhead fwd':>13} {'overhead inv':>13}")
-        sync = torch.cuda.synchronize
+        print_header("distributed FFT benchmark", device, ["NCCL world size 1", "float32"])
+        table = Table([("n", ">5"), ("path", ">22"), ("rfftn ms", "10.3f"), ("irfftn ms", "10.3f"),
+                       ("overhead fwd", ">13"), ("overhead inv", ">13")], style="aligned")
+        table.print_header()
         for n in args.sizes:
             x = torch.randn(1, n, n, n, device=device)
             xk = torch.fft.rfftn(x, dim=(-3, -2, -1))
             reference = (
-                median_time(lambda: torch.fft.rfftn(x, dim=(-3, -2, -1)), args.repeats, sync),
-                median_time(lambda: torch.fft.irfftn(xk, s=(n, n, n), dim=(-3, -2, -1)), args.repeats, sync),
+                median_time(lambda: torch.fft.rfftn(x, dim=(-3, -2, -1)), args.repeats, device),
+                median_time(lambda: torch.fft.irfftn(xk, s=(n, n, n), dim=(-3, -2, -1)), args.repeats, device),
             )
-            print(f"{n:>5} {'torch.fft':>22} {1e3 * reference[0]:10.3f} {1e3 * reference[1]:10.3f} {'-':>13} {'-':>13}")
+            table.print_row(n, "torch.fft", 1e3 * reference[0], 1e3 * reference[1], "-", "-")
             for label, d in (
                 ("1x1 decomposition", PencilDecomposition((n, n, n), (world, world))),
                 ("staged (forced a2a)", PencilDecomposition((n, n, n), (world, world), always_transpose=True)),
             ):
-                forward = median_time(lambda: d.rfftn(x), args.repeats, sync)
-                inverse = median_time(lambda: d.irfftn(xk), args.repeats, sync)
-                print(
-                    f"{n:>5} {label:>22} {1e3 * forward:10.3f} {1e3 * inverse:10.3f} "
-                    f"{100 * (forward / reference[0] - 1):12.1f}% {100 * (inverse / reference[1] - 1):12.1f}%"
-                )
+                forward = median_time(lambda: d.rfftn(x), args.repeats, device)
+                inverse = median_time(lambda: d.irfftn(xk), args.repeats, device)
+                table.print_row(n, label, 1e3 * forward, 1e3 * inverse, f"{100 * (forward / reference[0] - 1):12.1f}%",
+                                f"{100 * (inverse / reference[1] - 1):12.1f}%")
             del x, xk
             torch.cuda.empty_cache()
         dist.destroy_process_group()

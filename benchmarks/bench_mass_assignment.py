@@ -37,39 +37,19 @@ order (a check of their cost, not a fast path):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import platform
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torchpm  # noqa: E402
+from harness import PeakMemory, Table, print_header, timed, timed_together  # noqa: E402
 from torchpm.ops import paint_reference, position_gradient_reference, readout_reference  # noqa: E402
 
 WIDTH = {"ngp": 1, "cic": 2, "tsc": 3, "pcs": 4}
-
-
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_time(fn, device, repeats, budget):
-    fn()  # warm-up (allocator, caches, lazy init)
-    synchronize(device)
-    times = []
-    start_all = time.perf_counter()
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-        if time.perf_counter() - start_all > budget:
-            break
-    return statistics.median(times)
 
 
 def make_positions(n, layout, device, generator):
@@ -170,9 +150,12 @@ def paints_table(sizes, layouts, orders, channel_counts, variants, device, repea
     allocates beyond its inputs (GB). Channels 0: unit mass; C: random (1, N, C)
     weights (3: readout's backward, 4: the adjoint's paint)."""
     head = variants[0]
-    print(f"{'n':>5} {'layout':>14} {'order':>5} {'ch':>3} " + " ".join(f"{v + ' ms':>10}" for v in variants) + " "
-          + " ".join(f"{v + '/' + head:>14}" for v in variants[1:])
-          + (f" {'peak GB ' + '/'.join(variants):>28}" if device.type == "cuda" else ""))
+    columns = [("n", ">5"), ("layout", ">14"), ("order", ">5"), ("ch", ">3")]
+    columns += [(f"{v} ms", ">10.2f") for v in variants] + [(f"{v}/{head}", ">14.2f") for v in variants[1:]]
+    if device.type == "cuda":
+        columns.append(("peak GB " + "/".join(variants), ">28"))
+    table = Table(columns, style="aligned")
+    table.print_header()
     for n in sizes:
         for layout in layouts:
             x = make_positions(n, layout, device, generator)
@@ -186,31 +169,24 @@ def paints_table(sizes, layouts, orders, channel_counts, variants, device, repea
                     for key, fn in list(fns.items()):
                         if device.type == "cuda":
                             torch.cuda.empty_cache()
-                            torch.cuda.reset_peak_memory_stats(device)
-                            base = torch.cuda.memory_allocated(device)
                         try:
-                            fn()  # warm-up
-                            synchronize(device)
+                            # the warm-up, and on CUDA the peak memory of a call
+                            with PeakMemory(device) if device.type == "cuda" else contextlib.nullcontext() as memory:
+                                fn()
                         except torch.OutOfMemoryError:  # the twin at 512^3
                             del fns[key]
                             peak[key] = float("nan")
                             continue
                         if device.type == "cuda":
-                            peak[key] = (torch.cuda.max_memory_allocated(device) - base) / 1e9
-                    times = {key: [] for key in fns}
-                    for _ in range(repeats):
-                        for key, fn in fns.items():
-                            start = time.perf_counter()
-                            fn()
-                            synchronize(device)
-                            times[key].append(time.perf_counter() - start)
+                            peak[key] = memory.peak / 1e9
+                    timings = timed_together(fns, device, repeats, warmup=0)  # warmed up above
                     nan = float("nan")  # out of memory
-                    t = {key: 1e3 * statistics.median(times[key]) if key in times else nan for key in variants}
-                    line = (f"{n:>5} {layout:>14} {order:>5} {channels:>3} " + " ".join(f"{t[v]:>10.2f}" for v in variants)
-                            + " " + " ".join(f"{t[v] / t[head]:>14.2f}" for v in variants[1:]))
+                    t = {key: 1e3 * timings[key].median if key in timings else nan for key in variants}
+                    cells = [n, layout, order, channels] + [t[v] for v in variants]
+                    cells += [t[v] / t[head] for v in variants[1:]]
                     if device.type == "cuda":
-                        line += " " + "/".join(f"{peak[v]:.2f}" for v in variants)
-                    print(line, flush=True)
+                        cells.append("/".join(f"{peak[v]:.2f}" for v in variants))
+                    table.print_row(*cells)
                 del w
             del x
             if device.type == "cuda":
@@ -239,20 +215,18 @@ def main():
     device = torch.device(args.device)
     sizes = args.sizes or ([64, 128, 256, 512] if device.type == "cuda" else [64, 128])
     orders = list(dict.fromkeys(["cic"] + args.orders))  # CIC first: the reference of the ratios
-    name = (
-        torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
-    )
-    print(f"# torchpm {torchpm.__version__}, torch {torch.__version__}, {name}, float32, "
-          f"CPU kernels {torchpm.cpu_kernels()}")
+    print_header("mass-assignment benchmark", device, ["float32", f"CPU kernels {torchpm.cpu_kernels()}"])
     if args.deterministic or args.tiled:
         variants = ["scatter", "node", "twin"] if args.deterministic else ["scatter", "tiled"]
         channels = args.channels if args.channels is not None else ([0] if args.deterministic else [0, 3])
         paints_table(sizes, args.layouts, orders, channels, variants, device, args.repeats, torch.Generator().manual_seed(0))
         return
-    header = f"{'n':>5} {'layout':>14} {'order':>5} {'op':<24} {'Mpart/s':>9} {'x CIC time':>10}"
-    print(header + (f" {'twin Mpart/s':>13} {'speedup':>8}" if args.reference else ""))
+    columns = [("n", ">5"), ("layout", ">14"), ("order", ">5"), ("op", "<24"), ("Mpart/s", ">9.2f"),
+               ("x CIC time", ">10.2f")]
+    if args.reference:
+        columns += [("twin Mpart/s", ">13.2f"), ("speedup", ">8.2f")]
+    table = Table(columns, style="aligned")
+    table.print_header()
     generator = torch.Generator().manual_seed(0)
     for n in sizes:
         for layout in args.layouts:
@@ -263,28 +237,17 @@ def main():
             per_order = {order: cases(n, x, order, device, False, args.mesh_layouts) for order in orders}
             for index, (label, _) in enumerate(per_order["cic"]):
                 fns = {order: per_order[order][index][1] for order in orders}
-                for fn in fns.values():
-                    fn()  # warm-up
-                synchronize(device)
-                times = {order: [] for order in orders}
-                start_all = time.perf_counter()
-                for _ in range(args.repeats):
-                    for order, fn in fns.items():
-                        start = time.perf_counter()
-                        fn()
-                        synchronize(device)
-                        times[order].append(time.perf_counter() - start)
-                    if time.perf_counter() - start_all > args.budget * len(orders):
-                        break
+                timings = timed_together(fns, device, args.repeats, budget=args.budget * len(orders))
                 for order in orders:
-                    t = statistics.median(times[order])
-                    ratio = statistics.median(a / b for a, b in zip(times[order], times["cic"]))
-                    line = f"{n:>5} {layout:>14} {order:>5} {label:<24} {n**3 / t / 1e6:>9.2f} {ratio:>10.2f}"
+                    times = timings[order].times
+                    t = statistics.median(times)
+                    ratio = statistics.median(a / b for a, b in zip(times, timings["cic"].times))
+                    cells = [n, layout, order, label, n**3 / t / 1e6, ratio]
                     if args.reference:
                         ref = cases(n, x, order, device, True, args.mesh_layouts)[index][1]
-                        t_ref = median_time(ref, device, args.repeats, args.budget)
-                        line += f" {n**3 / t_ref / 1e6:>13.2f} {t_ref / t:>8.2f}"
-                    print(line, flush=True)
+                        t_ref = timed(ref, device, args.repeats, budget=args.budget).median
+                        cells += [n**3 / t_ref / 1e6, t_ref / t]
+                    table.print_row(*cells)
             del x
             if device.type == "cuda":
                 torch.cuda.empty_cache()
