@@ -22,6 +22,7 @@ import time
 import torch
 
 import torchpm
+from harness import Table, print_header, timed, timed_together
 from torchpm.cosmology import GrowthValues, growth_table
 from torchpm.pm import step_factors
 
@@ -74,22 +75,24 @@ class _PreviousTable:
 
 
 def _one_run(build, grad):
-    omega_c = torch.tensor(0.2589, dtype=torch.float64, requires_grad=grad)
-    cosmology = torchpm.Planck15(Omega_c=omega_c)
-    start = time.process_time()
-    table = build(cosmology)
-    lpt = table.at(torch.tensor(0.1, dtype=torch.float64))
-    factors = step_factors(table, torch.linspace(0.1, 1.0, 11, dtype=torch.float64))
-    if grad:
-        total = lpt.D1 + lpt.D2 + lpt.f1 + sum(f.first_kick + f.drift + f.second_kick for f in factors)
-        torch.autograd.grad(total, omega_c)
-    return time.process_time() - start
+    """``(setup, run)``: a fresh cosmology (untimed, so that every run builds its own
+    table), then the table build, the lookups of a 10-step run and with ``grad`` the
+    backward into Omega_c."""
+    made = {}
 
+    def setup():
+        made["omega_c"] = torch.tensor(0.2589, dtype=torch.float64, requires_grad=grad)
+        made["cosmology"] = torchpm.Planck15(Omega_c=made["omega_c"])
 
-def _statistics(function, repeats):
-    function()  # warm-up
-    times = sorted(function() for _ in range(repeats))
-    return 1e3 * times[len(times) // 2], 1e3 * times[0]
+    def run():
+        table = build(made["cosmology"])
+        lpt = table.at(torch.tensor(0.1, dtype=torch.float64))
+        factors = step_factors(table, torch.linspace(0.1, 1.0, 11, dtype=torch.float64))
+        if grad:
+            total = lpt.D1 + lpt.D2 + lpt.f1 + sum(f.first_kick + f.drift + f.second_kick for f in factors)
+            torch.autograd.grad(total, made["omega_c"])
+
+    return setup, run
 
 
 def main():
@@ -98,32 +101,29 @@ def main():
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torchpm from {torchpm.__file__}")
-    print(f"torch {torch.__version__}, {args.threads} thread(s), CPU time in ms (median / min of {args.repeats})")
+    print_header("growth-table benchmark", "cpu", [f"CPU time in ms (median / min of {args.repeats})"])
+    table = Table([("table", "<28"), ("what", "<24"), ("median / min ms", ">19")], style="aligned", separator=" ")
     builds = {"previous: RK4 x128 + cubic": _PreviousTable, "now: GL6 + quintic": growth_table}
+
+    def cell(timing):
+        return f"{1e3 * timing.median:8.2f} / {1e3 * timing.minimum:8.2f}"
+
+    table.print_header()
     for grad in (False, True):
         # Interleaved, so that a busy neighbour slows both alike.
-        times = {label: [] for label in builds}
-        for build in builds.values():
-            _one_run(build, grad)  # warm-up
-        for _ in range(args.repeats):
-            for label, build in builds.items():
-                times[label].append(_one_run(build, grad))
-        for label, values in times.items():
-            values.sort()
-            what = "build+lookups+backward" if grad else "build+lookups"
-            print(f"  {label:28s} {what:24s} {1e3 * values[len(values) // 2]:8.2f} / {1e3 * values[0]:8.2f}")
+        timings = timed_together({label: _one_run(build, grad) for label, build in builds.items()}, "cpu",
+                                 args.repeats, clock=time.process_time)
+        for label, timing in timings.items():
+            table.print_row(label, "build+lookups+backward" if grad else "build+lookups", cell(timing))
     sim = torchpm.Simulation(32, 128.0, steps=10, a_start=0.1)
     noise = sim.white_noise(seed=0)
 
     def forward():
-        start = time.process_time()
         with torch.no_grad():
             sim(noise)
-        return time.process_time() - start
 
-    median, minimum = _statistics(forward, max(3, args.repeats // 7))
-    print(f"  {'Simulation(32^3, 10 steps)':28s} {'forward, table cached':24s} {median:8.2f} / {minimum:8.2f}")
+    timing = timed(forward, "cpu", max(3, args.repeats // 7), clock=time.process_time)
+    table.print_row("Simulation(32^3, 10 steps)", "forward, table cached", cell(timing))
 
 
 if __name__ == "__main__":

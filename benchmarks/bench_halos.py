@@ -19,28 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import numpy as np
 import torch
 
 import torchpm
+from harness import Table, print_header, time_call, timed
 from torchpm.halos import friends_of_friends, linking_distance
-
-
-def timed(function, repeats, device):
-    function()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        function()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def scipy_groups(points: np.ndarray, box: float, b: float) -> np.ndarray:
@@ -92,14 +77,13 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--mass-function", action="store_true")
     args = parser.parse_args()
+    print_header("friends-of-friends benchmark", args.device, ["float32"])
 
     for n in args.particles:
         box = args.box or 2.0 * n
         sim = torchpm.Simulation(n, box, mesh_factor=2, a_start=0.05, steps=20).to(args.device)
-        start = time.perf_counter()
         with torch.no_grad():
-            state = sim(sim.white_noise(seed=0))
-        run_s = time.perf_counter() - start
+            run_s, state = time_call(lambda: sim(sim.white_noise(seed=0)), args.device)
         b = linking_distance(box, sim.n_total, 0.2)
         points = state.positions[0].double().cpu().numpy()
         labels = friends_of_friends(state.positions, box, 0.2)
@@ -113,17 +97,20 @@ def main():
             "groups": int(components.max()) + 1,
             "groups_of_20_or_more": int((np.bincount(components) >= 20).sum()),
             "same_partition": bool(same_partition(labels[0].cpu().numpy(), components)),
-            "torchpm_fof_s": timed(lambda: friends_of_friends(state.positions, box, 0.2), args.repeats, args.device),
-            "scipy_kdtree_components_s": timed(lambda: scipy_groups(points, box, b), args.repeats, "cpu"),
+            "torchpm_fof_s": timed(lambda: friends_of_friends(state.positions, box, 0.2), args.device,
+                                   args.repeats).median,
+            "scipy_kdtree_components_s": timed(lambda: scipy_groups(points, box, b), "cpu", args.repeats).median,
         }
         result["torchpm_over_scipy"] = result["torchpm_fof_s"] / result["scipy_kdtree_components_s"]
         print(json.dumps(result, indent=1), flush=True)
         if args.mass_function:
             edges, measured, counts, fit = mass_function(sim, state)
-            print("M_low [Msun/h]  M_high  halos  dn/dlnM torchpm  watson13  ratio")
+            table = Table([("M_low [Msun/h]", "<14.3e"), ("M_high", "<9.3e"), ("halos", "6d"),
+                           ("dn/dlnM torchpm", "<15.3e"), ("watson13", "<9.3e"), ("ratio", ".3f")],
+                          style="aligned", separator="  ")
+            table.print_header()
             for k in range(len(counts)):
-                print(f"{edges[k]:.3e}  {edges[k + 1]:.3e}  {counts[k]:6d}  {measured[k]:.3e}  {fit[k]:.3e}  "
-                      f"{measured[k] / fit[k]:.3f}")
+                table.print_row(edges[k], edges[k + 1], counts[k], measured[k], fit[k], measured[k] / fit[k])
 
 
 if __name__ == "__main__":

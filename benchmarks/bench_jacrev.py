@@ -7,7 +7,7 @@ process.
 
 The function: ``rows`` summaries (the mean of delta^p, p = 2, 3, ...) of the density at
 a = 1 of an N^3-particle run (box 8 N Mpc/h, 5 steps from a = 0.1, float64), in the white
-noise. Medians of ``--repeats`` after a warm-up. ``--no-batching-rules`` imports torchpm
+noise. Medians of ``--repeats`` after a warm-up (CPU only). ``--no-batching-rules`` imports torchpm
 with ``TORCHPM_VMAP_RULES=0``: without the ops' vmap rules (``torchpm/ops/_vmap.py``),
 vmap runs them one row at a time.
 """
@@ -16,20 +16,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 import warnings
 
 import torch
 
-
-def _median(function, repeats):
-    function()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+from harness import Table, print_header, timed
 
 
 def main() -> None:
@@ -48,10 +39,11 @@ def main() -> None:
     import torchpm
 
     warnings.filterwarnings("ignore", message=".*batching rule.*")
-    print(f"torchpm {torchpm.__file__}, torch {torch.__version__}, {args.threads} threads, "
-          f"batching rules {'off' if args.no_batching_rules else 'on'}")
-    print("| particles | rows | jacrev [s] | autograd.grad row by row [s] | forward [s] |")
-    print("|---|---|---|---|---|")
+    print_header("Jacobian benchmark", "cpu",
+                 ["float64", f"batching rules {'off' if args.no_batching_rules else 'on'}"])
+    table = Table(["particles", "rows", ("jacrev [s]", ".3f"), ("autograd.grad row by row [s]", ".3f"),
+                   ("forward [s]", ".3f")])
+    table.print_header()
     for n, rows in zip(args.sizes, args.rows):
         sim = torchpm.Simulation(n, 8.0 * n, steps=5, dtype=torch.float64)
         noise = sim.white_noise(seed=1)
@@ -69,9 +61,9 @@ def main() -> None:
             with torch.no_grad():
                 summaries(noise)
 
-        jacobian = _median(lambda: torch.func.jacrev(summaries)(noise), args.repeats)
-        autograd = _median(row_by_row, args.repeats)
-        print(f"| {n}^3 | {rows} | {jacobian:.3f} | {autograd:.3f} | {_median(forward, args.repeats):.3f} |")
+        jacobian = timed(lambda: torch.func.jacrev(summaries)(noise), "cpu", args.repeats).median
+        autograd = timed(row_by_row, "cpu", args.repeats).median
+        table.print_row(f"{n}^3", rows, jacobian, autograd, timed(forward, "cpu", args.repeats).median)
 
 
 if __name__ == "__main__":

@@ -18,27 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
 import torchpm
+from harness import print_header, timed
 from torchpm import lensing
-
-
-def timed(function, repeats, device):
-    function()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        function()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main():
@@ -50,6 +35,7 @@ def main():
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--adjoint", action="store_true", help="also time the gradient with adjoint=True")
     args = parser.parse_args()
+    print_header("light-cone benchmark", args.device, ["float32"])
 
     n, length = args.particles, 200.0
     box = (length, length, 5 * length)
@@ -89,14 +75,14 @@ def main():
         "particles": [n, n, 5 * n],
         "steps": len(steps),
         "planes": args.planes,
-        "plain_run_s": timed(plain, args.repeats, args.device),
-        "lightcone_s": timed(cone, args.repeats, args.device),
-        "born_map_s": timed(born, args.repeats, args.device),
-        "lightcone_forward_backward_s": timed(gradient, args.repeats, args.device),
+        "plain_run_s": timed(plain, args.device, args.repeats).median,
+        "lightcone_s": timed(cone, args.device, args.repeats).median,
+        "born_map_s": timed(born, args.device, args.repeats).median,
+        "lightcone_forward_backward_s": timed(gradient, args.device, args.repeats).median,
     }
     if args.adjoint:
         sim.adjoint = True
-        result["lightcone_forward_backward_adjoint_s"] = timed(gradient, args.repeats, args.device)
+        result["lightcone_forward_backward_adjoint_s"] = timed(gradient, args.device, args.repeats).median
         sim.adjoint = False
     result["lightcone_over_plain"] = result["lightcone_s"] / result["plain_run_s"]
     result["step_s"] = result["plain_run_s"] / len(steps)
