@@ -15,21 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _status(key: str) -> int:
-    """A ``/proc/self/status`` value in bytes."""
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
+from harness import PeakMemory, Table, child_report, print_header, timed
 
 
 def measure(size: int, function: str, repeats: int, device: str) -> dict:
@@ -41,29 +29,13 @@ def measure(size: int, function: str, repeats: int, device: str) -> dict:
             "power_multipoles": lambda f: power_multipoles(f, 500.0, ells=(0, 2, 4), window="cic")}[function]
     field = torch.randn(1, size, size, size, generator=torch.Generator().manual_seed(0)).to(device)
     call(torch.randn(1, 8, 8, 8, device=device))  # libraries loaded outside the measurement
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _status("VmRSS")
-    call(field)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = _status("VmHWM") - base
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        call(field)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    # the high-water mark of the process (not reset): the field's call is its largest allocation
+    with PeakMemory(device, host="high-water") as memory:
+        call(field)  # also the warm-up of the timed calls
+    peak = memory.peak
+    milliseconds = 1e3 * timed(lambda: call(field), device, repeats, warmup=0).median
     field_bytes = field.numel() * field.element_size()
-    return dict(size=size, function=function, device=device, ms=1e3 * statistics.median(times),
+    return dict(size=size, function=function, device=device, ms=milliseconds,
                 peak_mib=peak / 2**20, peak_over_field=peak / field_bytes)
 
 
@@ -77,22 +49,14 @@ def main():
     if arguments.one:
         print(json.dumps(measure(int(arguments.one[0]), arguments.one[1], arguments.repeats, arguments.device)))
         return
-    import torch
-
-    import torchpm
-
-    print(f"torchpm from {os.path.dirname(torchpm.__file__)}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, device {arguments.device}")
-    print("| n^3 | function | median ms | peak MiB | peak / field |")
-    print("|---|---|---|---|---|")
+    print_header("spectra benchmark", arguments.device, ["float32", "CIC window"])
+    table = Table(["n^3", "function", ("median ms", ".1f"), ("peak MiB", ".0f"), "peak / field"])
+    table.print_header()
     for size in arguments.sizes:
         for function in ("power_spectrum", "power_multipoles"):
-            result = subprocess.run([sys.executable, __file__, "--one", str(size), function, "--repeats",
-                                     str(arguments.repeats), "--device", arguments.device],
-                                    capture_output=True, text=True, check=True, env=dict(os.environ))
-            row = json.loads(result.stdout.strip().splitlines()[-1])
-            print(f"| {size}^3 | {function} | {row['ms']:.1f} | {row['peak_mib']:.0f} | "
-                  f"{row['peak_over_field']:.1f}x |", flush=True)
+            row = child_report([sys.executable, os.path.abspath(__file__), "--one", str(size), function, "--repeats",
+                                str(arguments.repeats), "--device", arguments.device])
+            table.print_row(f"{size}^3", function, row["ms"], row["peak_mib"], f"{row['peak_over_field']:.1f}x")
 
 
 if __name__ == "__main__":

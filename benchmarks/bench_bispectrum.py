@@ -27,33 +27,12 @@ import argparse
 import json
 import math
 import os
-import statistics
-import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import (ROOT, ChildFailed, PeakMemory, Table, child_report, print_header, time_call, timed,
+                     timed_together)
+
 BOX = 1000.0
-
-
-def _status(key: str) -> int:
-    """A ``/proc/self/status`` value in bytes."""
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def _release_freed_memory() -> None:
-    """Give the heap's freed blocks back to the system and restart the high-water mark, so
-    that ``VmHWM - VmRSS`` over the next call is what the call itself allocates (glibc's
-    ``malloc_trim``; ``clear_refs`` 5 resets ``VmHWM``, Linux >= 4.0)."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
 
 
 def edges(size: int, reach: str) -> list[float]:
@@ -83,31 +62,15 @@ def measure(size: int, reach: str, backward: bool, repeats: int, device: str, th
         return result
 
     call()  # warm-up: libraries, FFT plans and the allocator's first blocks outside the measurement
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        _release_freed_memory()
-        base = _status("VmRSS")
-    result = call()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = _status("VmHWM") - base
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    # On the CPU the heap's freed blocks go back to the system and the high-water mark
+    # restarts first, so that VmHWM - VmRSS over the call is what the call itself allocates.
+    with PeakMemory(device, host="high-water", reset_high_water=True, release_freed=True) as memory:
+        result = call()
+    peak = memory.peak
+    timing = timed(call, device, repeats, warmup=0)
     return dict(size=size, reach=reach, backward=backward, device=device, threads=torch.get_num_threads(),
                 shells=len(bins) - 1, configurations=int(result.shells.shape[0]),
-                s=statistics.median(times), s_min=min(times), s_max=max(times),
+                s=timing.median, s_min=timing.minimum, s_max=timing.maximum,
                 peak_mib=peak / 2**20, peak_over_field=peak / (8 * size**3))
 
 
@@ -124,15 +87,8 @@ def measure_layer(size: int, reach: str, backward: bool, repeats: int, device: s
     bins = edges(size, reach)
     field = torch.randn(1, size, size, size, generator=torch.Generator().manual_seed(0)).to(device)
 
-    def synchronise():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    synchronise()
-    start = time.perf_counter()
-    layer = BispectrumEstimator(size, BOX, bins=bins, window="cic", device=device)
-    synchronise()
-    construction = time.perf_counter() - start
+    construction, layer = time_call(lambda: BispectrumEstimator(size, BOX, bins=bins, window="cic", device=device),
+                                    device)
 
     def call(measure):
         if not backward:
@@ -146,28 +102,15 @@ def measure_layer(size: int, reach: str, backward: bool, repeats: int, device: s
     peaks = {}
     for name, measure in calls.items():
         call(measure)  # warm-up
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        else:
-            _release_freed_memory()
-            base = _status("VmRSS")
-        call(measure)
-        synchronise()
-        peaks[name] = (torch.cuda.max_memory_allocated() if device == "cuda" else _status("VmHWM")) - base
-    times = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, measure in calls.items():
-            synchronise()
-            start = time.perf_counter()
+        with PeakMemory(device, host="high-water", reset_high_water=True, release_freed=True) as memory:
             call(measure)
-            synchronise()
-            times[name].append(time.perf_counter() - start)
+        peaks[name] = memory.peak
+    timings = timed_together({name: (lambda measure=measure: call(measure)) for name, measure in calls.items()},
+                             device, repeats, warmup=0)
     return dict(size=size, reach=reach, backward=backward, device=device, threads=torch.get_num_threads(),
                 shells=len(bins) - 1, configurations=int(layer.shells.shape[0]), construction_s=construction,
-                **{f"{name}_s": statistics.median(values) for name, values in times.items()},
-                **{f"{name}_range": (min(values), max(values)) for name, values in times.items()},
+                **{f"{name}_s": timing.median for name, timing in timings.items()},
+                **{f"{name}_range": (timing.minimum, timing.maximum) for name, timing in timings.items()},
                 **{f"{name}_peak_mib": peak / 2**20 for name, peak in peaks.items()})
 
 
@@ -189,19 +132,17 @@ def main():
         print(json.dumps(run(int(size), reach, backward == "1", arguments.repeats, arguments.device,
                              arguments.threads)))
         return
-    import torch
-
-    print(f"# torch {torch.__version__}, device {arguments.device}, box {BOX} Mpc/h, float32 field, CIC window, "
-          f"median of {arguments.repeats}")
+    print_header("bispectrum benchmark", arguments.device, [f"box {BOX} Mpc/h", "float32 field", "CIC window",
+                                                            f"median of {arguments.repeats}"])
     if arguments.layer:
-        print("| n^3 | shells up to | shells | configurations | pass | function (s) [min-max] | layer (s) [min-max] | "
-              "function / layer | layer built (s) | peak MiB function / layer |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        table = Table(["n^3", "shells up to", "shells", "configurations", "pass", "function (s) [min-max]",
+                       "layer (s) [min-max]", ("function / layer", ".2f"), ("layer built (s)", ".2f"),
+                       "peak MiB function / layer"])
     else:
-        print("| n^3 | shells up to | shells | configurations | pass | time (s) [min-max] | peak MiB | "
-              "peak / float64 field |")
-        print("|---|---|---|---|---|---|---|---|")
-    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        table = Table(["n^3", "shells up to", "shells", "configurations", "pass", "time (s) [min-max]",
+                       ("peak MiB", ".0f"), ("peak / float64 field", ".1f")])
+    table.print_header()
+    environment = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     for size in arguments.sizes:
         for reach in arguments.reach:
             for backward in ([False, True] if arguments.backward else [False]):
@@ -212,23 +153,24 @@ def main():
                     command += ["--threads", str(arguments.threads)]
                 if arguments.layer:
                     command += ["--layer"]
-                output = subprocess.run(command, capture_output=True, text=True, env=environment)
-                if output.returncode:
-                    print(output.stderr, file=sys.stderr)
-                    raise SystemExit(output.returncode)
-                row = json.loads(output.stdout.strip().splitlines()[-1])
+                try:
+                    row = child_report(command, environment)
+                except ChildFailed as error:
+                    print(error.stderr, file=sys.stderr)
+                    raise SystemExit(error.returncode or 1) from None
                 label = "2/3 k_Nyq" if reach == "two-thirds" else "k_Nyq"
+                step = "fwd+bwd" if backward else "fwd"
                 if arguments.layer:
                     function, layer = row["function_range"], row["layer_range"]
-                    print(f"| {size} | {label} | {row['shells']} | {row['configurations']} | "
-                          f"{'fwd+bwd' if backward else 'fwd'} | {row['function_s']:.3f} [{function[0]:.3f}-"
-                          f"{function[1]:.3f}] | {row['layer_s']:.3f} [{layer[0]:.3f}-{layer[1]:.3f}] | "
-                          f"{row['function_s'] / row['layer_s']:.2f} | {row['construction_s']:.2f} | "
-                          f"{row['function_peak_mib']:.0f} / {row['layer_peak_mib']:.0f} |", flush=True)
+                    table.print_row(size, label, row["shells"], row["configurations"], step,
+                                    f"{row['function_s']:.3f} [{function[0]:.3f}-{function[1]:.3f}]",
+                                    f"{row['layer_s']:.3f} [{layer[0]:.3f}-{layer[1]:.3f}]",
+                                    row["function_s"] / row["layer_s"], row["construction_s"],
+                                    f"{row['function_peak_mib']:.0f} / {row['layer_peak_mib']:.0f}")
                     continue
-                print(f"| {size} | {label} | {row['shells']} | {row['configurations']} | "
-                      f"{'fwd+bwd' if backward else 'fwd'} | {row['s']:.2f} [{row['s_min']:.2f}-{row['s_max']:.2f}] | "
-                      f"{row['peak_mib']:.0f} | {row['peak_over_field']:.1f} |", flush=True)
+                table.print_row(size, label, row["shells"], row["configurations"], step,
+                                f"{row['s']:.2f} [{row['s_min']:.2f}-{row['s_max']:.2f}]", row["peak_mib"],
+                                row["peak_over_field"])
 
 
 if __name__ == "__main__":
