@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 import torchpm
+from harness import Table, print_header
 from torchpm.analysis import paint_density
 from torchpm.bispectrum import bispectrum
 
@@ -100,9 +101,10 @@ def main():
     for s in range(arguments.shells):
         shells_modes[s] = vectors[(lengths >= edges[s]) & (lengths < edges[s + 1])]
 
-    print(f"# torchpm {torchpm.__version__}, torch {torch.__version__}; Planck15, box {box} Mpc/h, {n}^3 particles, "
-          f"{cells}^3 CIC interlaced mesh, {arguments.pairs} paired-fixed pairs (seeds from {arguments.first_seed}), "
-          f"{'2LPT' if not arguments.evolve else f'{arguments.evolve} FastPM steps from a = 0.1'}")
+    print_header("reduced bispectrum against tree level", "cpu", [
+        "Planck15", f"box {box} Mpc/h", f"{n}^3 particles", f"{cells}^3 CIC interlaced mesh",
+        f"{arguments.pairs} paired-fixed pairs (seeds from {arguments.first_seed})",
+        "2LPT" if not arguments.evolve else f"{arguments.evolve} FastPM steps from a = 0.1"])
     for a in arguments.scale_factors:
         started = time.perf_counter()
         if arguments.evolve:
@@ -140,18 +142,18 @@ def main():
                 measured_power[s] = float(result.power[:, t, side].mean())
         print("P / P_lin in the shells (last pair): " + ", ".join(
             f"{measured_power[s] / shell_power[s]:.3f}" for s in range(arguments.shells)) + "\n")
-        print("| shells | k1, k2, k3 (h/Mpc, measured) | k1, k2, k3 (theory's triangles) | triangles | Q measured "
-              "| Q tree | Q / Q tree | B / B tree |")
-        print("|---|---|---|---|---|---|---|---|")
+        table = Table(["shells", "k1, k2, k3 (h/Mpc, measured)", "k1, k2, k3 (theory's triangles)", "triangles",
+                       "Q measured", ("Q tree", ".3f"), ("Q / Q tree", ".3f"), ("B / B tree", ".3f")])
+        table.print_header()
         for t, configuration in enumerate(configurations):
             b_tree, k_tree = tree_level(shells_modes, configuration, power, arguments.samples, rng)
             p1, p2, p3 = (shell_power[s] for s in configuration)
             q_tree = b_tree / (p1 * p2 + p2 * p3 + p3 * p1)
             k_measured = ", ".join(f"{v:.4f}" for v in result.k[t].tolist())
             k_theory = ", ".join(f"{v:.4f}" for v in k_tree)
-            print(f"| {configuration} | {k_measured} | {k_theory} | {int(result.triangles[t])} | "
-                  f"{q[:, t].mean():.3f} +- {q_error[t]:.3f} | {q_tree:.3f} | {q[:, t].mean() / q_tree:.3f} | "
-                  f"{b[:, t].mean() / b_tree:.3f} |", flush=True)
+            table.print_row(str(configuration), k_measured, k_theory, int(result.triangles[t]),
+                            f"{q[:, t].mean():.3f} +- {q_error[t]:.3f}", q_tree, q[:, t].mean() / q_tree,
+                            b[:, t].mean() / b_tree)
 
 
 if __name__ == "__main__":

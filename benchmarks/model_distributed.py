@@ -32,6 +32,8 @@ Grids: 8 GPUs = one node, 8 x 1 slabs; 64 GPUs = 8 nodes, 8 x 8 pencils with gri
 axis 1 inside a node; 512 GPUs = 64 nodes, 64 x 8 with grid axis 1 inside a node.
 """
 
+from harness import Table, print_header
+
 NVLINK, INFINIBAND = 150e9, 40e9
 LATENCY_NODE, LATENCY_NETWORK = 20e-6, 50e-6
 PMWD_512_STEP = 94.6e-3
@@ -67,17 +69,19 @@ def model(n, gpus, gradient="fd4"):
 
 
 def main():
-    print("| particles | GPUs | grid | transposes MB/rank | halos MB/rank | migration MB/rank | "
-          "compute ms | communication ms | predicted step ms | Fourier gradient: communication / step ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print_header("model of the distributed step (no measurement)")
+    table = Table(["particles", "GPUs", "grid", ("transposes MB/rank", ".1f"), ("halos MB/rank", ".2f"),
+                   ("migration MB/rank", ".2f"), ("compute ms", ".2f"), ("communication ms", ".2f"),
+                   ("predicted step ms", ".1f"), "Fourier gradient: communication / step ms"])
+    table.print_header()
     for n in (512, 1024, 2048):
         for gpus in (8, 64, 512):
             m = model(n, gpus)
             f = model(n, gpus, gradient="fourier")
             p0, p1 = CONFIGS[gpus]
-            print(f"| {n}^3 | {gpus} | {p0} x {p1} | {m['transpose'] / 1e6:.1f} | {m['halo'] / 1e6:.2f} | "
-                  f"{m['migration'] / 1e6:.2f} | {m['compute'] * 1e3:.2f} | {m['communication'] * 1e3:.2f} | "
-                  f"{m['total'] * 1e3:.1f} | {f['communication'] * 1e3:.2f} / {f['total'] * 1e3:.1f} |")
+            table.print_row(f"{n}^3", gpus, f"{p0} x {p1}", m["transpose"] / 1e6, m["halo"] / 1e6, m["migration"] / 1e6,
+                            m["compute"] * 1e3, m["communication"] * 1e3, m["total"] * 1e3,
+                            f"{f['communication'] * 1e3:.2f} / {f['total'] * 1e3:.1f}")
 
 
 if __name__ == "__main__":
