@@ -1,10 +1,12 @@
-"""The benchmark harness (benchmarks/harness.py) on a fake clock."""
+"""The benchmark harness (benchmarks/harness.py) on a fake clock, and every script in
+benchmarks/ run once at its smallest size."""
 
 from __future__ import annotations
 
 import datetime
 import importlib.util
 import os
+import subprocess
 import sys
 import time
 import weakref
@@ -272,3 +274,67 @@ def test_header_names_device_date_versions_and_command():
     assert lines[1].endswith(", float32")
     assert lines[2].startswith(f"# command: python {' '.join(sys.argv)}") and "load average" in lines[2]
     assert len(harness.header_lines("model")) == 2  # no device: nothing measured
+
+
+# ----------------------------------------------------------------------------
+# Every script once, at its smallest size (the gloo ones on 2 ranks). Each but the
+# model starts at least one Python process with torch and torchpm (several seconds
+# each on 2 cores), so together they take about 5 minutes: marked slow.
+
+
+def _aligned(*cells):
+    return " ".join(cells)
+
+
+SMOKE = {
+    "bench_pm": (["--no-jaxpm", "--sizes", "8", "--repeats", "1"],
+                 ["| N^3 | torchpm step [ms] | JaxPM step [ms] | ratio |",
+                  "| N^3 | particles | step unsorted | step sorted |"]),
+    "bench_adjoint": (["--size", "8", "--steps", "2", "--timing-steps", "2", "--repeats", "1", "--modes", "adjoint"],
+                      ["| mode | peak 2 steps [MiB] | peak ratio 2/2 | forward [s] | forward+backward [s] | ratio |",
+                       "| adjoint | "]),
+    "bench_halos": (["--particles", "16", "--repeats", "1"], ['"torchpm_fof_s"', '"same_partition": true']),
+    "bench_lensing": (["--particles", "8", "--planes", "2", "--pixels", "16", "--repeats", "1"],
+                      ['"lightcone_over_plain"']),
+    "bench_mass_assignment": (["--sizes", "8", "--orders", "cic", "tsc", "--layouts", "lattice", "--repeats", "2",
+                               "--mesh-layouts", "planar"],
+                              [f"{'n':>5} {'layout':>14} {'order':>5} {'op':<24} {'Mpart/s':>9} {'x CIC time':>10}"]),
+    "bench_dfft": (["--sizes", "16", "--ranks", "2", "--repeats", "1"],
+                   [f"{'ranks':>5} {'grid':>5} {'n':>5} {'rfftn ms':>10} {'irfftn ms':>10} {'transposes ms':>14} "
+                    f"{'vs serial fwd':>14} {'vs serial inv':>14}", "    2   2x1    16 "]),
+    "bench_distributed": (["--sizes", "8", "--ranks", "2", "--repeats", "1"],
+                          ["| size | ranks | grid | step ms | late steps ms | paint ms |", "| 8^3 | 2 | 2x1 |"]),
+    "bench_jacrev": (["--sizes", "4", "--rows", "2", "--repeats", "1"],
+                     ["| particles | rows | jacrev [s] | autograd.grad row by row [s] | forward [s] |"]),
+    "bench_analysis": (["--sizes", "16", "--repeats", "1"],
+                       ["| n^3 | function | median ms | peak MiB | peak / field |", "| 16^3 | power_multipoles |"]),
+    "bench_bispectrum": (["--sizes", "16", "--reach", "two-thirds", "--repeats", "1"],
+                         ["| n^3 | shells up to | shells | configurations | pass | time (s) [min-max] |"]),
+    "bench_growth": (["--repeats", "1"], [f"{'table':<28} {'what':<24} {'median / min ms':>19}",
+                                          "Simulation(32^3, 10 steps)"]),
+    "bispectrum_tree_level": (["--particles", "16", "--shells", "2", "--pairs", "1", "--scale-factors", "1.0",
+                               "--samples", "1000"],
+                              ["| shells | k1, k2, k3 (h/Mpc, measured) | k1, k2, k3 (theory's triangles) |"]),
+    "memory_estimate": (["--case", "8", "1", "float32"],
+                        [f"{'particles':>10} {'factor':>6} {'dtype':>8} {'measured MiB':>13} {'estimate MiB':>13} "
+                         f"{'ratio':>6}", f"{'8^3':>10} {1:>6} {'float32':>8} "]),
+    "model_distributed": ([], ["| particles | GPUs | grid | transposes MB/rank |", "| 2048^3 | 512 | 64 x 8 |"]),
+}
+
+
+def test_every_script_has_a_smoke_run():
+    scripts = {name[:-3] for name in os.listdir(BENCHMARKS) if name.endswith(".py") and name != "harness.py"}
+    assert scripts == set(SMOKE)
+
+
+@pytest.mark.parametrize("script", [name if name == "model_distributed" else pytest.param(name, marks=pytest.mark.slow)
+                                    for name in sorted(SMOKE)])
+def test_script_runs_small(script):
+    arguments, expected = SMOKE[script]
+    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, script + ".py"), *arguments], cwd=ROOT,
+                            env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"# command: python {os.path.join(BENCHMARKS, script + '.py')}" in result.stdout
+    for text in expected:
+        assert text in result.stdout, result.stdout
