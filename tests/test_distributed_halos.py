@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from _spawn import rank_errors, world_results_fixture
+from _spawn import expect_error_everywhere, grid_context, rank_errors, run_grid_case, world_results_fixture
 
 pytestmark = pytest.mark.distributed
 
@@ -40,20 +40,11 @@ def case_ids(world_size):
 
 
 def make_context(world_size):
-    import torch.distributed as dist
-
-    from torchpm.distributed import process_grid_groups
-
-    ctx = {"rank": dist.get_rank(), "world": world_size, "groups": {}}
-    for grid in GRIDS[world_size]:
-        ctx["groups"][grid] = process_grid_groups(grid)
-    return ctx
+    return grid_context(world_size, GRIDS)
 
 
 def run_case(case_id, ctx):
-    kind, grid_text = case_id.rsplit("-", 1)
-    grid = tuple(int(p) for p in grid_text.split("x"))
-    globals()[f"case_{kind}"](grid, ctx)
+    run_grid_case(globals(), case_id, ctx)
 
 
 def clustered(seed, n=N, box=BOX, batch=2):
@@ -310,16 +301,6 @@ def case_simulation(grid, ctx):
     valid = ids >= 0
     for m in range(2):
         assert torch.equal(labels[m][valid[m]], serial_labels[m][ids[m][valid[m]]])
-
-
-def expect_error_everywhere(function, *fragments):
-    try:
-        function()
-    except ValueError as error:
-        text = str(error)
-        assert all(fragment in text for fragment in fragments), text
-        return
-    raise AssertionError(f"no error; expected one with {fragments}")
 
 
 def case_bad_input(grid, ctx):
