@@ -58,6 +58,14 @@ def assert_same(got, expected):
     assert torch.equal(got.shells, expected.shells)
 
 
+def loss_gradient(field, result):
+    """The gradient in ``field`` of a loss of the bispectrum and Q (weighted by configuration)."""
+    weights = torch.arange(1.0, result.bispectrum.shape[-1] + 1, dtype=torch.float64)
+    loss = (result.bispectrum**2 * weights).sum() + (result.reduced * weights).sum()
+    (grad,) = torch.autograd.grad(loss, field)
+    return grad
+
+
 def case_field(grid, ctx):
     """A batch of random fields: every output on every rank equals one device's, with the
     CIC window and shot noise, default and given configurations; the gradient of a loss
@@ -71,12 +79,7 @@ def case_field(grid, ctx):
         fields = [whole.clone().requires_grad_(), mesh.local_real_part(whole).clone().requires_grad_()]
         results = [bispectrum(fields[0], BOX, **options), bispectrum(fields[1], BOX, mesh=mesh, **options)]
         assert_same(results[1], results[0])
-        grads = []
-        for field, result in zip(fields, results):
-            weights = torch.arange(1.0, result.bispectrum.shape[-1] + 1, dtype=torch.float64)
-            loss = (result.bispectrum**2 * weights).sum() + (result.reduced * weights).sum()
-            (grad,) = torch.autograd.grad(loss, field)
-            grads.append(grad)
+        grads = [loss_gradient(field, result) for field, result in zip(fields, results)]
         assert_small(grads[1], mesh.local_real_part(grads[0]), f"d loss / d field ({options})")
 
 
@@ -171,12 +174,7 @@ def case_layer(grid, ctx):
         results = [bispectrum(fields[0], BOX, **options), layer(fields[1])]
         assert len(calls) == 2  # (the function's own)
         assert_same(results[1], results[0])
-        grads = []
-        for field, result in zip(fields, results):
-            weights = torch.arange(1.0, result.bispectrum.shape[-1] + 1, dtype=torch.float64)
-            loss = (result.bispectrum**2 * weights).sum() + (result.reduced * weights).sum()
-            (grad,) = torch.autograd.grad(loss, field)
-            grads.append(grad)
+        grads = [loss_gradient(field, result) for field, result in zip(fields, results)]
         assert len(calls) == 2, "the layer's forward or backward ran the triangle counts"
         assert_small(grads[1], mesh.local_real_part(grads[0]), "d loss / d field through the layer")
         assert_same(layer(mesh.local_real_part(whole[1])), bispectrum(whole[1], BOX, **options))
