@@ -8,25 +8,39 @@ smallest particle id (``-1`` for an empty slot or a group smaller than
 ``min_members``), exactly: the components of the graph "distance <= b", the distances
 computed in float64 from the positions as given.
 
-Method (torch only, on whatever device the positions are):
+Method (torch only, on whatever device the positions are; benchmarks/RESULTS.md,
+section 14, has the measurements behind these choices):
 
 - a cell list with ``floor(L_i / b)`` cells per axis (cells at least ``b`` wide, at
-  least 3 per axis, so ``b`` may be at most a third of the shortest side); particles are
-  sorted by cell and only occupied cells are kept (no dense cell array);
-- candidate pairs come from each occupied cell and its 13 forward neighbours (a half
-  shell, so each pair of cells once), generated ``chunk_size`` at a time from one
-  global pair index, so memory stays bounded however clustered the particles are
-  (one cell of ``n`` particles makes ``n^2`` candidates: time grows, memory does not);
-- the linked pairs of a chunk are merged into a forest by min-label hooking
+  least 3 per axis, so ``b`` may be at most a third of the shortest side; wider cells
+  when ``b`` is so small next to the mean separation that there would be more than 128
+  cells per particle); particles are sorted by cell;
+- the 13 forward neighbours of each occupied cell (a half shell, so each pair of cells
+  once) are read from a dense table of cell numbers that covers a slab of x-planes at a
+  time (at most 32 entries per particle), padded in z with the periodic images so that
+  a cell's 3 neighbours along z are consecutive: gathers, no search;
+- the pairs of neighbouring cells are linked in 5 rounds (z, y, diagonal y, x, the other
+  x neighbours); from the second on, a pair of cells whose particles are already all in
+  one group is skipped (most pairs inside a halo). The candidate particle pairs of the
+  remaining cells are expanded from a running count (``repeat_interleave``), at most
+  ``chunk_size`` (and 2^18) at a time, so memory stays bounded however clustered the
+  particles are (one cell of ``n`` particles makes ``n (n - 1) / 2`` candidates: time
+  grows, memory does not);
+- distances are first computed in float32; a pair is decided there when its squared
+  distance is clear of ``b^2`` by more than the float32 rounding can move it (a bound
+  from the box size), and otherwise in float64, as before;
+- the linked pairs are merged into a forest by min-label hooking
   (``scatter_reduce(amin)``: each root points to the smallest root linked to it) with
-  pointer jumping, until every pair of the chunk has one root; the root of a group is
-  its smallest node, and the group's label is the smallest id over its members.
+  pointer jumping, until every pair has one root; the root of a group is its smallest
+  node, and the group's label is the smallest id over its members.
 
-Memory: about ``400 B`` per particle (positions in float64, the cell order, the pairs of
-neighbouring occupied cells, the forest) plus about ``100 B`` per candidate pair of a
-chunk (``chunk_size`` pairs, default ``2^20``: about 100 MB). Measured on 64^3 evolved
-particles: a peak of 96 MB above the input with ``chunk_size=2**16``, 189 MB with the
-default (benchmarks/RESULTS.md, section 12).
+Few, large torch operations (about 3000 per call at 64^3 particles): on a CPU whose
+cores are shared, each parallel operation may wait for a descheduled thread.
+
+Memory: about 400 B per particle (positions in float64 and float32, the cell order, the
+cell table, the pairs of neighbouring occupied cells, the forest) plus about 100 B per
+candidate pair of a chunk (at most 2^18 pairs: about 26 MB); measured peaks are in
+benchmarks/RESULTS.md, section 14.
 
 Process grid (``mesh`` a distributed :class:`~torchpm.distributed.PencilDecomposition`,
 e.g. ``sim.force_mesh``): each rank holds some particles (empty slots have id ``-1``).
@@ -67,10 +81,15 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 # Hubble units: the critical density today is 27.7536627e10 (Msun/h) / (Mpc/h)^3.
 CRITICAL_DENSITY_MSUN = 27.7536627e10
 _NO_LABEL = torch.iinfo(torch.int64).max
-# The 13 forward neighbours of a cell and the cell itself: each unordered pair of
-# neighbouring cells is visited once (3 or more cells per axis make them distinct).
-_HALF_SHELL = [(0, 0, 0)] + [(i, j, k) for i in (-1, 0, 1) for j in (-1, 0, 1) for k in (-1, 0, 1)
-                             if (i, j, k) > (0, 0, 0)]
+# The cell table (cell number by cell position) covers a slab of x-planes at a time, at
+# most this many entries per point (int32: 128 B per point); and the cell grid has at most
+# about this many cells per point (see _cell_grid).
+_TABLE_ENTRIES_PER_POINT = 32
+_CELLS_PER_POINT = 128
+# Work in pieces small enough for the work arrays to stay in the cache: slabs of about
+# this many occupied cells, and at most this many candidate pairs at a time.
+_SLAB_CELLS = 1 << 18
+_WORK_PAIRS = 1 << 18
 
 
 class HaloCatalog(NamedTuple):
@@ -200,80 +219,269 @@ def _union(parent: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> Non
         parent.scatter_reduce_(0, high, low, reduce="amin")
 
 
+def _cell_grid(box, b: float, count: int) -> list[int]:
+    """Cells per axis: at least ``b`` wide (so friends are in the same or neighbouring
+    cells), at least 3 (so a cell's 26 neighbours are distinct), and at most about
+    ``_CELLS_PER_POINT`` per point in all (wider cells when ``b`` is tiny next to the
+    mean separation: more candidate pairs, but no table of mostly empty cells)."""
+    width = max(float(b), (math.prod(box) / (_CELLS_PER_POINT * count)) ** (1.0 / 3.0))
+    # floor(L / b) >= 3 up to rounding (b <= L / 3 is checked); 3 cells per axis are
+    # all neighbours of each other, so a cell a hair narrower than b is still safe.
+    return [max(3, int(math.floor(length / width))) for length in box]
+
+
+def _wrap_index(index: torch.Tensor, step: int, size: int) -> torch.Tensor:
+    """``(index + step) mod size`` for ``step`` in -1, 0, 1 and ``0 <= index < size``."""
+    if step > 0:
+        return torch.where(index == size - 1, 0, index + 1)
+    if step < 0:
+        return torch.where(index == 0, size - 1, index - 1)
+    return index
+
+
+# The 13 forward neighbours (dx, dy, dz) of a cell (each unordered pair of neighbouring
+# cells once), in the rounds in which their pairs of cells are linked. Linking in rounds
+# lets a later round skip the pairs of cells whose points are all in one group already
+# (most pairs inside a halo): first along z, then y, then x, so that each round's pairs
+# mostly join what the earlier rounds made.
+_ROUNDS = [[(0, 0, 1)], [(0, 1, 0)], [(0, 1, -1), (0, 1, 1)], [(1, 0, 0)],
+           [(1, dy, dz) for dy in (-1, 0, 1) for dz in (-1, 0, 1) if (dy, dz) != (0, 0)]]
+
+
+class _CellList:
+    """Points sorted by cell (member, x, y, z), the occupied cells, and a dense table of
+    cell numbers for a slab of x-planes at a time (see :meth:`neighbours`)."""
+
+    def __init__(self, points: torch.Tensor, member: torch.Tensor, box, b: float):
+        count = points.shape[0]
+        device = points.device
+        self.cells = nx, ny, nz = _cell_grid(box, b, count)
+        lengths = torch.tensor(box, dtype=torch.float64, device=device)
+        inside = torch.cat([points.amin(0) >= 0, points.amax(0) < lengths])
+        # (x - L floor(x / L) is x itself for 0 <= x < L: skip the passes)
+        wrapped = points if bool(inside.all()) else points - lengths * torch.floor(points / lengths)
+        scale = torch.tensor([n / length for n, length in zip(self.cells, box)], dtype=torch.float64, device=device)
+        coords = torch.floor(wrapped * scale).to(torch.int64)
+        # (a coordinate that wrapped to exactly L after rounding belongs to the last cell)
+        coords = torch.minimum(coords.clamp_(min=0), torch.tensor([n - 1 for n in self.cells], device=device))
+        key = ((member * nx + coords[:, 0]) * ny + coords[:, 1]) * nz + coords[:, 2]
+        self.planes = planes = (int(member.max()) + 1) * nx
+        if planes * ny * nz < 2**31:
+            key = key.to(torch.int32)  # sorts faster
+        key, self.order = torch.sort(key)
+        self.wrapped = wrapped.index_select(0, self.order)
+        boundary = key[1:] != key[:-1]
+        self.first = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), _indices(boundary) + 1])
+        self.occupancy = torch.diff(self.first, append=torch.tensor([count], device=device))
+        self.point_cell = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(boundary, 0)])
+        cell_key = key.index_select(0, self.first).to(torch.int64)
+        self.cell_z = torch.remainder(cell_key, nz)
+        self.cell_y = torch.remainder(torch.div(cell_key, nz, rounding_mode="floor"), ny)
+        self.cell_plane = torch.div(cell_key, ny * nz, rounding_mode="floor")
+        self.plane_start = torch.searchsorted(self.cell_plane, torch.arange(planes + 1, device=device)).tolist()
+        # The table: cell number + 1 (0: empty) at (slot, y, z + 1); slots 0..span-1 for a
+        # slab's planes, `span` for the plane after it, `span + 1` for the first plane of
+        # its member (the x-wrap); z padded with the periodic images of the end cells, so
+        # that the 3 neighbours of a cell along z are 3 consecutive entries.
+        self.row = nz + 2
+        area = ny * self.row
+        self.span = max(1, max(_TABLE_ENTRIES_PER_POINT * count, 3 * area) // area - 2)
+        self.slabs = list(self._slabs(_SLAB_CELLS))
+        planes_per_slab = max(high - low for low, high in self.slabs)
+        self.table = torch.zeros((planes_per_slab + 2) * area, dtype=torch.int32, device=device)
+        self.span = planes_per_slab
+        self.index_dtype = torch.int32 if self.table.numel() < 2**31 else torch.int64
+        offsets = [offset for group in _ROUNDS for offset in group]
+        self.offset_dx, self.offset_dy, self.offset_dz = (
+            torch.tensor(axis, device=device) for axis in zip(*offsets))
+        self.offset_dz = self.offset_dz.to(self.index_dtype).unsqueeze(1)
+        # each round's first offset, in the (offset, cell) order of the lookups
+        self.round_start = torch.tensor([0] + [len(group) for group in _ROUNDS], device=device).cumsum(0)
+
+    def _slabs(self, cells_per_slab: int):
+        """``(low_plane, high_plane)`` of consecutive slabs of at most ``span`` planes,
+        each with about ``cells_per_slab`` occupied cells (at least one plane)."""
+        start, planes = self.plane_start, self.planes
+        low = 0
+        while low < planes:
+            high = low + 1
+            while high < planes and high - low < self.span and start[high + 1] - start[low] <= cells_per_slab:
+                high += 1
+            yield low, high
+            low = high
+
+    def neighbours(self, low_plane: int, high_plane: int):
+        """The pairs ``(a, b)`` of occupied cells with ``a`` in the slab of planes
+        ``[low_plane, high_plane)`` and ``b`` one of its forward neighbours: for each round
+        of ``_ROUNDS``, two int64 tensors of cell numbers."""
+        device = self.table.device
+        nx, ny, nz = self.cells
+        row, span, start = self.row, self.span, self.plane_start
+        low_cell, high_cell = start[low_plane], start[high_plane]
+        next_end = start[min(high_plane + 1, self.planes)]
+        wrap_plane = (low_plane // nx) * nx
+        wrap_low = wrap_high = 0
+        if wrap_plane < low_plane and high_plane >= wrap_plane + nx:  # the slab holds its member's last plane
+            wrap_low, wrap_high = start[wrap_plane], start[wrap_plane + 1]
+        filled = torch.cat([torch.arange(low_cell, next_end, device=device),
+                            torch.arange(wrap_low, wrap_high, device=device)])
+        fill_plane, fill_z = self.cell_plane.index_select(0, filled), self.cell_z.index_select(0, filled)
+        slot = torch.where(fill_plane >= low_plane, fill_plane - low_plane, span + 1)
+        where = (slot * ny + self.cell_y.index_select(0, filled)) * row + fill_z + 1
+        # the periodic images in z: the first cells again after the last, the last before the first
+        low_z, high_z = _indices(fill_z == 0), _indices(fill_z == nz - 1)
+        where = torch.cat([where, where.index_select(0, low_z) + nz, where.index_select(0, high_z) - nz])
+        number = (filled + 1).to(torch.int32)
+        self.table.index_copy_(0, where, torch.cat([number, number.index_select(0, low_z),
+                                                    number.index_select(0, high_z)]))
+        # The table position of each forward neighbour of each cell of the slab: (13, n).
+        n = high_cell - low_cell
+        own = self.cell_plane[low_cell:high_cell]
+        ahead = torch.where(torch.remainder(own, nx) == nx - 1, own - (nx - 1), own + 1)
+        slots = torch.stack([own - low_plane, torch.where(ahead >= low_plane, ahead - low_plane, span + 1)])
+        y = self.cell_y[low_cell:high_cell]
+        ys = torch.stack([_wrap_index(y, step, ny) for step in (-1, 0, 1)])
+        columns = (slots.to(self.index_dtype) * ny).index_select(0, self.offset_dx) \
+            + ys.to(self.index_dtype).index_select(0, self.offset_dy + 1)
+        wanted = columns * row + (self.cell_z[low_cell:high_cell].to(self.index_dtype) + 1) + self.offset_dz
+        hits = self.table.index_select(0, wanted.view(-1))
+        self.table.index_fill_(0, where, 0)
+        found = _indices(hits)  # ordered by offset, so by round
+        bounds = torch.searchsorted(found, self.round_start * n).tolist()
+        cell = torch.remainder(found, n) + low_cell
+        other = hits.index_select(0, found).to(torch.int64) - 1
+        return [(cell[bounds[r]:bounds[r + 1]], other[bounds[r]:bounds[r + 1]]) for r in range(len(_ROUNDS))]
+
+
 def _local_groups(points: torch.Tensor, member: torch.Tensor, box, b: float, chunk_size: int) -> torch.Tensor:
     """The groups of ``K`` points (``(K, 3)`` float64 Mpc/h, ``member``: batch index of
     each; points of different members are never friends): ``(K,)`` int64, the smallest
-    index of each point's group."""
+    index of each point's group.
+
+    Points are sorted by cell (member, x, y, z); the pairs of neighbouring occupied cells
+    come from a dense table of cells, a slab of x-planes at a time
+    (:meth:`_CellList.neighbours`); their candidate point pairs are tested and the friends
+    merged into a forest in rounds, each round skipping the pairs of cells already wholly
+    in one group."""
     count = points.shape[0]
     device = points.device
     parent = torch.arange(count, device=device)
     if count < 2:
         return parent
-    cells = [int(math.floor(length / b)) for length in box]
-    columns, coords = [], []
-    for axis, length in enumerate(box):
-        x = points[:, axis]
-        x = x - length * torch.floor(x / length)
-        columns.append(x)
-        coords.append(torch.floor(x * (cells[axis] / length)).to(torch.int64).clamp_(0, cells[axis] - 1))
-    key = ((member * cells[0] + coords[0]) * cells[1] + coords[1]) * cells[2] + coords[2]
-    key, order = torch.sort(key)
-    columns = [x.index_select(0, order) for x in columns]
-    cell_keys, occupancy = torch.unique_consecutive(key, return_counts=True)
-    first = torch.cumsum(occupancy, 0) - occupancy
-    at_first = order.index_select(0, first)
-    cell_member = member.index_select(0, at_first)
-    cell_coords = [c.index_select(0, at_first) for c in coords]
-    # Every pair of neighbouring occupied cells, and how many candidate pairs it holds:
-    # a cell with itself (if it holds two or more), then with its forward neighbours.
-    crowded = _indices(occupancy > 1)
-    cell_a, cell_b = [crowded], [crowded]
-    for offset in _HALF_SHELL[1:]:
-        wanted = cell_member
-        for axis in range(3):
-            shifted = cell_coords[axis] + offset[axis]
-            if offset[axis] > 0:
-                shifted = torch.where(shifted == cells[axis], 0, shifted)
-            elif offset[axis] < 0:
-                shifted = torch.where(shifted < 0, cells[axis] - 1, shifted)
-            wanted = wanted * cells[axis] + shifted
-        where = torch.searchsorted(cell_keys, wanted).clamp_(max=cell_keys.numel() - 1)
-        found = _indices(cell_keys.index_select(0, where) == wanted)
-        cell_a.append(found)
-        cell_b.append(where.index_select(0, found))
-    cell_a, cell_b = torch.cat(cell_a), torch.cat(cell_b)
-    first_a, first_b = first.index_select(0, cell_a), first.index_select(0, cell_b)
-    width_b = occupancy.index_select(0, cell_b)
-    same = cell_a == cell_b
-    sizes = occupancy.index_select(0, cell_a) * width_b
-    ends = torch.cumsum(sizes, 0)
-    total = int(ends[-1]) if ends.numel() else 0
-    starts = ends - sizes
-    b2 = float(b) ** 2
-    for low in range(0, total, chunk_size):
-        pair = torch.arange(low, min(low + chunk_size, total), device=device)
-        which = torch.searchsorted(ends, pair, right=True)
-        within = pair - starts.index_select(0, which)
-        width = width_b.index_select(0, which)
-        i = first_a.index_select(0, which) + torch.div(within, width, rounding_mode="floor")
-        j = first_b.index_select(0, which) + torch.remainder(within, width)
-        keep = _indices(~same.index_select(0, which) | (i < j))
-        i, j = i.index_select(0, keep), j.index_select(0, keep)
-        distance2 = None
-        for axis, length in enumerate(box):
-            d = columns[axis].index_select(0, i) - columns[axis].index_select(0, j)
-            d = d - length * torch.round(d * (1.0 / length))
-            distance2 = d * d if distance2 is None else distance2 + d * d
-        linked = _indices(distance2 <= b2)
-        _union(parent, i.index_select(0, linked), j.index_select(0, linked))
-    # Every node to its root (pointer jumping until nothing changes).
+    grid = _CellList(points, member, box, b)
+    first, occupancy, point_cell = grid.first, grid.occupancy, grid.point_cell
+    rounds = [([], []) for _ in _ROUNDS]
+    for low_plane, high_plane in grid.slabs:
+        if grid.plane_start[low_plane] == grid.plane_start[high_plane]:
+            continue
+        for lists, pairs in zip(rounds, grid.neighbours(low_plane, high_plane)):
+            for store, values in zip(lists, pairs):
+                store.append(values)
+    lengths = torch.tensor(box, dtype=torch.float64, device=device)
+    link = dict(lengths=lengths, inverse_lengths=1.0 / lengths, b2=float(b) ** 2,
+                chunk_size=min(chunk_size, _WORK_PAIRS), near=_float32_bounds(box, b))
+    wrapped = (grid.wrapped, grid.wrapped.to(torch.float32))
+    for r, (cell_a, cell_b) in enumerate(rounds):
+        cell_a, cell_b = torch.cat(cell_a), torch.cat(cell_b)
+        if r > 0:
+            parent = _flatten(parent)
+            # Skip the pairs of cells all of whose points are in one and the same group.
+            cell_root = parent.index_select(0, first)
+            uniform = torch.ones_like(cell_root, dtype=torch.bool)
+            uniform[point_cell.index_select(0, _indices(parent != cell_root.index_select(0, point_cell)))] = False
+            needed = _indices(~(uniform.index_select(0, cell_a) & uniform.index_select(0, cell_b)
+                                & (cell_root.index_select(0, cell_a) == cell_root.index_select(0, cell_b))))
+            cell_a, cell_b = cell_a.index_select(0, needed), cell_b.index_select(0, needed)
+        blocks = [first.index_select(0, cell_a), occupancy.index_select(0, cell_a),
+                  first.index_select(0, cell_b), occupancy.index_select(0, cell_b)]
+        if r == 0:
+            # and each point of a crowded cell against the points after it in its cell
+            crowded = _indices(occupancy.index_select(0, point_cell) > 1)
+            after = (first + occupancy).index_select(0, point_cell.index_select(0, crowded)) - crowded - 1
+            blocks = [torch.cat(pair) for pair in zip([crowded, torch.ones_like(crowded), crowded + 1, after], blocks)]
+        _link_blocks(parent, wrapped, *blocks, **link)
+    parent = _flatten(parent)
+    # Back from the cell order to the points' order.
+    order = grid.order
+    return torch.empty_like(parent).index_copy_(0, order, order.index_select(0, parent))
+
+
+def _flatten(parent: torch.Tensor) -> torch.Tensor:
+    """Every node of the forest pointed at its root (pointer jumping until nothing changes)."""
     while True:
         up = parent.index_select(0, parent)
         if torch.equal(up, parent):
-            break
+            return parent
         parent = up
-    # Back from the cell order to the points' order.
-    return torch.empty_like(parent).index_copy_(0, order, order.index_select(0, parent))
+
+
+def _link_blocks(parent, wrapped, first_a, width_a, first_b, width_b, *, near, lengths, inverse_lengths, b2,
+                 chunk_size) -> None:
+    """Test the point pairs ``(i, j)``, ``i`` in ``first_a[k] + [0, width_a[k])`` and ``j``
+    in ``first_b[k] + [0, width_b[k])``, ``chunk_size`` at a time, and merge the friends'
+    trees.
+
+    ``wrapped``: the points in float64 and in float32; ``near``: the float32 squared
+    distances below which a pair is surely linked and above which it surely is not
+    (:func:`_float32_bounds`); the pairs in between are decided in float64, as
+    ``d_x^2 + d_y^2 + d_z^2 <= b^2`` from the float64 minimum-image differences."""
+    device = parent.device
+    points, points32 = wrapped
+    surely, maybe = near
+    lengths32, inverse_lengths32 = lengths.float(), inverse_lengths.float()
+    sizes = width_a * width_b
+    ends = torch.cumsum(sizes, 0)
+    total = int(ends[-1]) if ends.numel() else 0
+    starts = ends - sizes
+    # (int32 index arithmetic: half the memory traffic; indices below 2^31 are checked)
+    first_a, first_b, width_b = (t.to(torch.int32) for t in (first_a, first_b, width_b))
+    for low in range(0, total, chunk_size):
+        high = min(low + chunk_size, total)
+        if low == 0 and high == total:
+            lower, upper = 0, ends.numel()
+        else:
+            lower, upper = torch.searchsorted(ends, torch.tensor([low, high - 1], device=device), right=True).tolist()
+            upper += 1
+        counts = ends[lower:upper].clamp(max=high) - starts[lower:upper].clamp(min=low)
+        which = torch.repeat_interleave(torch.arange(lower, upper, dtype=torch.int32, device=device), counts,
+                                        output_size=high - low)
+        within = (torch.arange(low, high, device=device) - starts.index_select(0, which)).to(torch.int32)
+        width = width_b.index_select(0, which)
+        row = torch.div(within, width, rounding_mode="floor")
+        i = first_a.index_select(0, which) + row
+        j = first_b.index_select(0, which) + (within - row * width)
+        d = points32.index_select(0, i) - points32.index_select(0, j)
+        d = d - lengths32 * torch.round(d * inverse_lengths32)  # the minimum image
+        d = d * d
+        d = d[:, 0] + d[:, 1] + d[:, 2]
+        linked = [_indices(d <= surely)]
+        unsure = _indices((d > surely) & (d <= maybe))
+        if unsure.numel():
+            i_unsure, j_unsure = i.index_select(0, unsure), j.index_select(0, unsure)
+            d = points.index_select(0, i_unsure) - points.index_select(0, j_unsure)
+            d = d - lengths * torch.round(d * inverse_lengths)
+            d = d * d
+            linked.append(unsure.index_select(0, _indices(d[:, 0] + d[:, 1] + d[:, 2] <= b2)))
+        linked = torch.cat(linked)
+        _union(parent, i.index_select(0, linked).to(torch.int64), j.index_select(0, linked).to(torch.int64))
+
+
+def _float32_bounds(box, b: float) -> tuple[float, float]:
+    """``(surely, maybe)``: a pair whose float32 squared distance (from the float32
+    rounding of float64 coordinates in ``[0, L]``, minimum image and sum of squares in
+    float32) is at most ``surely`` has a float64 squared distance below ``b^2``; one above
+    ``maybe`` has one above ``b^2``.
+
+    Each coordinate difference in float32 is within ``e = 6 * 2^-24 * L`` of the exact
+    one (rounding of both coordinates, of the difference, of ``L`` and of the image
+    shift), and the sum of 3 squares within a relative ``5 * 2^-24``; along the
+    threshold ``|d_x| + |d_y| + |d_z| <= sqrt(3) b``, so the squared distance moves by
+    at most ``2 sqrt(3) e b + 3 e^2`` plus the relative rounding. The factors
+    ``1 -+ 1e-5`` cover the relative terms and the rounding of the bounds to float32
+    with a wide margin."""
+    e = 6.0 * 2.0**-24 * max(box)
+    spread = 3.5 * e * b + 3.0 * e * e
+    return (b * b - spread) * (1 - 1e-5), (b * b + spread) * (1 + 1e-5)
 
 
 def _row_index(table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -467,8 +675,8 @@ def friends_of_friends(
         min_members: groups with fewer particles (over all ranks) are labelled -1.
         mesh: a process grid's mesh (``sim.force_mesh``): each rank passes the particles
             it holds; collective. None or a 1 x 1 mesh: one device.
-        chunk_size: candidate pairs examined at a time (memory about 100 B each, on top
-            of about 400 B per particle).
+        chunk_size: candidate pairs examined at a time, at most 2^18 (memory about
+            100 B each, on top of about 400 B per particle).
 
     Returns:
         ``(B, N)`` (or ``(N,)``) int64: each particle's group label, the smallest id in
