@@ -62,7 +62,6 @@ def small_slabs(monkeypatch):
     """Slabs of a few planes (the default would hold these tests' points in one)."""
     monkeypatch.setattr(halos, "_SLAB_CELLS", 40)
     monkeypatch.setattr(halos, "_TABLE_ENTRIES_PER_POINT", 8)
-    monkeypatch.setattr(halos, "_WORK_PAIRS", 97)
 
 
 def test_many_slabs_and_batch_members_match_scipy(device, small_slabs):
@@ -77,7 +76,7 @@ def test_many_slabs_and_batch_members_match_scipy(device, small_slabs):
                                                                                   device=device),
                            box, linking_distance(box, 700, 0.3))
     assert len(grid.slabs) > 3 and max(high - low for low, high in grid.slabs) < grid.cells[0]
-    labels = check(np.stack(members), box, 0.3, device)
+    labels = check(np.stack(members), box, 0.3, device, chunk_size=97)
     assert len(np.unique(labels[1])) < 0.8 * 700
 
 

@@ -22,8 +22,8 @@ section 14, has the measurements behind these choices):
 - the pairs of neighbouring cells are linked in 5 rounds (z, y, diagonal y, x, the other
   x neighbours); from the second on, a pair of cells whose particles are already all in
   one group is skipped (most pairs inside a halo). The candidate particle pairs of the
-  remaining cells are expanded from a running count (``repeat_interleave``), at most
-  ``chunk_size`` (and 2^18) at a time, so memory stays bounded however clustered the
+  remaining cells are expanded from a running count (``repeat_interleave``),
+  ``chunk_size`` at a time, so memory stays bounded however clustered the
   particles are (one cell of ``n`` particles makes ``n (n - 1) / 2`` candidates: time
   grows, memory does not);
 - distances are first computed in float32; a pair is decided there when its squared
@@ -39,8 +39,8 @@ cores are shared, each parallel operation may wait for a descheduled thread.
 
 Memory: about 400 B per particle (positions in float64 and float32, the cell order, the
 cell table, the pairs of neighbouring occupied cells, the forest) plus about 100 B per
-candidate pair of a chunk (at most 2^18 pairs: about 26 MB); measured peaks are in
-benchmarks/RESULTS.md, section 14.
+candidate pair of a chunk (``chunk_size`` pairs, default ``2^20``: about 100 MB);
+measured peaks are in benchmarks/RESULTS.md, section 14.
 
 Process grid (``mesh`` a distributed :class:`~torchpm.distributed.PencilDecomposition`,
 e.g. ``sim.force_mesh``): each rank holds some particles (empty slots have id ``-1``).
@@ -86,10 +86,9 @@ _NO_LABEL = torch.iinfo(torch.int64).max
 # about this many cells per point (see _cell_grid).
 _TABLE_ENTRIES_PER_POINT = 32
 _CELLS_PER_POINT = 128
-# Work in pieces small enough for the work arrays to stay in the cache: slabs of about
-# this many occupied cells, and at most this many candidate pairs at a time.
+# The cell table is filled and read for slabs of about this many occupied cells (larger
+# slabs: fewer operations; smaller: work arrays that stay in the cache).
 _SLAB_CELLS = 1 << 18
-_WORK_PAIRS = 1 << 18
 
 
 class HaloCatalog(NamedTuple):
@@ -379,7 +378,7 @@ def _local_groups(points: torch.Tensor, member: torch.Tensor, box, b: float, chu
                 store.append(values)
     lengths = torch.tensor(box, dtype=torch.float64, device=device)
     link = dict(lengths=lengths, inverse_lengths=1.0 / lengths, b2=float(b) ** 2,
-                chunk_size=min(chunk_size, _WORK_PAIRS), near=_float32_bounds(box, b))
+                chunk_size=chunk_size, near=_float32_bounds(box, b))
     wrapped = (grid.wrapped, grid.wrapped.to(torch.float32))
     for r, (cell_a, cell_b) in enumerate(rounds):
         cell_a, cell_b = torch.cat(cell_a), torch.cat(cell_b)
@@ -675,8 +674,8 @@ def friends_of_friends(
         min_members: groups with fewer particles (over all ranks) are labelled -1.
         mesh: a process grid's mesh (``sim.force_mesh``): each rank passes the particles
             it holds; collective. None or a 1 x 1 mesh: one device.
-        chunk_size: candidate pairs examined at a time, at most 2^18 (memory about
-            100 B each, on top of about 400 B per particle).
+        chunk_size: candidate pairs examined at a time (memory about 100 B each, on top
+            of about 400 B per particle).
 
     Returns:
         ``(B, N)`` (or ``(N,)``) int64: each particle's group label, the smallest id in
