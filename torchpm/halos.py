@@ -9,7 +9,7 @@ smallest particle id (``-1`` for an empty slot or a group smaller than
 computed in float64 from the positions as given.
 
 Method (torch only, on whatever device the positions are; benchmarks/RESULTS.md,
-section 14, has the measurements behind these choices):
+section 15, has the measurements behind these choices):
 
 - a cell list with ``floor(L_i / b)`` cells per axis (cells at least ``b`` wide, at
   least 3 per axis, so ``b`` may be at most a third of the shortest side; wider cells
@@ -40,7 +40,7 @@ cores are shared, each parallel operation may wait for a descheduled thread.
 Memory: about 400 B per particle (positions in float64 and float32, the cell order, the
 cell table, the pairs of neighbouring occupied cells, the forest) plus about 100 B per
 candidate pair of a chunk (``chunk_size`` pairs, default ``2^20``: about 100 MB);
-measured peaks are in benchmarks/RESULTS.md, section 14.
+measured peaks are in benchmarks/RESULTS.md, section 15.
 
 Process grid (``mesh`` a distributed :class:`~torchpm.distributed.PencilDecomposition`,
 e.g. ``sim.force_mesh``): each rank holds some particles (empty slots have id ``-1``).
