@@ -792,3 +792,37 @@ def test_hdf5_outputs_without_h5py_are_one_line(tmp_path, capsys, monkeypatch, k
     assert main(["run", str(path)]) == 2
     assert f"`{key}` needs h5py" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_halos_linking_distance_past_a_third_of_the_box_is_refused_before_the_run(tmp_path, capsys):
+    """b = 0.2 (V / N)^(1/3) must be at most a third of the shortest side (the halo finder's
+    cells): a flat box is refused before any step runs, naming the key and both lengths."""
+    path = tmp_path / "flat.toml"
+    out = tmp_path / "out"
+    # b = 0.2 * (1000 * 1000 * 10 / 512)^(1/3) = 5.39 Mpc/h > 10 / 3
+    path.write_text('n_particles = 8\nbox_size = [1000.0, 1000.0, 10.0]\nsteps = 2\n'
+                    f'halos_linking_length = 0.2\noutput = "{out}"\n')
+    assert main(["run", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert "`halos_linking_length` = 0.2 links within 5.38" in error and "(3.33333 Mpc/h)" in error, error
+    assert not out.exists()
+
+
+def test_a_halo_catalogue_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch):
+    """A failed write of halos.hdf5 (a full disk, faked) is a one-line error naming the
+    file (raised together on a grid: the other ranks do not wait for rank 0)."""
+    import errno
+
+    import torchpm.__main__ as cli
+
+    def full(path, *args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(cli, "_write_halos", full)
+    path = tmp_path / "run.toml"
+    out = tmp_path / "out"
+    path.write_text(HALOS.replace("snapshots = [0.55]\n", "").replace("steps = 6", "steps = 2")
+                    + f'output = "{out}"\n')
+    assert main(["run", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert f"cannot write {str(out / 'halos.hdf5')!r}: No space left on device" in error, error

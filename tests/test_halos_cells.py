@@ -94,6 +94,20 @@ def test_one_cell_holds_every_point(device, length):
         check(points, box, length, device, n_particles=10_000, chunk_size=chunk_size)
 
 
+def test_blocks_past_the_int32_limit_take_int64_indices(device, monkeypatch):
+    """A block of candidate pairs (two neighbouring cells) with 2^31 pairs or more would
+    overflow the int32 index arithmetic: such calls compute the indices in int64. With the
+    limit lowered to 50 pairs, the crowded cells below take that path (and the groups
+    still equal scipy's)."""
+    monkeypatch.setattr(halos, "_INT32_LIMIT", 50)
+    box = (30.0, 30.0, 30.0)
+    rng = np.random.default_rng(7)
+    b = linking_distance(box, 10_000, 0.2)
+    points = np.concatenate([12.0 + rng.uniform(0, b, (60, 3)) * 0.999, rng.uniform(0, 30.0, (300, 3))])
+    for chunk_size in (1 << 20, 13):
+        check(points, box, 0.2, device, n_particles=10_000, chunk_size=chunk_size)
+
+
 def test_three_and_four_cells_per_axis(device):
     """b a third (then a quarter) of the side: every cell is a neighbour of every other
     along that axis; pairs straddle each face and sit half a box apart."""

@@ -431,6 +431,16 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     for key, used in (("snapshots", snapshots), ("halos_linking_length", config["halos_linking_length"])):
         if used and importlib.util.find_spec("h5py") is None:
             raise UserError(f"`{key}` needs h5py (its outputs are HDF5 files): pip install h5py")
+    if config["halos_linking_length"]:
+        # (friends_of_friends' own limit, checked before the run rather than at its end)
+        from torchpm.halos import linking_distance
+
+        b = linking_distance(simulation.box_size, simulation.n_total, config["halos_linking_length"])
+        if 3 * b > min(simulation.box_size) * (1 + 1e-12):
+            raise UserError(
+                f"`halos_linking_length` = {config['halos_linking_length']:g} links within {b:.6g} Mpc/h, more than a "
+                f"third of the shortest box side ({min(simulation.box_size) / 3:.6g} Mpc/h), which the halo finder's "
+                "cells need: use a smaller linking length, or more particles or a longer shortest side")
 
     start_state = None
     if resume is not None and config["lensing_planes"]:
@@ -625,9 +635,7 @@ def _halos(simulation, state, config, output, suffix, main_rank):
     """The friends-of-friends halos of ``state`` (collective on a grid: every rank finds
     the whole catalogue), written by rank 0 to ``halos{suffix}.hdf5``. Returns the path
     (None on the other ranks) and a line for the run's report."""
-    import numpy as np
-
-    from torchpm.halos import CRITICAL_DENSITY_MSUN, find_halos, linking_distance
+    from torchpm.halos import CRITICAL_DENSITY_MSUN, find_halos
 
     length, least = config["halos_linking_length"], config["halos_min_members"]
     catalog = find_halos(simulation, state, linking_length=length, min_members=least)
@@ -637,11 +645,25 @@ def _halos(simulation, state, config, output, suffix, main_rank):
     line = (f"  halos (friends-of-friends, b = {length:g} mean separations, >= {least} particles): "
             f"{', '.join(map(str, found))} found" + (" (per batch member)" if len(found) > 1 else "")
             + (f"; heaviest {max(heaviest):.3e} Msun/h" if max(found) else "") + "\n")
-    if not main_rank:
-        return None, line
-    import h5py
+    path, problem = None, None
+    if main_rank:
+        path = os.path.join(output, f"halos{suffix}.hdf5")
+        try:
+            _write_halos(path, catalog, simulation, config, state.a, particle_mass)
+        except OSError as error:  # (disk full, quota, permissions: the other ranks must not wait)
+            problem = f"cannot write {path!r}: {error.strerror or error}"
+    simulation.force_mesh.raise_together(problem, UserError, operation="torchpm run: the halo catalogue")
+    return path, line
 
-    path = os.path.join(output, f"halos{suffix}.hdf5")
+
+def _write_halos(path, catalog, simulation, config, a, particle_mass):
+    """The catalogue of :func:`_halos` as HDF5 (rank 0)."""
+    import h5py
+    import numpy as np
+
+    from torchpm.halos import linking_distance
+
+    length = config["halos_linking_length"]
     with h5py.File(path, "w") as handle:
         handle.attrs["content"] = (
             "friends-of-friends halos (torchpm.find_halos) of each batch member, heaviest first; rows past a "
@@ -651,14 +673,13 @@ def _halos(simulation, state, config, output, suffix, main_rank):
         for name, values in (("label", catalog.labels), ("members", catalog.members), ("mass", catalog.masses),
                              ("position", catalog.positions), ("velocity", catalog.velocities)):
             handle.create_dataset(name, data=values.detach().cpu().numpy())
-        handle.attrs["a"] = float(state.a)
+        handle.attrs["a"] = float(a)
         handle.attrs["linking_length"] = length
         handle.attrs["linking_distance_mpc_h"] = linking_distance(simulation.box_size, simulation.n_total, length)
-        handle.attrs["min_members"] = least
+        handle.attrs["min_members"] = config["halos_min_members"]
         handle.attrs["particle_mass_msun_h"] = particle_mass
         handle.attrs["box_size"] = np.asarray(simulation.box_size, dtype=np.float64)
         handle.attrs["seed"] = config["seed"]
-    return path, line
 
 
 def _plane_taker(config, simulation):

@@ -89,6 +89,10 @@ _CELLS_PER_POINT = 128
 # The cell table is filled and read for slabs of about this many occupied cells (larger
 # slabs: fewer operations; smaller: work arrays that stay in the cache).
 _SLAB_CELLS = 1 << 18
+# The candidate pairs' index arithmetic is int32 (half the memory traffic) while every
+# point index and every block's pair count is below this; int64 otherwise (two crowded
+# neighbouring cells of 46 341 points each hold 2^31 pairs).
+_INT32_LIMIT = 2**31
 
 
 class HaloCatalog(NamedTuple):
@@ -432,8 +436,10 @@ def _link_blocks(parent, wrapped, first_a, width_a, first_b, width_b, *, near, l
     ends = torch.cumsum(sizes, 0)
     total = int(ends[-1]) if ends.numel() else 0
     starts = ends - sizes
-    # (int32 index arithmetic: half the memory traffic; indices below 2^31 are checked)
-    first_a, first_b, width_b = (t.to(torch.int32) for t in (first_a, first_b, width_b))
+    index_dtype = torch.int32
+    if parent.numel() >= _INT32_LIMIT or (sizes.numel() and int(sizes.max()) >= _INT32_LIMIT):
+        index_dtype = torch.int64
+    first_a, first_b, width_b = (t.to(index_dtype) for t in (first_a, first_b, width_b))
     for low in range(0, total, chunk_size):
         high = min(low + chunk_size, total)
         if low == 0 and high == total:
@@ -444,7 +450,7 @@ def _link_blocks(parent, wrapped, first_a, width_a, first_b, width_b, *, near, l
         counts = ends[lower:upper].clamp(max=high) - starts[lower:upper].clamp(min=low)
         which = torch.repeat_interleave(torch.arange(lower, upper, dtype=torch.int32, device=device), counts,
                                         output_size=high - low)
-        within = (torch.arange(low, high, device=device) - starts.index_select(0, which)).to(torch.int32)
+        within = (torch.arange(low, high, device=device) - starts.index_select(0, which)).to(index_dtype)
         width = width_b.index_select(0, which)
         row = torch.div(within, width, rounding_mode="floor")
         i = first_a.index_select(0, which) + row

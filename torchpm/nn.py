@@ -343,6 +343,9 @@ class BispectrumEstimator(nn.Module):
             buffers (``.to(dtype)`` changes it). The measurement itself runs in float64
             whatever the dtype, as the function's does: the buffers it uses are
             integers (frequencies, shells, counts), which a ``.to(dtype)`` leaves exact.
+            ``k`` and ``edges`` (reported, never computed with) keep the rounding of the
+            narrowest dtype they passed through: a layer built in float32 and moved to
+            float64 reports them to float32 precision (build it in float64 for more).
         device: where the buffers live and the fields must be (``.to(device)`` moves
             them).
         mesh: None (the whole mesh on this device), a :class:`~torchpm.LocalMesh` or a
