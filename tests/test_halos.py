@@ -28,6 +28,7 @@ def oracle_labels(points, box, b):
     """Smallest index of each particle's FoF group: scipy's periodic pairs within b and
     their connected components."""
     points = np.mod(np.asarray(points, dtype=np.float64), box)
+    points = np.where(points >= np.asarray(box), 0.0, points)  # (np.mod may round up to L)
     n = len(points)
     pairs = spatial.cKDTree(points, boxsize=box).query_pairs(b, output_type="ndarray")
     graph = sparse.coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n))

@@ -17,22 +17,9 @@ import torch
 from torchpm import halos
 from torchpm.halos import friends_of_friends, linking_distance
 
-spatial = pytest.importorskip("scipy.spatial")
-csgraph = pytest.importorskip("scipy.sparse.csgraph")
-sparse = pytest.importorskip("scipy.sparse")
+from test_halos import oracle_labels
 
-
-def oracle_labels(points, box, b):
-    """Smallest index of each point's FoF group (scipy, float64, periodic)."""
-    points = np.mod(np.asarray(points, dtype=np.float64), box)
-    points = np.where(points >= np.asarray(box), 0.0, points)  # (np.mod may round up to L)
-    n = len(points)
-    pairs = spatial.cKDTree(points, boxsize=box).query_pairs(b, output_type="ndarray")
-    graph = sparse.coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n))
-    _, component = csgraph.connected_components(graph, directed=False)
-    smallest = np.full(component.max() + 1, n)
-    np.minimum.at(smallest, component, np.arange(n))
-    return smallest[component]
+pytest.importorskip("scipy.spatial")
 
 
 def check(points, box, length, device, dtype=torch.float64, n_particles=None, **kwargs):
