@@ -635,13 +635,13 @@ def _halos(simulation, state, config, output, suffix, main_rank):
     """The friends-of-friends halos of ``state`` (collective on a grid: every rank finds
     the whole catalogue), written by rank 0 to ``halos{suffix}.hdf5``. Returns the path
     (None on the other ranks) and a line for the run's report."""
-    from torchpm.halos import CRITICAL_DENSITY_MSUN, find_halos
+    from torchpm.halos import find_halos, simulation_particle_mass
 
     length, least = config["halos_linking_length"], config["halos_min_members"]
     catalog = find_halos(simulation, state, linking_length=length, min_members=least)
     found = (catalog.labels >= 0).sum(1).tolist()
     heaviest = catalog.masses[:, 0].tolist() if catalog.masses.shape[1] else [0.0] * len(found)
-    particle_mass = float(simulation.cosmology.Omega_m) * CRITICAL_DENSITY_MSUN * math.prod(simulation.box_size) / simulation.n_total
+    particle_mass = float(simulation_particle_mass(simulation))
     line = (f"  halos (friends-of-friends, b = {length:g} mean separations, >= {least} particles): "
             f"{', '.join(map(str, found))} found" + (" (per batch member)" if len(found) > 1 else "")
             + (f"; heaviest {max(heaviest):.3e} Msun/h" if max(found) else "") + "\n")

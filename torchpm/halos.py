@@ -885,6 +885,12 @@ def halo_catalog(
     return HaloCatalog(*padded)
 
 
+def simulation_particle_mass(sim) -> torch.Tensor:
+    """A :class:`~torchpm.Simulation`'s particle mass in Msun/h: ``27.7536627e10 Omega_m V / N``
+    (a tensor, differentiable in the cosmology's ``Omega_m``)."""
+    return sim.cosmology.Omega_m * (CRITICAL_DENSITY_MSUN * math.prod(sim.box_size) / sim.n_total)
+
+
 def find_halos(sim, state, *, linking_length: float = 0.2, min_members: int = 20,
                chunk_size: int = DEFAULT_CHUNK_SIZE, return_labels: bool = False):
     """FoF halos of a :class:`~torchpm.Simulation`'s state: ``halos = find_halos(sim, state)``.
@@ -923,8 +929,7 @@ def find_halos(sim, state, *, linking_length: float = 0.2, min_members: int = 20
     ids = state.ids
     labels = friends_of_friends(state.positions, sim.box_size, linking_length, n_particles=sim.n_total, ids=ids,
                                 min_members=min_members, mesh=mesh, chunk_size=chunk_size)
-    omega_m = sim.cosmology.Omega_m
-    particle_mass = omega_m.to(state.positions.dtype) * (CRITICAL_DENSITY_MSUN * math.prod(sim.box_size) / sim.n_total)
+    particle_mass = simulation_particle_mass(sim).to(state.positions.dtype)
     velocities = state.momenta * (100.0 / float(state.a))
     catalog = halo_catalog(state.positions, labels, sim.box_size, particle_mass=particle_mass, velocities=velocities,
                            ids=ids, min_members=min_members, mesh=mesh)
