@@ -43,7 +43,8 @@ def case_ids(world_size):
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}", f"paint_layers-{grid}",
                     f"redshift_multipoles-{grid}", f"lightcone-{grid}", f"trajectory-{grid}", f"trajectory_sorted_resume-{grid}",
-                    f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}", f"forces_box_shifted-{grid}"]
+                    f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}", f"forces_box_shifted-{grid}",
+                    f"non_gaussian-{grid}"]
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"migration_dtypes-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
                     f"whole_state_refused-{grid}", f"adjoint_explicit_cosmology-{grid}", f"compiled-{grid}",
@@ -197,6 +198,40 @@ def _compare_gradients(grid, ctx, batch, checkpoint=False, adjoint=False, tolera
     assert error <= tolerance * float(expected.abs().max()), f"d loss / d white noise: {error:.3e}"
     error = abs(float(local_omega_grad - omega_grad))
     assert error <= tolerance * abs(float(omega_grad)), f"d loss / d Omega_c: {error:.3e} of {float(omega_grad):.3e}"
+
+
+def case_non_gaussian(grid, ctx):
+    """Local primordial non-Gaussianity (``Cosmology.f_nl``) on the grid equals one device:
+    the potential is squared on each rank's block of the particle grid and transferred
+    with the distributed FFT. Positions, and the gradients of a loss in the white noise and
+    in ``f_nl`` (summed over the ranks), equal the serial run's; the f_nl term moves the
+    particles far beyond the tolerance (so a grid ignoring it would fail)."""
+    import torchpm
+
+    serial, distributed = simulations(grid, ctx)
+    field = global_random((1, *serial.mesh_shape), 5)
+    results = []
+    for sim in (serial, distributed):
+        f_nl = torch.tensor(2000.0, dtype=torch.float64, requires_grad=True)
+        sim.cosmology = torchpm.Planck15(f_nl=f_nl)
+        noise = sim.white_noise(seed=3).requires_grad_()
+        state = sim(noise)
+        loss = (sim.density(state) * sim.force_mesh.local_real_part(field)).sum()
+        loss.backward()
+        with torch.no_grad():
+            results.append((sim.gather(state).positions, noise.grad, f_nl.grad))
+        sim.cosmology = torchpm.Planck15()
+    (positions, noise_grad, f_grad), (local_positions, local_noise_grad, local_f_grad) = results
+    box = distributed.box_size
+    with torch.no_grad():
+        gaussian = serial(serial.white_noise(seed=3)).positions
+    moved = float(periodic_difference(positions, gaussian, box).abs().max())
+    assert moved > 1e-6 * max(box), f"f_nl moved the particles by only {moved:.3e} Mpc/h"
+    assert_small(float(periodic_difference(local_positions, positions, box).abs().max()), max(box), "positions")
+    expected = distributed.particle_mesh.local_real_part(noise_grad)
+    assert_small(float((local_noise_grad - expected).abs().max()), float(expected.abs().max()), "d loss / d white noise")
+    assert float(f_grad) != 0.0
+    assert_small(abs(float(local_f_grad - f_grad)), abs(float(f_grad)), "d loss / d f_nl")
 
 
 def case_func_grad(grid, ctx):

@@ -67,13 +67,13 @@ class UserError(Exception):
     """A mistake in the command line, the config or the environment: one line, exit 2."""
 
 
-def make_cosmology(value):
+def make_cosmology(value, f_nl: float = 0.0):
     import torchpm
 
     if isinstance(value, dict):
-        return torchpm.Cosmology(**value)
+        return torchpm.Cosmology(**value, f_nl=f_nl)
     presets = {"planck15": torchpm.Planck15, "planck18": torchpm.Planck18}
-    return presets[str(value).lower()]()
+    return presets[str(value).lower()](f_nl=f_nl)
 
 
 def snapshot_name(index: int, member: int, batch: int) -> str:
@@ -106,7 +106,7 @@ def build_simulation(config: dict):
     elif config["grid"] not in ([], [1, 1]):
         raise UserError(f"`grid` = {config['grid']} needs a distributed run, which this build does not have")
     # `collective_timeout` is for torch.distributed.init_process_group, by whoever launches the ranks.
-    cosmology = make_cosmology(config["cosmology"])
+    cosmology = make_cosmology(config["cosmology"], config["f_nl"])
     steps = config["steps"]
     if config["lensing_planes"]:
         steps = lensing_steps(config, lens_planes(config, cosmology))

@@ -261,6 +261,8 @@ def _check_cosmology(name, value):
     if not isinstance(value, dict):
         raise _fail(name, "'Planck15', 'Planck18' or a table of parameters", value)
     unknown = sorted(set(value) - set(COSMOLOGY_KEYS))
+    if "f_nl" in unknown:
+        raise SettingError(f"`{name}`: `f_nl` is a setting of its own: write `f_nl = {value['f_nl']!r}` outside the table")
     if unknown:
         raise SettingError(f"`{name}`: unknown parameters {unknown}; known: {list(COSMOLOGY_KEYS)}")
     missing = [key for key in COSMOLOGY_REQUIRED if key not in value]
@@ -461,6 +463,12 @@ SETTINGS: tuple[Setting, ...] = (
         "cosmology", "string or table", default="Planck15", unit="", allowed="Planck15, Planck18, or a table",
         help="preset or {Omega_c, Omega_b, h, n_s, sigma8[, Omega_k, w0, wa]}",
         check=_check_cosmology,
+    ),
+    Setting(
+        "f_nl", "float", default=0.0, unit="", allowed="a finite number",
+        help="local primordial non-Gaussianity of the initial conditions, Phi = phi + f_nl (phi^2 - <phi^2>) "
+             "(the CMB convention; 0: Gaussian); sets the cosmology's `f_nl`",
+        check=_float(),
     ),
     Setting(
         "seed", "int", default=0, unit="", allowed=f"0 to {2**63 - 1}",

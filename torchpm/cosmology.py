@@ -46,7 +46,7 @@ __all__ = [
     "resolve_power",
 ]
 
-_PARAMETERS = ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa")
+_PARAMETERS = ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa", "f_nl")
 T_CMB = 2.7255  # K, the CMB temperature the Eisenstein & Hu fits use
 HUBBLE_DISTANCE = 2997.92458  # c / H0 in Mpc/h (c = 299792.458 km/s, H0 = 100 h km/s/Mpc)
 _DISTANCE_NODES = 96  # Gauss-Legendre nodes in ln a per distance (exact to rounding for a >= 1e-4)
@@ -62,6 +62,13 @@ class Cosmology:
         sigma8: rms linear overdensity in spheres of 8 Mpc/h at a = 1.
         Omega_k: curvature density parameter (0: flat).
         w0, wa: dark-energy equation of state ``w(a) = w0 + wa (1 - a)``.
+        f_nl: amplitude of local-type primordial non-Gaussianity: the primordial potential
+            is ``Phi = phi + f_nl (phi^2 - <phi^2>)`` with ``phi`` Gaussian (0: Gaussian
+            initial conditions). ``Phi`` is the potential of matter domination in the
+            convention of the CMB constraints, positive where the density is:
+            ``delta_L(k, a) = M(k, a) Phi(k)`` with
+            ``M = 2/3 (k c/H0)^2 T(k) D_md(a) / Omega_m`` and ``D_md = a`` deep in matter
+            domination (:func:`torchpm.ic.primordial_transfer`). Any finite value.
 
     Each may be a Python number or a tensor (a 0-d tensor that requires grad
     makes every result differentiable in it). Values are checked: densities and
@@ -79,11 +86,12 @@ class Cosmology:
         Omega_k=0.0,
         w0=-1.0,
         wa=0.0,
+        f_nl=0.0,
         *,
         name: str | None = None,
     ):
         values = dict(
-            Omega_c=Omega_c, Omega_b=Omega_b, h=h, n_s=n_s, sigma8=sigma8, Omega_k=Omega_k, w0=w0, wa=wa
+            Omega_c=Omega_c, Omega_b=Omega_b, h=h, n_s=n_s, sigma8=sigma8, Omega_k=Omega_k, w0=w0, wa=wa, f_nl=f_nl
         )
         for key, value in values.items():
             # A Python number goes straight to float64: a float32 default would round
@@ -138,7 +146,7 @@ class Cosmology:
         return 1.0 - self.Omega_m - self.Omega_k
 
     def parameters(self) -> dict:
-        """The 8 parameters as a dict of tensors."""
+        """The 9 parameters as a dict of tensors."""
         return {key: getattr(self, key) for key in _PARAMETERS}
 
     def to(self, device=None) -> "Cosmology":
@@ -443,13 +451,17 @@ class GrowthTable:
         values: ``(n + 1, 2, 3)``: for (D1, D2), normalised to 1 at ``a = 1``, the
             value, ``dD/dlna`` and ``d^2D/dlna^2`` at each node.
         D2_norm: 0-d, ``-D2(1) / D1(1)^2`` before normalisation (see :class:`GrowthValues`).
+        D1_matter_era: 0-d, ``D1(1)`` in the normalisation ``D1 = a`` deep in matter
+            domination (about 0.78 for Planck15; the potential's growth suppression
+            ``D1 / a`` at ``a = 1``), or None.
     """
 
-    def __init__(self, cosmology, log_a, values, D2_norm):
+    def __init__(self, cosmology, log_a, values, D2_norm, D1_matter_era=None):
         self.cosmology = cosmology
         self.log_a = log_a
         self.values = values
         self.D2_norm = D2_norm
+        self.D1_matter_era = D1_matter_era
         self._step = float(log_a[-1] - log_a[0]) / (log_a.numel() - 1)  # a Python float: no sync per lookup
 
     def _interpolate(self, log_a):
@@ -577,7 +589,7 @@ def growth_table(cosmology: Cosmology, a_min: float = 1e-3, steps: int | None = 
     norm1, norm2 = y[-1, 0], y[-1, 2]
     d1 = torch.stack([y[:, 0], y[:, 1], curvature[:, 1]], dim=-1) / norm1
     d2 = torch.stack([y[:, 2], y[:, 3], curvature[:, 3]], dim=-1) / norm2
-    return GrowthTable(cosmology, log_a, torch.stack([d1, d2], dim=1), -norm2 / (norm1 * norm1))
+    return GrowthTable(cosmology, log_a, torch.stack([d1, d2], dim=1), -norm2 / (norm1 * norm1), norm1)
 
 
 # ---------------------------------------------------------------------------------------

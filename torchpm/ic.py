@@ -16,6 +16,22 @@ noise), keeping the phases, so ``|DFT delta_L|^2 = P N^2 / V`` holds mode by mod
 linear field has no cosmic variance in its amplitudes. The second member of a pair is
 made from ``-omega``: every phase shifted by pi.
 
+Local primordial non-Gaussianity (``Cosmology.f_nl``; Salopek & Bond 1990, Komatsu &
+Spergel 2001; as FastPM makes it). The Gaussian linear field is the primordial potential
+``phi`` times the transfer ``M(k) = delta_L(k) / phi(k)``; the potential is made
+non-Gaussian in real space and transferred back::
+
+    phi = IDFT(DFT(delta_L) / M),   Phi = phi + f_nl (phi^2 - <phi^2>),
+    delta_L' = IDFT(M DFT(Phi)) = delta_L + f_nl IDFT(M DFT(phi^2))
+
+with ``M(k) = 2/3 (k c/H0)^2 T(k) D_md(1) / Omega_m`` (:func:`primordial_transfer`):
+``D_md`` the growth normalised to ``a`` deep in matter domination and ``T(k)`` the
+transfer function read from the linear power itself, ``T^2 = P(k) k0^n_s / (P(k0) k^n_s)``
+at ``k0 = 1e-5`` h/Mpc (where Eisenstein & Hu's T is 1 to 1e-6). The mean ``<phi^2>``
+only shifts the k = 0 mode, which ``M(0) = 0`` removes. The square is taken on the
+particle grid: its modes beyond the grid's Nyquist frequency alias (as in FastPM).
+Paired initial conditions negate ``phi``, so the pair shares the f_nl term.
+
 LPT (positions in force-mesh cells ``c``; ``phi_ij = d_i d_j grad^-2 delta``)::
 
     Psi1 = -grad grad^-2 delta,   S = sum_{i<j} (phi_ii phi_jj - phi_ij^2),   Psi2 = -grad grad^-2 S
@@ -46,7 +62,12 @@ from .mesh import LocalMesh, as_shape
 from .fourier import FourierKernels, _real_space_scale, gradient_inverse_laplacian, multiply_real, stack_products
 
 __all__ = ["white_noise", "fixed_amplitude", "plane_seed", "linear_field", "lpt_displacements", "lpt_initial_state",
-           "check_finite"]
+           "check_finite", "primordial_transfer", "PRIMORDIAL_K"]
+
+# Where the linear power gives the primordial amplitude ``P(k0) / k0^n_s`` (T(k0) = 1 to
+# 1e-6 for Eisenstein & Hu); a power table must reach at least PRIMORDIAL_K_TABLE.
+PRIMORDIAL_K = 1e-5
+PRIMORDIAL_K_TABLE = 1e-4
 
 LPT_NORMALISATIONS = ("fastpm", "exact")
 
@@ -219,18 +240,71 @@ def power_kernel(
     return torch.where(nonzero, amplitude, torch.zeros_like(amplitude)).to(kernels.dtype)
 
 
-def linear_field(noise: torch.Tensor, amplitude: torch.Tensor, mesh) -> torch.Tensor:
+def primordial_transfer(
+    kernels: FourierKernels, power: Callable, cosmology: Cosmology, D1_matter_era, k0: float = PRIMORDIAL_K
+) -> torch.Tensor:
+    """``(2, *local_fourier_shape)``: the transfer ``M(k) = delta_L(k, a=1) / Phi(k)`` from
+    the primordial potential to the linear density, and ``1 / M`` (both 0 at k = 0), in
+    the field dtype (see the module docstring)::
+
+        M(k) = 2/3 (k c/H0)^2 T(k) D_md(1) / Omega_m,   T(k)^2 = P(k) k0^n_s / (P(k0) k^n_s)
+
+    Args:
+        kernels: :class:`FourierKernels` of the particle grid.
+        power: the linear power ``power(k, cosmology)`` at ``a = 1``.
+        cosmology: the :class:`Cosmology` (``n_s``, ``Omega_m``).
+        D1_matter_era: ``D1(1)`` normalised to ``a`` deep in matter domination
+            (:attr:`~torchpm.cosmology.GrowthTable.D1_matter_era`).
+        k0: wavenumber (h/Mpc) at which ``T = 1`` is taken.
+
+    Differentiable in the cosmology (and in a spectrum's own parameters).
+    """
+    from .cosmology import HUBBLE_DISTANCE
+
+    mesh = kernels.mesh
+    k = kernels.k_magnitude.to(torch.float64).expand(*mesh.local_fourier_shape)
+    nonzero = k > 0
+    k_floor = k[nonzero].min() if bool(nonzero.any()) else torch.ones((), dtype=k.dtype, device=k.device)
+    safe = torch.where(nonzero, k, k_floor)
+    cosmology = cosmology.to(k.device)
+    values = power(torch.cat([safe.reshape(-1), torch.tensor([k0], dtype=torch.float64, device=k.device)]), cosmology)
+    values = torch.as_tensor(values).to(device=k.device, dtype=torch.float64)
+    check_finite(values, "power spectrum values")
+    if bool((values <= 0).any()):
+        raise ValueError("`f_nl` needs a positive power spectrum (the transfer function is its square root)")
+    p, p0 = values[:-1].reshape(safe.shape), values[-1]
+    n_s = cosmology.n_s.to(k.device)
+    transfer_function = torch.sqrt(p / p0 * torch.exp(n_s * torch.log(k0 / safe)))
+    growth = torch.as_tensor(D1_matter_era, dtype=torch.float64).to(k.device)
+    scale = 2.0 / 3.0 * HUBBLE_DISTANCE**2 * growth / cosmology.Omega_m.to(k.device)
+    transfer = scale * safe * safe * transfer_function
+    zero = torch.zeros_like(transfer)
+    return torch.stack([torch.where(nonzero, transfer, zero), torch.where(nonzero, 1.0 / transfer, zero)]).to(kernels.dtype)
+
+
+def linear_field(noise: torch.Tensor, amplitude: torch.Tensor, mesh, f_nl=None, transfer=None) -> torch.Tensor:
     """The linear density field at ``a = 1`` from white noise.
 
     Args:
         noise: ``(B, *local_real_shape)`` white noise (unit variance).
         amplitude: :func:`power_kernel` of the grid.
         mesh: the particle-grid mesh.
+        f_nl: local primordial non-Gaussianity (a number or 0-d tensor), or None for
+            a Gaussian field.
+        transfer: with ``f_nl``, :func:`primordial_transfer` of the grid.
 
     Returns:
         ``(B, *local_real_shape)`` dimensionless overdensity ``delta_L``.
     """
-    return mesh.irfftn(multiply_real(mesh.rfftn(noise), amplitude))
+    delta_k = multiply_real(mesh.rfftn(noise), amplitude)
+    if f_nl is None:
+        return mesh.irfftn(delta_k)
+    if transfer is None:
+        raise ValueError("linear_field: `f_nl` needs `transfer` (primordial_transfer of the grid)")
+    potential = mesh.irfftn(multiply_real(delta_k, transfer[1]))
+    square_k = multiply_real(mesh.rfftn(potential * potential), transfer[0])
+    f_nl = torch.as_tensor(f_nl, device=noise.device).to(noise.dtype)
+    return mesh.irfftn(delta_k + square_k * f_nl)
 
 
 def lpt_displacements(delta: torch.Tensor, kernels: FourierKernels, order: int = 2):

@@ -72,7 +72,8 @@ CRITICAL_DENSITY = 27.7536627
 FORMAT_VERSION = 1
 CHUNK = 1 << 20  # particles per chunk copied to the host
 _UNITS = dict(UnitLength_in_cm=3.085678e24, UnitMass_in_g=1.989e43, UnitVelocity_in_cm_per_s=1e5)
-_COSMOLOGY_KEYS = ("Omega_c", "Omega_b", "h", "n_s", "sigma8", "Omega_k", "w0", "wa")
+# Attributes added after snapshots were first written, with the value a run had before.
+_ATTRIBUTE_DEFAULTS = {"cosmology_f_nl": 0.0}
 
 
 def _h5py():
@@ -791,7 +792,7 @@ def check_restart(snapshot: Snapshot, sim) -> None:
         ours[f"cosmology_{key}"] = float(value.detach())
     differences = []
     for key, value in ours.items():
-        theirs = attributes.get(key)
+        theirs = attributes.get(key, _ATTRIBUTE_DEFAULTS.get(key))
         if isinstance(value, float):
             same = theirs is not None and math.isclose(value, float(theirs), rel_tol=1e-12, abs_tol=1e-15)
         else:

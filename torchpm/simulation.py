@@ -21,6 +21,9 @@ from .ic import (
     lpt_displacements,
     lpt_initial_state,
     power_kernel,
+    primordial_transfer,
+    PRIMORDIAL_K,
+    PRIMORDIAL_K_TABLE,
     white_noise as make_white_noise,
 )
 from .distributed.decomposition import PencilDecomposition
@@ -648,23 +651,61 @@ class Simulation(nn.Module):
         kernels = self.kernels("particle")
         power = self._replicated_callable(self.power)
         build = lambda: power_kernel(kernels, self.box_size, power, cosmology)  # noqa: E731
+        f_nl = cosmology.f_nl
+        # Gaussian unless f_nl is nonzero or differentiated (then its gradient is computed).
+        local_png = bool(f_nl.detach() != 0) or f_nl.requires_grad or is_transformed(f_nl)
         # A spectrum module's values follow its weights, not only the cosmology: not cached.
         evaluate = build if isinstance(self.power, nn.Module) else (
             lambda: self._cached("power", cosmology, build, self._pure_power))
-        if self.force_mesh.is_local:
+        transfer = None
+
+        def evaluate_all():
+            nonlocal transfer
             amplitude = evaluate()
+            if local_png:
+                transfer = self._primordial_transfer(kernels, power, cosmology)
+            return amplitude
+
+        if self.force_mesh.is_local:
+            amplitude = evaluate_all()
         else:
             # On a grid each rank evaluates P on its own block: an error there, or a
             # gradient that could not be summed over the ranks, is raised on every rank.
             amplitude, error = None, None
             try:
-                amplitude = evaluate()
+                amplitude = evaluate_all()
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = f"{type(exc).__name__}: {exc}"
             else:
                 error = self._unsummed_error(amplitude, "`power_spectrum`")
+                if error is None and transfer is not None:
+                    error = self._unsummed_error(transfer, "`power_spectrum`")
             self.force_mesh.raise_together(error, operation="Simulation.linear_field")
-        return linear_field(noise, amplitude, self.particle_mesh)
+        if not local_png:
+            return linear_field(noise, amplitude, self.particle_mesh)
+        return linear_field(noise, amplitude, self.particle_mesh, f_nl=f_nl, transfer=transfer)
+
+    def _primordial_transfer(self, kernels, power, cosmology):
+        """:func:`~torchpm.ic.primordial_transfer` of the particle grid (cached like the power
+        kernel), the primordial amplitude read at ``PRIMORDIAL_K`` or at a table's first k."""
+        k0 = PRIMORDIAL_K
+        if isinstance(self.power, PowerTable):
+            low = self.power.k_range[0]
+            if low > PRIMORDIAL_K_TABLE * (1 + 1e-9):
+                raise ValueError(
+                    f"`f_nl` = {float(cosmology.f_nl.detach()):g} needs the linear power where the transfer function "
+                    f"is 1, at k <= {PRIMORDIAL_K_TABLE:g} h/Mpc, but the `power_spectrum` table "
+                    f"{self.power.path!r} starts at k = {low:.4g} h/Mpc; extend the table to smaller k"
+                )
+            k0 = max(k0, low)
+        table = self.growth_table(cosmology)
+
+        def build():
+            return primordial_transfer(kernels, power, cosmology, table.D1_matter_era, k0)
+
+        if isinstance(self.power, nn.Module):
+            return build()
+        return self._cached("primordial", cosmology, build, self._pure_power)
 
     def linear_power(self, k, cosmology: Cosmology | None = None) -> torch.Tensor:
         """The linear power at ``a = 1`` used by this simulation, at ``k`` in h/Mpc."""
@@ -1715,6 +1756,7 @@ class Simulation(nn.Module):
             f"n_particles={self.particle_shape}, box_size={self.box_size}, mesh_factor={self.mesh_factor}, "
             f"steps={self.steps}, a={self.scale_factors[0]:.4g}->{self.scale_factors[-1]:.4g}, "
             f"integrator={self.integrator!r}, lpt_order={self.lpt_order}, dtype={self._anchor.dtype}"
+            + (f", f_nl={float(self.cosmology.f_nl.detach()):g}" if bool(self.cosmology.f_nl.detach() != 0) else "")
             + (f", grid={grid}" if grid != (1, 1) else "")
         )
 
