@@ -35,10 +35,7 @@ def _independent_transfer(cosmology, shape, box):
     LambdaCDM, E(1) = 1), computed here without torchpm's growth or IC code."""
     from scipy.integrate import quad
 
-    axes = [2 * np.pi * np.fft.fftfreq(n, d=b / n) for n, b in zip(shape[:2], box[:2])]
-    axes.append(2 * np.pi * np.fft.rfftfreq(shape[2], d=box[2] / shape[2]))
-    kx, ky, kz = np.meshgrid(*axes, indexing="ij")
-    k = np.sqrt(kx**2 + ky**2 + kz**2)
+    k = _k_magnitude(shape, box)
     omega_m = float(cosmology.Omega_m)
     E = lambda a: math.sqrt(omega_m / a**3 + 1.0 - omega_m)  # noqa: E731
     growth = 2.5 * omega_m * quad(lambda a: (a * E(a)) ** -3 if a > 0 else 0.0, 0.0, 1.0, epsabs=0, epsrel=1e-12)[0]
@@ -75,24 +72,54 @@ def test_field_is_linear_in_f_nl_and_a_pair_shares_the_f_nl_term():
     assert float((partner - (term - d0)).abs().max()) <= 1e-12 * float(d0.abs().max())
 
 
-@pytest.mark.parametrize("f_nl", [40.0, -250.0])
-def test_field_matches_an_independent_transfer(f_nl):
+def _k_magnitude(shape, box):
+    axes = [2 * np.pi * np.fft.fftfreq(n, d=b / n) for n, b in zip(shape[:2], box[:2])]
+    axes.append(2 * np.pi * np.fft.rfftfreq(shape[2], d=box[2] / shape[2]))
+    kx, ky, kz = np.meshgrid(*axes, indexing="ij")
+    return np.sqrt(kx**2 + ky**2 + kz**2)
+
+
+@pytest.mark.parametrize("f_nl,kmax", [(40.0, 0.0), (-250.0, 0.0), (300.0, 2.0 / 3.0)])
+def test_field_matches_an_independent_transfer(f_nl, kmax):
     """phi = IDFT(DFT(delta_G) / M), delta = delta_G + f_nl IDFT(M DFT(phi^2)) with M
     computed here (numpy, the Eisenstein & Hu fit, the Heath integral): the f_nl term
     agrees to 1e-5 of its size (torchpm reads T = 1 at k = 1e-5 h/Mpc, where the fit is 1
-    to 1e-6)."""
+    to 1e-6). With ``primordial_kmax`` the Gaussian modes at and above that fraction of
+    the smallest Nyquist wavenumber (pi n / L, computed here) are zeroed first."""
     cosmology = torchpm.Planck15(f_nl=f_nl)
-    sim = _sim(cosmology=cosmology)
+    sim = _sim(cosmology=cosmology, primordial_kmax=kmax)
     noise = sim.white_noise(seed=6)
-    gaussian = _sim(0.0).linear_field(noise)[0].numpy()
+    gaussian_k = np.fft.rfftn(_sim(0.0).linear_field(noise)[0].numpy())
+    if kmax:
+        nyquist = min(np.pi * n / b for n, b in zip(SHAPE, BOX))
+        cut = _k_magnitude(SHAPE, BOX) >= kmax * nyquist
+        assert 0.2 < cut.mean() < 0.95
+        gaussian_k[cut] = 0.0
+    gaussian = np.fft.irfftn(gaussian_k, s=SHAPE, axes=(0, 1, 2))
     got = sim.linear_field(noise)[0].numpy()
     M = _independent_transfer(cosmology, SHAPE, BOX)
     inverse = np.divide(1.0, M, out=np.zeros_like(M), where=M > 0)
-    phi = np.fft.irfftn(np.fft.rfftn(gaussian) * inverse, s=SHAPE, axes=(0, 1, 2))
+    phi = np.fft.irfftn(gaussian_k * inverse, s=SHAPE, axes=(0, 1, 2))
     expected_term = f_nl * np.fft.irfftn(M * np.fft.rfftn(phi * phi), s=SHAPE, axes=(0, 1, 2))
     scale = np.abs(expected_term).max()
     assert scale > 1e-4 * np.abs(gaussian).max()
     assert np.abs(got - gaussian - expected_term).max() <= 1e-5 * scale
+
+
+def test_primordial_kmax_cuts_the_gaussian_modes_whatever_f_nl():
+    """f_nl = 0 with ``primordial_kmax``: the field's modes at and above the cut are zero
+    and those below are the uncut field's (to rounding); the cut is refused below 0."""
+    noise = _sim().white_noise(seed=2)
+    full = np.fft.rfftn(_sim(0.0).linear_field(noise)[0].numpy())
+    cut_field = np.fft.rfftn(_sim(0.0, primordial_kmax=0.5).linear_field(noise)[0].numpy())
+    nyquist = min(np.pi * n / b for n, b in zip(SHAPE, BOX))
+    cut = _k_magnitude(SHAPE, BOX) >= 0.5 * nyquist
+    assert cut.any() and (~cut).sum() > 10
+    assert np.abs(cut_field[cut]).max() <= 1e-12 * np.abs(full).max()
+    assert np.abs(cut_field[~cut] - full[~cut]).max() <= 1e-12 * np.abs(full).max()
+    with pytest.raises(ValueError, match="`primordial_kmax`"):
+        _sim(0.0, primordial_kmax=-0.5)
+    assert "primordial_kmax=0.5" in repr(_sim(0.0, primordial_kmax=0.5))
 
 
 @pytest.mark.parametrize("preset,A_s", [(torchpm.Planck15, math.exp(3.064) * 1e-10),
@@ -250,3 +277,40 @@ def test_cli_f_nl_key_reaches_the_initial_conditions(tmp_path, capsys, monkeypat
     config.write_text(base + 'output = "c"\nf_nl = "ten"\n')
     assert main(["run", str(config)]) == 2
     assert "`f_nl`" in capsys.readouterr().err
+
+
+def test_cli_primordial_kmax_reaches_the_run_and_resume_compares_it(tmp_path, capsys, monkeypatch):
+    """`primordial_kmax` makes the run's initial conditions those of
+    Simulation(primordial_kmax=...); --resume refuses a snapshot of another cut (it changed
+    the particles before the snapshot), and one written before the key existed counts as 0."""
+    h5py = pytest.importorskip("h5py")
+    from torchpm.__main__ import main
+    from torchpm.io import read_snapshot, restart_state
+
+    monkeypatch.chdir(tmp_path)
+    base = ('n_particles = 6\nbox_size = 60.0\nmesh_factor = 1\nsteps = [0.2]\nlpt_order = 1\n'
+            'dtype = "float64"\nseed = 3\nsnapshots = [0.1]\nf_nl = 80.0\n')
+    config = tmp_path / "run.toml"
+    config.write_text(base + "primordial_kmax = 0.6\n")
+    assert main(["run", str(config)]) == 0
+    sim = torchpm.Simulation(6, 60.0, mesh_factor=1, steps=[0.2], lpt_order=1, dtype=torch.float64,
+                             cosmology=torchpm.Planck15(f_nl=80.0), primordial_kmax=0.6)
+    snapshot = str(tmp_path / "out" / "snap_000.hdf5")
+    state = restart_state(read_snapshot(snapshot), sim)
+    torch.testing.assert_close(state.positions, sim(sim.white_noise(seed=3), until=0.1, return_mesh_units=True).positions,
+                               rtol=0, atol=1e-12)
+    capsys.readouterr()
+    config.write_text(base + "primordial_kmax = 0.5\n")
+    assert main(["run", str(config), "--check", "--resume", snapshot]) == 2
+    error = capsys.readouterr().err
+    assert "primordial_kmax 0.6 (this configuration: 0.5)" in error, error
+    config.write_text(base)  # no cut
+    with h5py.File(snapshot, "r+") as handle:  # as written before the key existed
+        text = handle["torchpm"].attrs["config"]
+        text = text.decode() if isinstance(text, bytes) else text
+        handle["torchpm"].attrs["config"] = "\n".join(line for line in text.splitlines()
+                                                     if not line.startswith("primordial_kmax")) + "\n"
+    assert main(["run", str(config), "--check", "--resume", snapshot]) == 0
+    config.write_text(base + 'primordial_kmax = -1\noutput = "d"\n')
+    assert main(["run", str(config)]) == 2
+    assert "`primordial_kmax`" in capsys.readouterr().err

@@ -127,6 +127,7 @@ def build_simulation(config: dict):
             cic_compensation=config["cic_compensation"],
             window_compensation=config["window_compensation"],
             sort_every=config["sort_every"],
+            primordial_kmax=config["primordial_kmax"],
             dtype=dtype,
             # Checked below on the run's device with the run's batch, not on the CPU with batch 1.
             memory_check="off",
@@ -341,10 +342,11 @@ def _agree(context, error: str | None) -> None:
 
 # The settings that made a snapshot's particles before it was written, beyond those
 # torchpm.io.check_restart compares with the simulation (box, mesh, cosmology, ...).
-_HISTORY = ("seed", "fixed_amplitude", "paired", "a_start", "lpt_order", "lpt_normalisation", "power_spectrum")
+_HISTORY = ("seed", "fixed_amplitude", "paired", "a_start", "lpt_order", "lpt_normalisation", "power_spectrum",
+            "primordial_kmax")
 # Keys of _HISTORY added after snapshots were first written: a config written by the CLI
 # (it records `seed`) without one of them was written by a run at its default.
-_HISTORY_DEFAULTS = {"fixed_amplitude": False, "paired": False}
+_HISTORY_DEFAULTS = {"fixed_amplitude": False, "paired": False, "primordial_kmax": 0.0}
 
 
 def _check_history(written: dict, config: dict) -> None:

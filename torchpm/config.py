@@ -471,6 +471,13 @@ SETTINGS: tuple[Setting, ...] = (
         check=_float(),
     ),
     Setting(
+        "primordial_kmax", "float", default=0.0, unit="k_Nyquist", allowed="0 (none) or > 0",
+        help="cut the initial conditions' Gaussian potential (and so every Gaussian mode) at and above this "
+             "fraction of the particle grid's Nyquist wavenumber before the f_nl square (FastPM's "
+             "kmax_primordial_over_knyquist; 2/3 keeps the square's aliases above 2/3 k_Nyquist; 0: no cut)",
+        check=_float(0.0),
+    ),
+    Setting(
         "seed", "int", default=0, unit="", allowed=f"0 to {2**63 - 1}",
         help="seed of the white noise",
         check=_int(0, 2**63 - 1),

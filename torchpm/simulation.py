@@ -237,6 +237,12 @@ class Simulation(nn.Module):
             and the sort cost ~37 ms; RESULTS section 7). Sorting pays where the
             order is scrambled (particles given in random order: 1.5-1.8x per step
             at 128^3).
+        primordial_kmax: zero the Gaussian potential of the initial conditions, so
+            every Gaussian mode, at and above this fraction of the particle grid's
+            (smallest) Nyquist wavenumber ``pi n / L``, before the ``f_nl`` square
+            (FastPM's ``kmax_primordial_over_knyquist``: at 2/3 the square's aliases
+            fall above 2/3 of the Nyquist wavenumber). Default 0: no cut. Applies
+            whatever ``f_nl``, so runs that differ in ``f_nl`` alone share their modes.
 
     ``forward(white_noise)`` returns a :class:`SimulationState` in Mpc/h. Shapes on
     one device: white noise ``(B, nx, ny, nz)`` (or without the batch axis),
@@ -282,6 +288,7 @@ class Simulation(nn.Module):
         particle_capacity: int | None = None,
         memory_check: str = "error",
         sort_every: int = 0,
+        primordial_kmax: float = 0.0,
     ):
         super().__init__()
         # Plain arguments: checked by the declaration shared with the CLI (torchpm.config).
@@ -302,6 +309,7 @@ class Simulation(nn.Module):
             raise ValueError(f"`memory_check` must be 'error', 'warn' or 'off', got {memory_check!r}")
         self.memory_check = memory_check
         self.sort_every = BY_NAME["sort_every"].validate(sort_every)
+        self.primordial_kmax = BY_NAME["primordial_kmax"].validate(primordial_kmax)
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"`dtype` must be torch.float32 or torch.float64, got {dtype}")
         # A buffer so that .to(device) tells us where to run, and .double() / .float() /
@@ -403,6 +411,7 @@ class Simulation(nn.Module):
                 ("`adjoint`", self.adjoint),
                 ("`particle_capacity`", repr(self.particle_capacity)),
                 ("`sort_every`", self.sort_every),
+                ("`primordial_kmax`", repr(self.primordial_kmax)),
                 ("`force_correction`", "None" if force_correction is None else type(force_correction).__qualname__),
             ])
             self._check_blocks()  # the same answer on every rank: they agree on its inputs
@@ -650,7 +659,7 @@ class Simulation(nn.Module):
         cosmology = self._replicated(cosmology or self.cosmology)
         kernels = self.kernels("particle")
         power = self._replicated_callable(self.power)
-        build = lambda: power_kernel(kernels, self.box_size, power, cosmology)  # noqa: E731
+        build = lambda: self._primordial_cut(power_kernel(kernels, self.box_size, power, cosmology), kernels)  # noqa: E731
         f_nl = cosmology.f_nl
         # Gaussian unless f_nl is nonzero or differentiated (then its gradient is computed).
         local_png = bool(f_nl.detach() != 0) or f_nl.requires_grad or is_transformed(f_nl)
@@ -684,6 +693,15 @@ class Simulation(nn.Module):
         if not local_png:
             return linear_field(noise, amplitude, self.particle_mesh)
         return linear_field(noise, amplitude, self.particle_mesh, f_nl=f_nl, transfer=transfer)
+
+    def _primordial_cut(self, amplitude, kernels):
+        """``amplitude`` zeroed at and above ``primordial_kmax`` times the particle grid's
+        (smallest) Nyquist wavenumber; unchanged without a cut."""
+        if not self.primordial_kmax:
+            return amplitude
+        nyquist = min(math.pi * n / b for n, b in zip(self.particle_shape, self.box_size))
+        keep = kernels.k_magnitude.to(torch.float64) < self.primordial_kmax * nyquist
+        return torch.where(keep, amplitude, torch.zeros_like(amplitude))
 
     def _primordial_transfer(self, kernels, power, cosmology):
         """:func:`~torchpm.ic.primordial_transfer` of the particle grid (cached like the power
@@ -1757,6 +1775,7 @@ class Simulation(nn.Module):
             f"steps={self.steps}, a={self.scale_factors[0]:.4g}->{self.scale_factors[-1]:.4g}, "
             f"integrator={self.integrator!r}, lpt_order={self.lpt_order}, dtype={self._anchor.dtype}"
             + (f", f_nl={float(self.cosmology.f_nl.detach()):g}" if bool(self.cosmology.f_nl.detach() != 0) else "")
+            + (f", primordial_kmax={self.primordial_kmax:g}" if self.primordial_kmax else "")
             + (f", grid={grid}" if grid != (1, 1) else "")
         )
 
