@@ -714,7 +714,7 @@ def test_halos_outputs_are_the_library_catalogue(tmp_path, capsys):
 
     path = tmp_path / "halos.toml"
     out = tmp_path / "out"
-    path.write_text(HALOS + f'output = "{out}"\n')
+    path.write_text(HALOS + f'output = "{out}"\nf_nl = 50.0\n')  # (non-Gaussian: the attribute names it)
     assert main(["run", str(path)]) == 0
     report = capsys.readouterr().out
     config = load_config(str(path))
@@ -724,7 +724,7 @@ def test_halos_outputs_are_the_library_catalogue(tmp_path, capsys):
     for name, state in (("halos_000.hdf5", states[0]), ("halos.hdf5", states[1])):
         expected = torchpm.find_halos(sim, state, linking_length=0.2, min_members=5)
         with h5py.File(out / name, "r") as handle:
-            assert handle.attrs["a"] == state.a and handle.attrs["min_members"] == 5
+            assert handle.attrs["a"] == state.a and handle.attrs["min_members"] == 5 and handle.attrs["f_nl"] == 50.0
             for key, field in (("label", "labels"), ("members", "members"), ("mass", "masses"),
                                ("position", "positions"), ("velocity", "velocities")):
                 assert torch.equal(torch.from_numpy(handle[key][...]), getattr(expected, field)), (name, key)

@@ -314,3 +314,16 @@ def test_cli_primordial_kmax_reaches_the_run_and_resume_compares_it(tmp_path, ca
     config.write_text(base + 'primordial_kmax = -1\noutput = "d"\n')
     assert main(["run", str(config)]) == 2
     assert "`primordial_kmax`" in capsys.readouterr().err
+
+
+def test_simulation_config_is_a_valid_config_with_f_nl():
+    """The config a library run writes into its snapshots (``torchpm.io.simulation_config``)
+    holds ``f_nl`` and ``primordial_kmax`` as the CLI's keys (not inside the cosmology
+    table, which the CLI refuses) and validates."""
+    from torchpm.config import validate
+    from torchpm.io import simulation_config
+
+    config = simulation_config(_sim(12.5, primordial_kmax=0.5))
+    assert config["f_nl"] == 12.5 and config["primordial_kmax"] == 0.5 and "f_nl" not in config["cosmology"]
+    checked = validate(config)
+    assert checked["f_nl"] == 12.5 and checked["primordial_kmax"] == 0.5

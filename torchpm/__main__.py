@@ -682,6 +682,7 @@ def _write_halos(path, catalog, simulation, config, a, particle_mass):
         handle.attrs["particle_mass_msun_h"] = particle_mass
         handle.attrs["box_size"] = np.asarray(simulation.box_size, dtype=np.float64)
         handle.attrs["seed"] = config["seed"]
+        handle.attrs["f_nl"] = config["f_nl"]
 
 
 def _plane_taker(config, simulation):
@@ -737,6 +738,7 @@ def _lensing_outputs(taker, simulation, config, output, main_rank):
             handle.attrs["axis"] = "xyz"[planes.axis]
             handle.attrs["field_deg"] = field
             handle.attrs["seed"] = config["seed"]
+            handle.attrs["f_nl"] = config["f_nl"]
     # C_ell / linear Limber over the first three multipole bins (the largest scales), first
     # source (a map of few pixels may have fewer bins, or none)
     bins = min(3, int(spectrum.ell.numel()))

@@ -134,8 +134,10 @@ def to_toml(config: dict) -> str:
 
 
 def simulation_config(sim) -> dict:
-    """The settings of ``sim`` as a config dict (steps as the exact list of scale factors)."""
+    """The settings of ``sim`` as a config dict (steps as the exact list of scale factors;
+    ``f_nl`` a key of its own, as the CLI's config has it)."""
     cosmology = {key: float(value.detach()) for key, value in sim.cosmology.parameters().items()}
+    f_nl = cosmology.pop("f_nl")
     power = getattr(sim.power, "path", None)
     return dict(
         n_particles=list(sim.particle_shape),
@@ -152,6 +154,8 @@ def simulation_config(sim) -> dict:
         paint_order=sim.paint_order,
         window_compensation=sim.window_compensation,
         cosmology=cosmology,
+        f_nl=f_nl,
+        primordial_kmax=getattr(sim, "primordial_kmax", 0.0),
         dtype=str(sim.dtype).replace("torch.", ""),
         **({"power_spectrum": power} if power else {}),
     )
