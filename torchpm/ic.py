@@ -218,26 +218,29 @@ def power_kernel(
 ) -> torch.Tensor:
     """``sqrt(P(|k|) N / V)`` on the Fourier block (0 at k = 0), in the field dtype.
 
-    P is evaluated in float64 on the block's device, once per simulation.
+    P is evaluated in float64 on the block's device, once per distinct ``|k|``
+    (:meth:`~torchpm.fourier.FourierKernels.radial`), once per simulation.
     """
     mesh = kernels.mesh
-    k = kernels.k_magnitude.to(torch.float64)
-    k = k.expand(*mesh.local_fourier_shape)
-    nonzero = k > 0
-    # P at k = 0 is never used (the mode is zeroed); evaluate it at the smallest k.
-    k_floor = k[nonzero].min() if bool(nonzero.any()) else torch.ones((), dtype=k.dtype, device=k.device)
     volume = math.prod(float(b) for b in box_size)
-    cosmology = cosmology.to(k.device)
-    p = power(torch.where(nonzero, k, k_floor), cosmology)
-    if isinstance(p, torch.Tensor):
-        p = p.to(device=k.device, dtype=torch.float64)
-    else:
-        p = torch.as_tensor(p, dtype=torch.float64, device=k.device)
-    check_finite(p, "power spectrum values")
-    if bool((p < 0).any()):
-        raise ValueError("the power spectrum must not be negative")
-    amplitude = torch.sqrt(p * (mesh.size / volume))
-    return torch.where(nonzero, amplitude, torch.zeros_like(amplitude)).to(kernels.dtype)
+    cosmology = cosmology.to(kernels.device)
+
+    def amplitude(k):
+        nonzero = k > 0
+        # P at k = 0 is never used (the mode is zeroed); evaluate it at the smallest k.
+        k_floor = k[nonzero].min() if bool(nonzero.any()) else torch.ones((), dtype=k.dtype, device=k.device)
+        p = power(torch.where(nonzero, k, k_floor), cosmology)
+        if isinstance(p, torch.Tensor):
+            p = p.to(device=k.device, dtype=torch.float64)
+        else:
+            p = torch.as_tensor(p, dtype=torch.float64, device=k.device)
+        check_finite(p, "power spectrum values")
+        if bool((p < 0).any()):
+            raise ValueError("the power spectrum must not be negative")
+        values = torch.sqrt(p * (mesh.size / volume))
+        return torch.where(nonzero, values, torch.zeros_like(values))
+
+    return kernels.radial(amplitude).to(kernels.dtype)
 
 
 def primordial_transfer(
@@ -261,25 +264,27 @@ def primordial_transfer(
     """
     from .cosmology import HUBBLE_DISTANCE
 
-    mesh = kernels.mesh
-    k = kernels.k_magnitude.to(torch.float64).expand(*mesh.local_fourier_shape)
-    nonzero = k > 0
-    k_floor = k[nonzero].min() if bool(nonzero.any()) else torch.ones((), dtype=k.dtype, device=k.device)
-    safe = torch.where(nonzero, k, k_floor)
-    cosmology = cosmology.to(k.device)
-    values = power(torch.cat([safe.reshape(-1), torch.tensor([k0], dtype=torch.float64, device=k.device)]), cosmology)
-    values = torch.as_tensor(values).to(device=k.device, dtype=torch.float64)
-    check_finite(values, "power spectrum values")
-    if bool((values <= 0).any()):
-        raise ValueError("`f_nl` needs a positive power spectrum (the transfer function is its square root)")
-    p, p0 = values[:-1].reshape(safe.shape), values[-1]
-    n_s = cosmology.n_s.to(k.device)
-    transfer_function = torch.sqrt(p / p0 * torch.exp(n_s * torch.log(k0 / safe)))
-    growth = torch.as_tensor(D1_matter_era, dtype=torch.float64).to(k.device)
-    scale = 2.0 / 3.0 * HUBBLE_DISTANCE**2 * growth / cosmology.Omega_m.to(k.device)
-    transfer = scale * safe * safe * transfer_function
-    zero = torch.zeros_like(transfer)
-    return torch.stack([torch.where(nonzero, transfer, zero), torch.where(nonzero, 1.0 / transfer, zero)]).to(kernels.dtype)
+    cosmology = cosmology.to(kernels.device)
+    growth = torch.as_tensor(D1_matter_era, dtype=torch.float64).to(kernels.device)
+    scale = 2.0 / 3.0 * HUBBLE_DISTANCE**2 * growth / cosmology.Omega_m
+    n_s = cosmology.n_s
+
+    def transfer(k):
+        nonzero = k > 0
+        k_floor = k[nonzero].min() if bool(nonzero.any()) else torch.ones((), dtype=k.dtype, device=k.device)
+        safe = torch.where(nonzero, k, k_floor)
+        values = power(torch.cat([safe, torch.tensor([k0], dtype=torch.float64, device=k.device)]), cosmology)
+        values = torch.as_tensor(values).to(device=k.device, dtype=torch.float64)
+        check_finite(values, "power spectrum values")
+        if bool((values <= 0).any()):
+            raise ValueError("`f_nl` needs a positive power spectrum (the transfer function is its square root)")
+        p, p0 = values[:-1], values[-1]
+        transfer_function = torch.sqrt(p / p0 * torch.exp(n_s * torch.log(k0 / safe)))
+        forward = scale * safe * safe * transfer_function
+        zero = torch.zeros_like(forward)
+        return torch.stack([torch.where(nonzero, forward, zero), torch.where(nonzero, 1.0 / forward, zero)], -1)
+
+    return kernels.radial(transfer).movedim(-1, 0).contiguous().to(kernels.dtype)
 
 
 def linear_field(noise: torch.Tensor, amplitude: torch.Tensor, mesh, f_nl=None, transfer=None) -> torch.Tensor:

@@ -649,7 +649,7 @@ class Simulation(nn.Module):
 
     def growth_table(self, cosmology: Cosmology | None = None):
         """The :class:`~torchpm.cosmology.GrowthTable` of a run (built once per cosmology)."""
-        cosmology = self._replicated(cosmology or self.cosmology)
+        cosmology = _gaussian(self._replicated(cosmology or self.cosmology))
         a_min = min(1e-3, 0.5 * self.a_start)
         return self._cached("growth", cosmology, lambda: growth_table(cosmology, a_min=a_min))
 
@@ -657,10 +657,13 @@ class Simulation(nn.Module):
         """The linear overdensity at ``a = 1`` on the particle grid, ``(B, *n_particles)``."""
         noise = self._check_field(white_noise, "white_noise")
         cosmology = self._replicated(cosmology or self.cosmology)
+        f_nl = cosmology.f_nl
+        # The spectrum and the transfer do not depend on f_nl: built (and cached) from the
+        # cosmology without it, also while f_nl needs a gradient.
+        cosmology = _gaussian(cosmology)
         kernels = self.kernels("particle")
         power = self._replicated_callable(self.power)
         build = lambda: self._primordial_cut(power_kernel(kernels, self.box_size, power, cosmology), kernels)  # noqa: E731
-        f_nl = cosmology.f_nl
         # Gaussian unless f_nl is nonzero or differentiated (then its gradient is computed).
         local_png = bool(f_nl.detach() != 0) or f_nl.requires_grad or is_transformed(f_nl)
         # A spectrum module's values follow its weights, not only the cosmology: not cached.
@@ -672,7 +675,7 @@ class Simulation(nn.Module):
             nonlocal transfer
             amplitude = evaluate()
             if local_png:
-                transfer = self._primordial_transfer(kernels, power, cosmology)
+                transfer = self._primordial_transfer(kernels, power, cosmology, f_nl)
             return amplitude
 
         if self.force_mesh.is_local:
@@ -703,7 +706,7 @@ class Simulation(nn.Module):
         keep = kernels.k_magnitude.to(torch.float64) < self.primordial_kmax * nyquist
         return torch.where(keep, amplitude, torch.zeros_like(amplitude))
 
-    def _primordial_transfer(self, kernels, power, cosmology):
+    def _primordial_transfer(self, kernels, power, cosmology, f_nl):
         """:func:`~torchpm.ic.primordial_transfer` of the particle grid (cached like the power
         kernel), the primordial amplitude read at ``PRIMORDIAL_K`` or at a table's first k."""
         k0 = PRIMORDIAL_K
@@ -711,7 +714,7 @@ class Simulation(nn.Module):
             low = self.power.k_range[0]
             if low > PRIMORDIAL_K_TABLE * (1 + 1e-9):
                 raise ValueError(
-                    f"`f_nl` = {float(cosmology.f_nl.detach()):g} needs the linear power where the transfer function "
+                    f"`f_nl` = {float(plain(f_nl).detach()):g} needs the linear power where the transfer function "
                     f"is 1, at k <= {PRIMORDIAL_K_TABLE:g} h/Mpc, but the `power_spectrum` table "
                     f"{self.power.path!r} starts at k = {low:.4g} h/Mpc; extend the table to smaller k"
                 )
@@ -1778,6 +1781,20 @@ class Simulation(nn.Module):
             + (f", primordial_kmax={self.primordial_kmax:g}" if self.primordial_kmax else "")
             + (f", grid={grid}" if grid != (1, 1) else "")
         )
+
+
+def _gaussian(cosmology: Cosmology) -> Cosmology:
+    """``cosmology`` with ``f_nl = 0`` (the same parameter tensors otherwise), for what does
+    not depend on ``f_nl`` (growth, power, transfer): cached while ``f_nl`` alone needs a
+    gradient or changes. ``cosmology`` itself when its ``f_nl`` is a plain 0."""
+    f_nl = cosmology.f_nl
+    if not (f_nl.requires_grad or is_transformed(f_nl)) and not bool(f_nl.detach() != 0):
+        return cosmology
+    parameters = {key: value for key, value in cosmology.parameters().items() if key != "f_nl"}
+    gaussian = Cosmology(**parameters, name=cosmology.name)
+    if hasattr(cosmology, "_replicated_over"):
+        gaussian._replicated_over = cosmology._replicated_over
+    return gaussian
 
 
 def _power_setting(argument, power) -> str:
