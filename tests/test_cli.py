@@ -826,3 +826,41 @@ def test_a_halo_catalogue_that_cannot_be_written_is_one_line(tmp_path, capsys, m
     assert main(["run", str(path)]) == 2
     error = capsys.readouterr().err
     assert f"cannot write {str(out / 'halos.hdf5')!r}: No space left on device" in error, error
+
+
+@pytest.mark.parametrize("output", ["snapshot", "table", "halos"])
+def test_an_output_at_a_snapshot_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch, output):
+    """A write at a snapshot that fails (a full disk, faked) inside the run's observer: the
+    snapshot itself, its P(k) table or its halo catalogue. One line naming the file, exit
+    2, and the run stops there (the same on a process grid: test_cli_distributed)."""
+    import errno
+
+    import h5py
+
+    import torchpm.__main__ as cli
+
+    def full(path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+
+    out = tmp_path / "out"
+    failing = {"snapshot": "snap_000.hdf5", "table": "power_spectrum_000.txt", "halos": "halos_000.hdf5"}[output]
+    if output == "snapshot":  # (write_snapshot writes a temporary file, then renames it)
+        real_file = h5py.File
+        monkeypatch.setattr(h5py, "File", lambda name, *args, **kwargs: full(name) if os.path.basename(
+            os.fspath(name)).startswith(".snap_000") else real_file(name, *args, **kwargs))
+    elif output == "table":
+        real_savetxt = np.savetxt
+        monkeypatch.setattr(np, "savetxt", lambda name, *args, **kwargs: full(name) if os.path.basename(
+            os.fspath(name)) == failing else real_savetxt(name, *args, **kwargs))
+    else:
+        real_halos = cli._write_halos
+        monkeypatch.setattr(cli, "_write_halos", lambda name, *args: full(name) if os.path.basename(
+            name) == failing else real_halos(name, *args))
+    path = tmp_path / "run.toml"
+    path.write_text(HALOS + f'output = "{out}"\n')
+    assert main(["run", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert error.splitlines()[-1] == f"torchpm run: cannot write {str(out / failing)!r}: No space left on device", \
+        error
+    assert "Traceback" not in error
+    assert not (out / "power_spectrum.txt").exists()  # (stopped at the snapshot)

@@ -37,7 +37,9 @@ validates the config and prints the resolved settings and the memory estimate
 without running. Every key, its default, unit and meaning: the README table,
 generated from :data:`torchpm.config.SETTINGS` (``python -m torchpm config-table``).
 
-User errors print one line and exit with status 2.
+User errors print one line and exit with status 2; so does a snapshot, its P(k) table or
+a halo catalogue that cannot be written (a full disk, a quota, permissions), on every
+rank of a process grid.
 """
 
 from __future__ import annotations
@@ -520,31 +522,53 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
                 taker.take(state)  # the lens planes at their scale factors (collective)
             index = due.get(scale_factor_index(simulation, state.a))
             if index is not None:
+                # A write that fails (a full disk, a quota, permissions) is a UserError raised
+                # on every rank together (the trajectory raises it again as its RuntimeError:
+                # unwrapped below).
                 for member in range(batch):
                     path = os.path.join(output, snapshot_name(index, member, batch))
-                    write_snapshot(path, state, simulation, mesh_units=True, member=member, config=config,
-                                   overwrite=overwrite)
+                    _write_snapshot_together(write_snapshot, path, state, simulation, member=member,
+                                             config=config, overwrite=overwrite)
                     written.append(path)
                 # The spectra at the snapshot too (collective; rank 0 writes them).
                 _, _, snapshot_spectra, snapshot_multipoles = tables.measure(state)
+                problem = None
                 if main_rank:
-                    written_tables.extend(tables.write(f"_{index:03d}", state.a, snapshot_spectra, snapshot_multipoles)[:2])
+                    try:
+                        written_tables.extend(
+                            tables.write(f"_{index:03d}", state.a, snapshot_spectra, snapshot_multipoles)[:2])
+                    except OSError as error:
+                        name = error.filename or os.path.join(output, f"power_spectrum_{index:03d}.txt")
+                        problem = _cannot_write(name, error)
+                simulation.force_mesh.raise_together(problem, UserError,
+                                                     operation="torchpm run: the snapshot's P(k) tables")
                 if config["halos_linking_length"]:  # (collective)
                     written_tables.append(_halos(simulation, state, config, output, f"_{index:03d}", main_rank)[0])
             return state if state.a == final else None
 
-        if start_state is None:
-            noise = simulation.white_noise(batch=batch, seed=config["seed"],
-                                           fixed_amplitude=config["fixed_amplitude"], paired=config["paired"])
-            state = simulation.trajectory(noise, at=at, observe=observe, callback=callback,
-                                          return_mesh_units=True)[-1]
-        else:
-            state = simulation.trajectory(state=start_state, mesh_units=True, at=[a for a in at if scale_factor_index(simulation, a) >= first],
-                                          observe=observe, callback=callback, return_mesh_units=True)[-1]
+        try:
+            if start_state is None:
+                noise = simulation.white_noise(batch=batch, seed=config["seed"],
+                                               fixed_amplitude=config["fixed_amplitude"], paired=config["paired"])
+                state = simulation.trajectory(noise, at=at, observe=observe, callback=callback,
+                                              return_mesh_units=True)[-1]
+            else:
+                state = simulation.trajectory(state=start_state, mesh_units=True,
+                                              at=[a for a in at if scale_factor_index(simulation, a) >= first],
+                                              observe=observe, callback=callback, return_mesh_units=True)[-1]
+        except RuntimeError as error:
+            # On a grid the trajectory raises what `observe` raised as a RuntimeError naming
+            # it on every rank. The observer's own UserErrors are raised on every rank
+            # together (so each rank's RuntimeError comes from one): the same one line as
+            # on one process, not a traceback on every rank.
+            if isinstance(error.__cause__, UserError):
+                raise error.__cause__ from None
+            raise
+        finally:
+            bar.close()  # (the error's line below the bar, not after it)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         total = time.perf_counter() - start
-        bar.close()
         # this rank's block of the force mesh (and of the redshift-space density), the spectra
         density, density_rsd, spectra, multipoles = tables.measure(state)
 
@@ -633,6 +657,35 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     return summary
 
 
+def _cannot_write(path, error: OSError) -> str:
+    """The one line of an output that could not be written."""
+    return f"cannot write {os.fspath(path)!r}: {error.strerror or error}"
+
+
+def _write_snapshot_together(write_snapshot, path, state, simulation, **options):
+    """``write_snapshot(path, ...)`` (collective on a grid: each rank writes its file of the
+    set). An OSError on any rank (a full disk, a quota, permissions) is a UserError on
+    every rank naming the file that failed (and, on a grid, its rank): the other ranks'
+    write_snapshot only knows that another rank failed."""
+    from torchpm.io import snapshot_files
+
+    mesh = simulation.force_mesh
+    own = path if mesh.is_local else snapshot_files(path, mesh.grid.size)[mesh.grid.rank]
+    problem, other = None, None
+    try:
+        write_snapshot(path, state, simulation, mesh_units=True, **options)
+    except OSError as error:
+        problem = _cannot_write(own, error)
+    except RuntimeError as error:  # ("another rank failed to write its file": named by that rank below)
+        other = error
+    try:
+        mesh.raise_together(problem, UserError, operation="torchpm run: the snapshot")
+    except RuntimeError as failure:  # (the exchange itself failed: a lost peer)
+        raise failure from other
+    if other is not None:
+        raise other
+
+
 def _halos(simulation, state, config, output, suffix, main_rank):
     """The friends-of-friends halos of ``state`` (collective on a grid: every rank finds
     the whole catalogue), written by rank 0 to ``halos{suffix}.hdf5``. Returns the path
@@ -653,7 +706,7 @@ def _halos(simulation, state, config, output, suffix, main_rank):
         try:
             _write_halos(path, catalog, simulation, config, state.a, particle_mass)
         except OSError as error:  # (disk full, quota, permissions: the other ranks must not wait)
-            problem = f"cannot write {path!r}: {error.strerror or error}"
+            problem = _cannot_write(path, error)
     simulation.force_mesh.raise_together(problem, UserError, operation="torchpm run: the halo catalogue")
     return path, line
 
