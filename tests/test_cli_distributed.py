@@ -169,3 +169,83 @@ def test_torchrun_check_names_the_grid_and_the_per_rank_estimate(tmp_path):
     assert result.stdout.count("# process grid 2 x 1 (2 ranks)") == 1, result.stdout
     assert "# memory estimate per rank:" in result.stdout, result.stdout
     assert not (tmp_path / "out").exists()
+
+
+# Each rank runs the CLI with one output made to fail on one rank (a full disk, faked):
+# `python failing.py FAILING_RANK OUTPUT run cfg.toml ...` (OUTPUT: snapshot or halos), printing
+# its exit status.
+FAILING_LAUNCHER = """\
+import errno, os, signal, sys
+
+import h5py
+
+import torchpm.__main__ as cli
+
+failing_rank, output = int(sys.argv[1]), sys.argv[2]
+rank = int(os.environ.get("RANK", "0"))
+# torchrun stops the other ranks once one exits: each rank is to finish on its own here (a
+# rank that hangs instead is killed 30 s later and prints no status)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def full(path):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+
+
+if rank == failing_rank and output == "snapshot":  # (write_snapshot writes a temporary file first)
+    real_file = h5py.File
+    h5py.File = lambda name, *args, **kwargs: (full(name) if os.path.basename(os.fspath(name)).startswith(
+        ".snap_000") else real_file(name, *args, **kwargs))
+if rank == failing_rank and output == "halos":
+    real_halos = cli._write_halos
+    cli._write_halos = lambda name, *args: (full(name) if os.path.basename(name) == "halos_000.hdf5"
+                                            else real_halos(name, *args))
+status = cli.main(sys.argv[3:])
+print(f"rank {rank} exits with status {status}", file=sys.stderr, flush=True)
+sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize("output, failing_rank, single_file, grid_file", [
+    ("snapshot", 1, "snap_000.hdf5", "snap_000.1.hdf5"),  # write_snapshot, collective
+    ("halos", 0, "halos_000.hdf5", "halos_000.hdf5"),  # rank 0's write, raised together as a UserError
+])
+def test_torchrun_output_at_a_snapshot_failing_on_one_rank_is_one_line_on_every_rank(
+        tmp_path, output, failing_rank, single_file, grid_file):
+    """A write inside the run's observer that fails on one rank (its file of the snapshot
+    set, or rank 0's halo catalogue of the snapshot) stops every rank with the one line
+    and the exit status of one process with the same failure (2), naming the file and the
+    rank: not a RuntimeError traceback on every rank, not a rank left waiting."""
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG + "snapshots = [0.4]\nhalos_linking_length = 0.3\nhalos_min_members = 2\n")
+    launcher = tmp_path / "failing.py"
+    launcher.write_text(FAILING_LAUNCHER)
+    environment = dict(os.environ, OMP_NUM_THREADS="1")
+    message = "cannot write {!r}: No space left on device"
+
+    single = subprocess.run([sys.executable, str(launcher), "0", output, "run", str(config), "--output",
+                             str(tmp_path / "single")], cwd=tmp_path, env=environment, capture_output=True,
+                            text=True, timeout=300)
+    assert single.returncode == 2, single.stderr[-3000:]
+    assert f"torchpm run: {message.format(str(tmp_path / 'single' / single_file))}\n" in single.stderr, \
+        single.stderr[-3000:]
+    assert "Traceback" not in single.stderr, single.stderr[-3000:]
+
+    grid = tmp_path / "grid"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(launcher),
+         str(failing_rank), output, "run", str(config), "--output", str(grid)],
+        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)  # (no hang)
+    output_text = result.stdout + result.stderr
+    assert result.returncode != 0
+    line = (f"torchpm run: rank {failing_rank} (grid ({failing_rank}, 0)): {message.format(str(grid / grid_file))} "
+            "[every rank of the 2 x 1 grid raises this error together]")
+    # (the ranks share the pipe: one rank's line may run into the other's)
+    assert output_text.count(line) == 2, output_text[-3000:]
+    for rank in range(2):
+        assert f"rank {rank} exits with status {single.returncode}" in output_text, output_text[-3000:]
+        assert f"[rank{rank}]: Traceback" not in output_text, output_text[-3000:]
+    assert "RuntimeError" not in output_text, output_text[-3000:]
+    # the run stopped there: no final table (and of a failed snapshot set, no file: each rank's removed)
+    assert not (grid / "power_spectrum.txt").exists()
+    assert output != "snapshot" or not list(grid.glob("snap_000*"))
