@@ -206,33 +206,37 @@ def case_non_gaussian(grid, ctx):
     with the distributed FFT. Positions, and the gradients of a loss in the white noise and
     in ``f_nl`` (summed over the ranks), equal the serial run's; the f_nl term moves the
     particles far beyond the tolerance (so a grid ignoring it would fail). With
-    ``primordial_kmax`` the Gaussian modes are cut on each rank's Fourier block alike."""
+    ``primordial_kmax`` the Gaussian modes are cut on each rank's Fourier block alike. In
+    the uneven box (the spectrum on a folded table of |k|) with autograd, and in a cube
+    (one value per integer |k|^2 on each rank's block) with the adjoint."""
     import torchpm
 
-    serial, distributed = simulations(grid, ctx, primordial_kmax=0.8)
-    field = global_random((1, *serial.mesh_shape), 5)
-    results = []
-    for sim in (serial, distributed):
-        f_nl = torch.tensor(2000.0, dtype=torch.float64, requires_grad=True)
-        sim.cosmology = torchpm.Planck15(f_nl=f_nl)
-        noise = sim.white_noise(seed=3).requires_grad_()
-        state = sim(noise)
-        loss = (sim.density(state) * sim.force_mesh.local_real_part(field)).sum()
-        loss.backward()
+    for options in (dict(primordial_kmax=0.8), dict(n_particles=(6, 6, 6), box_size=(60.0, 60.0, 60.0), adjoint=True)):
+        serial, distributed = simulations(grid, ctx, **options)
+        field = global_random((1, *serial.mesh_shape), 5)
+        results = []
+        for sim in (serial, distributed):
+            f_nl = torch.tensor(2000.0, dtype=torch.float64, requires_grad=True)
+            sim.cosmology = torchpm.Planck15(f_nl=f_nl)
+            noise = sim.white_noise(seed=3).requires_grad_()
+            state = sim(noise)
+            loss = (sim.density(state) * sim.force_mesh.local_real_part(field)).sum()
+            loss.backward()
+            with torch.no_grad():
+                results.append((sim.gather(state).positions, noise.grad, f_nl.grad))
+            sim.cosmology = torchpm.Planck15()
+        (positions, noise_grad, f_grad), (local_positions, local_noise_grad, local_f_grad) = results
+        box = distributed.box_size
         with torch.no_grad():
-            results.append((sim.gather(state).positions, noise.grad, f_nl.grad))
-        sim.cosmology = torchpm.Planck15()
-    (positions, noise_grad, f_grad), (local_positions, local_noise_grad, local_f_grad) = results
-    box = distributed.box_size
-    with torch.no_grad():
-        gaussian = serial(serial.white_noise(seed=3)).positions  # (f_nl = 0, the same cut)
-    moved = float(periodic_difference(positions, gaussian, box).abs().max())
-    assert moved > 1e-6 * max(box), f"f_nl moved the particles by only {moved:.3e} Mpc/h"
-    assert_small(float(periodic_difference(local_positions, positions, box).abs().max()), max(box), "positions")
-    expected = distributed.particle_mesh.local_real_part(noise_grad)
-    assert_small(float((local_noise_grad - expected).abs().max()), float(expected.abs().max()), "d loss / d white noise")
-    assert float(f_grad) != 0.0
-    assert_small(abs(float(local_f_grad - f_grad)), abs(float(f_grad)), "d loss / d f_nl")
+            gaussian = serial(serial.white_noise(seed=3)).positions  # (f_nl = 0, the same cut)
+        moved = float(periodic_difference(positions, gaussian, box).abs().max())
+        assert moved > 1e-6 * max(box), f"f_nl moved the particles by only {moved:.3e} Mpc/h"
+        assert_small(float(periodic_difference(local_positions, positions, box).abs().max()), max(box), "positions")
+        expected = distributed.particle_mesh.local_real_part(noise_grad)
+        assert_small(float((local_noise_grad - expected).abs().max()), float(expected.abs().max()),
+                     "d loss / d white noise")
+        assert float(f_grad) != 0.0
+        assert_small(abs(float(local_f_grad - f_grad)), abs(float(f_grad)), "d loss / d f_nl")
 
 
 def case_func_grad(grid, ctx):

@@ -327,3 +327,70 @@ def test_simulation_config_is_a_valid_config_with_f_nl():
     assert config["f_nl"] == 12.5 and config["primordial_kmax"] == 0.5 and "f_nl" not in config["cosmology"]
     checked = validate(config)
     assert checked["f_nl"] == 12.5 and checked["primordial_kmax"] == 0.5
+
+
+def test_primordial_kmax_cuts_a_shell_on_the_threshold_alike_in_both_dtypes():
+    """kmax n / 2 an integer puts a whole shell of modes exactly on the threshold: they are
+    cut ("at and above") in float32 as in float64, as the modes beyond; a cut changed after
+    construction is the cut of a new simulation (the power kernel's cache does not keep it)."""
+    n, box, kmax = 24, 300.0, 0.5
+    noise = torchpm.Simulation(n, box, 1, steps=1, dtype=torch.float64).white_noise(seed=3)
+    fields = {}
+    for dtype in (torch.float64, torch.float32):
+        sim = torchpm.Simulation(n, box, 1, steps=1, dtype=dtype, primordial_kmax=kmax)
+        fields[dtype] = np.fft.rfftn(sim.linear_field(noise.to(dtype))[0].double().numpy())
+    i = np.fft.fftfreq(n, 1.0 / n)
+    l = np.arange(n // 2 + 1)
+    m = i[:, None, None] ** 2 + i[None, :, None] ** 2 + l[None, None, :] ** 2
+    shell = m == (kmax * n / 2) ** 2
+    assert shell.sum() > 6
+    for field in fields.values():  # (zero to the FFTs' rounding)
+        empty = np.abs(field) < 1e-4 * np.abs(field).max()
+        assert np.array_equal(empty[m > 0], (m >= (kmax * n / 2) ** 2)[m > 0])
+    sim = torchpm.Simulation(n, box, 1, steps=1, dtype=torch.float64, primordial_kmax=kmax)
+    sim.linear_field(noise)
+    sim.primordial_kmax = 0.25
+    fresh = torchpm.Simulation(n, box, 1, steps=1, dtype=torch.float64, primordial_kmax=0.25)
+    assert torch.equal(sim.linear_field(noise), fresh.linear_field(noise))
+    sim.primordial_kmax = -1.0
+    with pytest.raises(ValueError, match="`primordial_kmax`"):
+        sim.linear_field(noise)
+
+
+def test_spectra_without_power_somewhere_or_given_as_a_number():
+    """A constant spectrum given as a number works with f_nl as without; a spectrum that is 0
+    above a cutoff gives no potential there (M = 0: no f_nl term, no NaN), not an error."""
+    constant = _sim(50.0, power_spectrum=lambda k, c: 1000.0)
+    noise = constant.white_noise(seed=1)
+    assert bool(torch.isfinite(constant.linear_field(noise)).all())
+
+    def cut(k, cosmology):
+        return torch.where(k < 0.15, torchpm.cosmology.linear_power(k, cosmology), torch.zeros_like(k))
+
+    field = _sim(300.0, power_spectrum=cut).linear_field(noise)
+    assert bool(torch.isfinite(field).all())
+    k = _k_magnitude(SHAPE, BOX)
+    modes = np.fft.rfftn(field[0].numpy())
+    assert np.abs(modes[k >= 0.15]).max() <= 1e-12 * np.abs(modes).max()
+    gaussian = _sim(0.0, power_spectrum=cut).linear_field(noise)
+    assert float((field - gaussian).abs().max()) > 1e-6 * float(gaussian.abs().max())
+
+
+def test_positive_f_nl_skews_the_density_positively():
+    """The sign of the convention, physically: the mean skewness of the linear density over
+    seeds rises with f_nl (+-1000 in a 2000 Mpc/h box, 24^3) on every seed, positive for
+    f_nl > 0 and negative for f_nl < 0."""
+    def skewness(field):
+        field = field - field.mean()
+        return float((field**3).mean() / (field**2).mean() ** 1.5)
+
+    sims = {f: torchpm.Simulation(24, 2000.0, 1, steps=1, dtype=torch.float64, cosmology=torchpm.Planck15(f_nl=f))
+            for f in (-1000.0, 0.0, 1000.0)}
+    values = {f: [] for f in sims}
+    for seed in range(6):
+        noise = sims[0.0].white_noise(seed=seed)
+        for f, sim in sims.items():
+            values[f].append(skewness(sim.linear_field(noise)))
+    for low, mid, high in zip(values[-1000.0], values[0.0], values[1000.0]):
+        assert low < mid < high
+    assert np.mean(values[1000.0]) > 0.05 > -0.05 > np.mean(values[-1000.0])

@@ -161,14 +161,17 @@ class FourierKernels:
         self.inverse_laplacian = self.inverse_laplacian_pair[..., 0]
         self.dtype = dtype
 
-    def radial(self, function) -> torch.Tensor:
-        """``function(k)`` of ``|k|`` on the Fourier block (broadcast to its shape), with
-        ``function`` called once on a 1-D float64 tensor of the block's distinct ``|k|``
-        instead of on every entry (:meth:`radial_table`): a block of ``n^3 / 2`` entries
-        has about ``n^3 / 8`` distinct ``|k|`` in a box with unequal sides and about
-        ``3 n^2 / 4`` in a cube. Differentiable in what ``function`` depends on."""
+    def radial(self, function, dtype=None) -> torch.Tensor:
+        """``function(k)`` of ``|k|`` on the Fourier block (broadcast to its shape; with
+        ``dtype``, cast to it), with ``function`` called once on a 1-D float64 tensor of
+        the block's distinct ``|k|`` instead of on every entry (:meth:`radial_table`): a
+        block of ``n^3 / 2`` entries has about ``n^3 / 8`` distinct ``|k|`` in a box with
+        unequal sides and about ``3 n^2 / 4`` in a cube. ``function`` may return trailing
+        axes (``(len(k), ...)``). Differentiable in what ``function`` depends on."""
         table = self.radial_table()
-        values = function(table.k)
+        values = function(table.k.clone())  # (a copy: the function may write into its argument)
+        if dtype is not None:
+            values = values.to(dtype)  # (cast on the table, before spreading it over the block)
         folded = values[table.keys] if table.keys is not None else values.reshape(*table.shape, *values.shape[1:])
         axes = table.axes
         return folded[axes[0].view(-1, 1, 1), axes[1].view(1, -1, 1), axes[2].view(1, 1, -1)]
@@ -228,22 +231,24 @@ def _radial_table(mesh, cell_size, dtype, device):
         folded.append(values)
         axes.append(inverse)
     shape = tuple(v.numel() for v in folded)
+    sides = [n * c for n, c in zip(mesh.global_shape, cell_size)]
+    if max(sides) - min(sides) <= 1e-12 * max(sides) and math.prod(shape) > 0:
+        # |k| = 2 pi sqrt(m) / L with the integer m = i^2 + j^2 + l^2: one value per m
+        # (int32 keys: m <= 3 (n/2)^2 fits for any mesh a device holds).
+        integers = [torch.round(v * n / (2 * math.pi)).to(torch.int64) for v, n in zip(folded, mesh.global_shape)]
+        largest = sum(int(i.max()) ** 2 for i in integers)
+        if largest + 1 < math.prod(shape) and largest < 2**31:
+            keys = (integers[0].view(-1, 1, 1) ** 2 + integers[1].view(1, -1, 1) ** 2
+                    + integers[2].view(1, 1, -1) ** 2).to(torch.int32)
+            m = torch.arange(largest + 1, dtype=torch.float64, device=keys.device)
+            k = (2 * math.pi / max(sides) * torch.sqrt(m)).to(dtype).to(torch.float64)
+            return RadialTable(k, keys, shape, tuple(axes))
     k_squared = 0.0
     for axis, (values, ci) in enumerate(zip(folded, cell_size)):
         view = [1, 1, 1]
         view[axis] = -1
         k_squared = k_squared + (values.view(view) / ci) ** 2
     k = torch.sqrt(k_squared).to(dtype).to(torch.float64)  # (as k_magnitude: rounded to the field dtype)
-    sides = [n * c for n, c in zip(mesh.global_shape, cell_size)]
-    if max(sides) - min(sides) <= 1e-12 * max(sides):
-        # |k| = 2 pi sqrt(m) / L with the integer m = i^2 + j^2 + l^2: one value per m.
-        integers = [torch.round(v * n / (2 * math.pi)).to(torch.int64) for v, n in zip(folded, mesh.global_shape)]
-        keys = integers[0].view(-1, 1, 1) ** 2 + integers[1].view(1, -1, 1) ** 2 + integers[2].view(1, 1, -1) ** 2
-        largest = int(keys.max())
-        if largest + 1 < math.prod(shape):
-            m = torch.arange(largest + 1, dtype=torch.float64, device=keys.device)
-            k = (2 * math.pi / max(sides) * torch.sqrt(m)).to(dtype).to(torch.float64)
-            return RadialTable(k, keys, shape, tuple(axes))
     return RadialTable(k.reshape(-1), None, shape, tuple(axes))
 
 

@@ -29,7 +29,11 @@ with ``M(k) = 2/3 (k c/H0)^2 T(k) D_md(1) / Omega_m`` (:func:`primordial_transfe
 transfer function read from the linear power itself, ``T^2 = P(k) k0^n_s / (P(k0) k^n_s)``
 at ``k0 = 1e-5`` h/Mpc (where Eisenstein & Hu's T is 1 to 1e-6). The mean ``<phi^2>``
 only shifts the k = 0 mode, which ``M(0) = 0`` removes. The square is taken on the
-particle grid: its modes beyond the grid's Nyquist frequency alias (as in FastPM).
+particle grid: its modes beyond the grid's Nyquist frequency alias (as in FastPM). FastPM
+sets the amplitude of ``phi`` from ``A_s`` (``scalar_amp``); here it follows from the
+linear power (``sigma8``) through ``M``, which for Planck15 implies an ``A_s`` 4.4% below
+Planck's: the same nominal f_nl then gives a term 2% smaller than FastPM's with Planck's
+``A_s`` (each consistent with its own ``M`` in, e.g., the scale-dependent bias).
 Paired initial conditions negate ``phi``, so the pair shares the f_nl term.
 
 LPT (positions in force-mesh cells ``c``; ``phi_ij = d_i d_j grad^-2 delta``)::
@@ -240,7 +244,7 @@ def power_kernel(
         values = torch.sqrt(p * (mesh.size / volume))
         return torch.where(nonzero, values, torch.zeros_like(values))
 
-    return kernels.radial(amplitude).to(kernels.dtype)
+    return kernels.radial(amplitude, dtype=kernels.dtype)
 
 
 def primordial_transfer(
@@ -264,6 +268,8 @@ def primordial_transfer(
     """
     from .cosmology import HUBBLE_DISTANCE
 
+    if D1_matter_era is None:
+        raise ValueError("primordial_transfer: `D1_matter_era` is None; take it from growth_table(cosmology)")
     cosmology = cosmology.to(kernels.device)
     growth = torch.as_tensor(D1_matter_era, dtype=torch.float64).to(kernels.device)
     scale = 2.0 / 3.0 * HUBBLE_DISTANCE**2 * growth / cosmology.Omega_m
@@ -273,18 +279,24 @@ def primordial_transfer(
         nonzero = k > 0
         k_floor = k[nonzero].min() if bool(nonzero.any()) else torch.ones((), dtype=k.dtype, device=k.device)
         safe = torch.where(nonzero, k, k_floor)
-        values = power(torch.cat([safe, torch.tensor([k0], dtype=torch.float64, device=k.device)]), cosmology)
-        values = torch.as_tensor(values).to(device=k.device, dtype=torch.float64)
+        points = torch.cat([safe, torch.tensor([k0], dtype=torch.float64, device=k.device)])
+        values = torch.as_tensor(power(points, cosmology)).to(device=k.device, dtype=torch.float64)
+        values = torch.broadcast_to(values, points.shape)  # (a constant spectrum may be a number)
         check_finite(values, "power spectrum values")
-        if bool((values <= 0).any()):
-            raise ValueError("`f_nl` needs a positive power spectrum (the transfer function is its square root)")
+        if bool((values < 0).any()):
+            raise ValueError("the power spectrum must not be negative")
         p, p0 = values[:-1], values[-1]
+        if not bool(p0 > 0):
+            raise ValueError(f"`f_nl` needs a positive power spectrum at k = {k0:g} h/Mpc (where T = 1), got {float(p0)}")
         transfer_function = torch.sqrt(p / p0 * torch.exp(n_s * torch.log(k0 / safe)))
         forward = scale * safe * safe * transfer_function
+        # A mode without power (P = 0) has M = 0: no potential, no f_nl term there.
+        present = nonzero & (forward > 0)
         zero = torch.zeros_like(forward)
-        return torch.stack([torch.where(nonzero, forward, zero), torch.where(nonzero, 1.0 / forward, zero)], -1)
+        inverse = torch.where(present, 1.0 / torch.where(present, forward, torch.ones_like(forward)), zero)
+        return torch.stack([torch.where(nonzero, forward, zero), inverse], -1)
 
-    return kernels.radial(transfer).movedim(-1, 0).contiguous().to(kernels.dtype)
+    return kernels.radial(transfer, dtype=kernels.dtype).movedim(-1, 0).contiguous()
 
 
 def linear_field(noise: torch.Tensor, amplitude: torch.Tensor, mesh, f_nl=None, transfer=None) -> torch.Tensor:

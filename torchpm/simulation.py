@@ -663,7 +663,7 @@ class Simulation(nn.Module):
         cosmology = _gaussian(cosmology)
         kernels = self.kernels("particle")
         power = self._replicated_callable(self.power)
-        build = lambda: self._primordial_cut(power_kernel(kernels, self.box_size, power, cosmology), kernels)  # noqa: E731
+        build = lambda: power_kernel(kernels, self.box_size, power, cosmology)  # noqa: E731
         # Gaussian unless f_nl is nonzero or differentiated (then its gradient is computed).
         local_png = bool(f_nl.detach() != 0) or f_nl.requires_grad or is_transformed(f_nl)
         # A spectrum module's values follow its weights, not only the cosmology: not cached.
@@ -673,7 +673,7 @@ class Simulation(nn.Module):
 
         def evaluate_all():
             nonlocal transfer
-            amplitude = evaluate()
+            amplitude = self._primordial_cut(evaluate(), kernels)  # (outside the cache: the cut may change)
             if local_png:
                 transfer = self._primordial_transfer(kernels, power, cosmology, f_nl)
             return amplitude
@@ -700,10 +700,16 @@ class Simulation(nn.Module):
     def _primordial_cut(self, amplitude, kernels):
         """``amplitude`` zeroed at and above ``primordial_kmax`` times the particle grid's
         (smallest) Nyquist wavenumber; unchanged without a cut."""
-        if not self.primordial_kmax:
+        kmax = BY_NAME["primordial_kmax"].validate(self.primordial_kmax)
+        if not kmax:
             return amplitude
         nyquist = min(math.pi * n / b for n, b in zip(self.particle_shape, self.box_size))
-        keep = kernels.k_magnitude.to(torch.float64) < self.primordial_kmax * nyquist
+        # On |k|^2 in float64 whatever the field dtype, a mode on the threshold (a whole
+        # shell of them when kmax n / 2 is an integer) counts as on it, not on either side
+        # by rounding: float32 and float64 runs cut the same modes.
+        k_squared = sum((w / c) ** 2 for w, c in zip(kernels.mesh.wavevectors(torch.float64, amplitude.device),
+                                                     kernels.cell_size))
+        keep = k_squared < (kmax * nyquist) ** 2 * (1.0 - 1e-12)
         return torch.where(keep, amplitude, torch.zeros_like(amplitude))
 
     def _primordial_transfer(self, kernels, power, cosmology, f_nl):
