@@ -864,3 +864,57 @@ def test_an_output_at_a_snapshot_that_cannot_be_written_is_one_line(tmp_path, ca
         error
     assert "Traceback" not in error
     assert not (out / "power_spectrum.txt").exists()  # (stopped at the snapshot)
+
+
+# The outputs written after the run: config.toml before it, rank 0's tables, figure and
+# lens planes' file after it, and density.hdf5 (every rank's block, in turn).
+FINAL = (LENSING.replace("snapshots = [0.55]\n", "").replace("steps = 6", "steps = 3")
+         + 'redshift_space = "x"\nwrite_density = true\n')
+
+
+@pytest.mark.parametrize("output", ["config.toml", "power_spectrum.txt", "power_multipoles.txt", "power_spectrum.png",
+                                    "lensing.hdf5", "density.hdf5"])
+def test_a_final_output_that_cannot_be_written_is_one_line(tmp_path, capsys, monkeypatch, output):
+    """A final output whose write fails (a full disk, faked): one line naming the file and
+    exit 2, not an OSError traceback (the same on a process grid: test_cli_distributed)."""
+    import errno
+
+    import h5py
+
+    import torchpm.__main__ as cli
+
+    matplotlib_figure = pytest.importorskip("matplotlib.figure")
+
+    def full(path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(path))
+
+    def failing(name):  # (write_fields writes a temporary file, then renames it)
+        return os.path.basename(os.fspath(name)) in (output, f".{output}.partial")
+
+    if output == "config.toml":  # (the CLI's own open: the module's name first, then the builtin)
+        monkeypatch.setattr(cli, "open", lambda name, *args, **kwargs: full(name) if failing(name) else open(
+            name, *args, **kwargs), raising=False)
+    elif output.endswith(".txt"):
+        real_savetxt = np.savetxt
+        monkeypatch.setattr(np, "savetxt", lambda name, *args, **kwargs: full(name) if failing(name) else real_savetxt(
+            name, *args, **kwargs))
+    elif output.endswith(".png"):
+        real_savefig = matplotlib_figure.Figure.savefig
+        monkeypatch.setattr(matplotlib_figure.Figure, "savefig", lambda figure, name, *args, **kwargs: full(
+            name) if failing(name) else real_savefig(figure, name, *args, **kwargs))
+    else:
+        real_file = h5py.File
+        monkeypatch.setattr(h5py, "File", lambda name, *args, **kwargs: full(name) if failing(name) else real_file(
+            name, *args, **kwargs))
+    out = tmp_path / "out"
+    path = tmp_path / "run.toml"
+    path.write_text(FINAL + f'output = "{out}"\n')
+    assert main(["run", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[-1] == \
+        f"torchpm run: cannot write {str(out / output)!r}: No space left on device", captured.err
+    assert "Traceback" not in captured.err
+    assert "wrote " not in captured.out  # (no report of outputs written)
+    assert not (out / f".{output}.partial").exists()
+    if output == "config.toml":  # (before the run: nothing ran)
+        assert not (out / "power_spectrum.txt").exists()

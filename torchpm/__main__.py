@@ -45,6 +45,7 @@ rank of a process grid.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import importlib.util
 import inspect
@@ -472,7 +473,8 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     if main_rank:
         try:
             prepare_output(output, overwrite, _kept_history(resume, output, snapshots, start_state))
-            with open(os.path.join(output, "config.toml"), "w", encoding="utf-8") as handle:
+            config_path = os.path.join(output, "config.toml")
+            with _writing(config_path), open(config_path, "w", encoding="utf-8") as handle:
                 handle.write(to_toml(config))
         except UserError as error:
             problem = str(error)
@@ -537,9 +539,8 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
                     try:
                         written_tables.extend(
                             tables.write(f"_{index:03d}", state.a, snapshot_spectra, snapshot_multipoles)[:2])
-                    except OSError as error:
-                        name = error.filename or os.path.join(output, f"power_spectrum_{index:03d}.txt")
-                        problem = _cannot_write(name, error)
+                    except UserError as error:  # (a table that cannot be written)
+                        problem = str(error)
                 simulation.force_mesh.raise_together(problem, UserError,
                                                      operation="torchpm run: the snapshot's P(k) tables")
                 if config["halos_linking_length"]:  # (collective)
@@ -596,17 +597,31 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         fields = {"density": density} if density_rsd is None else {"density": density,
                                                                    f"density_redshift_space_{axis}": density_rsd}
         density_path = os.path.join(output, "density.hdf5")
-        write_fields(density_path, fields, box, mesh=mesh, a=state.a, overwrite=True, attributes=dict(
-            content="density (mean 1) on the force mesh, CIC-painted" + (
-                f"; density_redshift_space_{axis}: the particles moved to redshift space along {axis}"
-                if density_rsd is not None else ""), seed=config["seed"]))
+        _write_fields_together(
+            write_fields, density_path, fields, box, mesh, a=state.a, overwrite=True, attributes=dict(
+                content="density (mean 1) on the force mesh, CIC-painted" + (
+                    f"; density_redshift_space_{axis}: the particles moved to redshift space along {axis}"
+                    if density_rsd is not None else ""), seed=config["seed"]))
         summary["density"] = density_path
+    # Rank 0 writes the tables, the figure and the lens planes' file; one that cannot be
+    # written (a full disk, a quota, permissions) is the UserError of every rank, raised
+    # together (the other ranks wait for rank 0's word rather than exit before it).
+    problem, lensing_line = None, ""
+    if main_rank:
+        try:
+            table_path, multipoles_path, linear, kaiser = tables.write("", state.a, spectra, multipoles)
+            figure_path = os.path.join(output, "power_spectrum.png")
+            with _writing(figure_path):
+                plot(spectrum, linear, slab, thickness, simulation, state.a, figure_path,
+                     shot_noise=config["shot_noise"])
+            if taker is not None:
+                summary["lensing"], lensing_line = _lensing_outputs(taker, simulation, config, output, main_rank)
+        except UserError as error:
+            problem = str(error)
+    mesh.raise_together(problem, UserError, operation="torchpm run: the final outputs")
     if not main_rank:
         return summary
 
-    table_path, multipoles_path, linear, kaiser = tables.write("", state.a, spectra, multipoles)
-    figure_path = os.path.join(output, "power_spectrum.png")
-    plot(spectrum, linear, slab, thickness, simulation, state.a, figure_path, shot_noise=config["shot_noise"])
     kaiser_line = ""
     if multipoles is not None:
         summary["multipoles"] = multipoles_path
@@ -619,9 +634,6 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         kaiser_line = (f"  redshift space along {axis}: P_2/P_0 at {label}: {measured:.3f} "
                        f"(linear Kaiser {kaiser[1] / kaiser[0]:.3f})\n")
     summary["snapshot_tables"] = [path for path in written_tables if path is not None]
-    lensing_line = ""
-    if taker is not None:
-        summary["lensing"], lensing_line = _lensing_outputs(taker, simulation, config, output, main_rank)
     halos_line = ""
     if halos is not None:
         summary["halos"], halos_line = halos
@@ -660,6 +672,41 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
 def _cannot_write(path, error: OSError) -> str:
     """The one line of an output that could not be written."""
     return f"cannot write {os.fspath(path)!r}: {error.strerror or error}"
+
+
+@contextlib.contextmanager
+def _writing(path):
+    """An OSError while writing ``path`` (a full disk, a quota, permissions) as the
+    UserError naming it (on a grid: of the rank writing it; raise it together)."""
+    try:
+        yield
+    except OSError as error:
+        raise UserError(_cannot_write(path, error)) from None
+
+
+def _write_fields_together(write_fields, path, fields, box, mesh, **options):
+    """``write_fields(path, fields, box, mesh=mesh, ...)`` (collective on a grid: the ranks
+    write their blocks in turn, and one rank's failure is an OSError on every rank). An
+    OSError is a UserError on every rank naming the file (and, on a grid, the rank that
+    failed) and what the failing write raised: its errno's text where it has one."""
+    try:
+        write_fields(path, fields, box, mesh=mesh, **options)
+        return
+    except OSError as error:
+        text = str(error)
+    # write_fields names the rank whose write failed: "rank R could not write 'path': KIND:
+    # MESSAGE" (on a grid inside the error every rank raises together): that rank names it here.
+    rank = 0 if mesh.is_local else mesh.grid.rank
+    head = f"rank {rank} could not write {path!r}: "
+    problem = None
+    if head in text:
+        reason = re.sub(r" \[every rank of the .* grid raises this error together\]$", "", text.split(head, 1)[1])
+        number = re.match(r"\w+: \[Errno (\d+)\]", reason)
+        problem = f"cannot write {path!r}: {os.strerror(int(number[1])) if number else reason}"
+    elif rank == 0 and not re.search(r"rank \d+ could not write ", text):
+        problem = f"cannot write {path!r}: {text}"  # (not a rank's write: rank 0 names it)
+    mesh.raise_together(problem, UserError, operation="torchpm run: density.hdf5")
+    raise UserError(f"cannot write {path!r}: {text}")  # (no rank named itself: the same on every rank)
 
 
 def _write_snapshot_together(write_snapshot, path, state, simulation, **options):
@@ -777,7 +824,7 @@ def _lensing_outputs(taker, simulation, config, output, main_rank):
     if main_rank:
         import h5py
 
-        with h5py.File(path, "w") as handle:
+        with _writing(path), h5py.File(path, "w") as handle:
             handle.attrs["content"] = ("lens planes (projected overdensity of each slab, nearest first), Born "
                                        "convergence maps of each source redshift, their angular power and linear "
                                        "Limber's; torchpm.lensing conventions")
@@ -864,13 +911,14 @@ class _Tables:
                "each)  modes  P_linear(k) [(Mpc/h)^3]")
         )
         table_path = os.path.join(self.output, f"power_spectrum{suffix}.txt")
-        np.savetxt(
-            table_path,
-            np.column_stack([spectra[0].k.cpu(), *(member.power.cpu() for member in spectra), spectra[0].modes.cpu(),
-                             linear.detach().cpu()]),
-            header=header,
-            fmt=["%.6e"] * (1 + batch) + ["%d", "%.6e"],
-        )
+        with _writing(table_path):  # (a UserError naming the file that cannot be written)
+            np.savetxt(
+                table_path,
+                np.column_stack([spectra[0].k.cpu(), *(member.power.cpu() for member in spectra),
+                                 spectra[0].modes.cpu(), linear.detach().cpu()]),
+                header=header,
+                fmt=["%.6e"] * (1 + batch) + ["%d", "%.6e"],
+            )
         if multipoles is None:
             return table_path, None, linear, kaiser
         # Linear theory in redshift space (Kaiser): P_0, P_2, P_4 = (1 + 2f/3 + f^2/5,
@@ -880,17 +928,18 @@ class _Tables:
         member_columns = "P_0 P_2 P_4 [(Mpc/h)^3]" + ("" if batch == 1 else
                                                      f" of batch member 0, ..., of member {batch - 1} (three each)")
         axis = self.axis
-        np.savetxt(
-            multipoles_path,
-            np.column_stack([multipoles[0].k.cpu(), *(m.power[i].cpu() for m in multipoles for i in range(3)),
-                             multipoles[0].modes.cpu(), *(factor * linear_rsd for factor in kaiser)]),
-            header=f"torchpm {torchpm.__version__}: redshift-space power multipoles at a = {a:.4f}\n{describe}\n"
-            f"line of sight: the {axis} axis (plane-parallel: x + p_{axis} / (a^2 E(a))); P_ell = (2 ell + 1) "
-            f"<|delta_k|^2 L_ell(mu)> over the shells of power_spectrum{suffix}.txt, CIC-compensated; shot noise "
-            + ("subtracted from P_0\n" if self.subtract else "kept\n")
-            + f"columns: k [h/Mpc]  {member_columns}  modes  linear (Kaiser, f = {f:.5f}) P_0 P_2 P_4",
-            fmt=["%.6e"] * (1 + 3 * batch) + ["%d"] + ["%.6e"] * 3,
-        )
+        with _writing(multipoles_path):
+            np.savetxt(
+                multipoles_path,
+                np.column_stack([multipoles[0].k.cpu(), *(m.power[i].cpu() for m in multipoles for i in range(3)),
+                                 multipoles[0].modes.cpu(), *(factor * linear_rsd for factor in kaiser)]),
+                header=f"torchpm {torchpm.__version__}: redshift-space power multipoles at a = {a:.4f}\n{describe}\n"
+                f"line of sight: the {axis} axis (plane-parallel: x + p_{axis} / (a^2 E(a))); P_ell = (2 ell + 1) "
+                f"<|delta_k|^2 L_ell(mu)> over the shells of power_spectrum{suffix}.txt, CIC-compensated; shot "
+                "noise " + ("subtracted from P_0\n" if self.subtract else "kept\n")
+                + f"columns: k [h/Mpc]  {member_columns}  modes  linear (Kaiser, f = {f:.5f}) P_0 P_2 P_4",
+                fmt=["%.6e"] * (1 + 3 * batch) + ["%d"] + ["%.6e"] * 3,
+            )
         return table_path, multipoles_path, linear, kaiser
 
 
@@ -923,8 +972,10 @@ def plot(spectrum, linear, slab, thickness, simulation, a, path, shot_noise="sub
     right.set_title(f"log10(1 + delta), slab {thickness * simulation.cell_size[2]:.0f} Mpc/h thick")
     figure.colorbar(image, ax=right)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    try:
+        figure.savefig(path, dpi=110)
+    finally:  # (closed too when it cannot be saved)
+        plt.close(figure)
 
 
 def info() -> str:
