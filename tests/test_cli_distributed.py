@@ -172,12 +172,14 @@ def test_torchrun_check_names_the_grid_and_the_per_rank_estimate(tmp_path):
 
 
 # Each rank runs the CLI with one output made to fail on one rank (a full disk, faked):
-# `python failing.py FAILING_RANK OUTPUT run cfg.toml ...` (OUTPUT: snapshot or halos), printing
-# its exit status.
+# `python failing.py FAILING_RANK OUTPUT run cfg.toml ...` (OUTPUT: snapshot or halos at a
+# snapshot; table or density, the final power_spectrum.txt or density.hdf5), printing its
+# exit status.
 FAILING_LAUNCHER = """\
 import errno, os, signal, sys
 
 import h5py
+import numpy as np
 
 import torchpm.__main__ as cli
 
@@ -200,6 +202,14 @@ if rank == failing_rank and output == "halos":
     real_halos = cli._write_halos
     cli._write_halos = lambda name, *args: (full(name) if os.path.basename(name) == "halos_000.hdf5"
                                             else real_halos(name, *args))
+if rank == failing_rank and output == "table":
+    real_savetxt = np.savetxt
+    np.savetxt = lambda name, *args, **kwargs: (full(name) if os.path.basename(os.fspath(name)) == "power_spectrum.txt"
+                                                else real_savetxt(name, *args, **kwargs))
+if rank == failing_rank and output == "density":  # (write_fields writes a temporary file first)
+    real_file = h5py.File
+    h5py.File = lambda name, *args, **kwargs: (full(name) if os.path.basename(os.fspath(name)) == (
+        ".density.hdf5.partial") else real_file(name, *args, **kwargs))
 status = cli.main(sys.argv[3:])
 print(f"rank {rank} exits with status {status}", file=sys.stderr, flush=True)
 sys.exit(status)
@@ -249,3 +259,48 @@ def test_torchrun_output_at_a_snapshot_failing_on_one_rank_is_one_line_on_every_
     # the run stopped there: no final table (and of a failed snapshot set, no file: each rank's removed)
     assert not (grid / "power_spectrum.txt").exists()
     assert output != "snapshot" or not list(grid.glob("snap_000*"))
+
+
+@pytest.mark.parametrize("output, failing_rank, name", [
+    ("table", 0, "power_spectrum.txt"),  # rank 0's, after the other ranks finished
+    ("density", 1, "density.hdf5"),  # torchpm.io.write_fields, collective: the ranks write in turn
+])
+def test_torchrun_final_output_failing_on_one_rank_is_one_line_on_every_rank(tmp_path, output, failing_rank, name):
+    """A final output whose write fails on one rank (rank 0's P(k) table, or a rank's block
+    of density.hdf5) stops every rank with the one line and the exit status of one
+    process with the same failure (2), naming the file and the rank: no traceback, no
+    rank left waiting for rank 0, no rank exiting 0."""
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG + "write_density = true\n")
+    launcher = tmp_path / "failing.py"
+    launcher.write_text(FAILING_LAUNCHER)
+    environment = dict(os.environ, OMP_NUM_THREADS="1")
+    message = "cannot write {!r}: No space left on device"
+
+    single = subprocess.run([sys.executable, str(launcher), "0", output, "run", str(config), "--output",
+                             str(tmp_path / "single")], cwd=tmp_path, env=environment, capture_output=True,
+                            text=True, timeout=300)
+    assert single.returncode == 2, single.stderr[-3000:]
+    assert f"torchpm run: {message.format(str(tmp_path / 'single' / name))}\n" in single.stderr, \
+        single.stderr[-3000:]
+    assert "Traceback" not in single.stderr, single.stderr[-3000:]
+
+    grid = tmp_path / "grid"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(launcher),
+         str(failing_rank), output, "run", str(config), "--output", str(grid)],
+        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)  # (no hang)
+    output_text = result.stdout + result.stderr
+    assert result.returncode != 0
+    line = (f"torchpm run: rank {failing_rank} (grid ({failing_rank}, 0)): {message.format(str(grid / name))} "
+            "[every rank of the 2 x 1 grid raises this error together]")
+    # (the ranks share the pipe: one rank's line may run into the other's)
+    assert output_text.count(line) == 2, output_text[-3000:]
+    for rank in range(2):
+        assert f"rank {rank} exits with status {single.returncode}" in output_text, output_text[-3000:]
+        assert f"[rank{rank}]: Traceback" not in output_text, output_text[-3000:]
+    assert "OSError" not in output_text, output_text[-3000:]
+    assert "wrote " not in result.stdout  # (rank 0 reports no outputs written)
+    # a failed density.hdf5 leaves no file (nor its temporary), and the run stopped there
+    assert not (grid / ".density.hdf5.partial").exists()
+    assert output != "density" or not (grid / "density.hdf5").exists() and not (grid / "power_spectrum.txt").exists()
