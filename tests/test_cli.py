@@ -794,6 +794,19 @@ def test_hdf5_outputs_without_h5py_are_one_line(tmp_path, capsys, monkeypatch, k
     assert not (tmp_path / "out").exists()
 
 
+def test_figure_without_matplotlib_is_one_line_before_the_run(tmp_path, capsys, monkeypatch):
+    """Where matplotlib is missing, the run stops before it starts (one line, exit 2), not
+    with a traceback at its end, after the steps, where rank 0 draws power_spectrum.png."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (as if not installed: importing it fails)
+    path = tmp_path / "run.toml"
+    path.write_text(SMALL + f'output = "{tmp_path / "out"}"\n')
+    assert main(["run", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert error.splitlines()[-1] == \
+        "torchpm run: the figure power_spectrum.png needs matplotlib: pip install matplotlib", error
+    assert not (tmp_path / "out").exists()
+
+
 def test_halos_linking_distance_past_a_third_of_the_box_is_refused_before_the_run(tmp_path, capsys):
     """b = 0.2 (V / N)^(1/3) must be at most a third of the shortest side (the halo finder's
     cells): a flat box is refused before any step runs, naming the key and both lengths."""

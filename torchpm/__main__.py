@@ -436,6 +436,11 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     for key, used in (("snapshots", snapshots), ("halos_linking_length", config["halos_linking_length"])):
         if used and importlib.util.find_spec("h5py") is None:
             raise UserError(f"`{key}` needs h5py (its outputs are HDF5 files): pip install h5py")
+    # Rank 0 draws the figure after the run: without matplotlib the run stops before it
+    # starts, not at its end (on every rank together: the others do not draw).
+    missing = main_rank and importlib.util.find_spec("matplotlib") is None
+    simulation.force_mesh.raise_together("the figure power_spectrum.png needs matplotlib: pip install matplotlib"
+                                         if missing else None, UserError, operation="torchpm run: matplotlib")
     if config["halos_linking_length"]:
         # (friends_of_friends' own limit, checked before the run rather than at its end)
         from torchpm.halos import linking_distance
