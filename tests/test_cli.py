@@ -777,16 +777,21 @@ def test_halos_config_errors(tmp_path, capsys, change, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("key", ["snapshots", "halos_linking_length"])
+@pytest.mark.parametrize("key", ["snapshots", "halos_linking_length", "write_density", "lensing_planes"])
 def test_hdf5_outputs_without_h5py_are_one_line(tmp_path, capsys, monkeypatch, key):
     """A run asking for HDF5 outputs where h5py is missing stops before running, naming the key."""
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "h5py" else real(name, *args))
+    monkeypatch.setitem(sys.modules, "h5py", None)  # (as if not installed: importing it fails)
     text = HALOS if key == "halos_linking_length" else HALOS.replace("halos_linking_length = 0.2\n", "")
-    if key == "halos_linking_length":
+    if key != "snapshots":
         text = text.replace("snapshots = [0.55]\n", "")
+    if key == "write_density":
+        text += "write_density = true\n"
+    if key == "lensing_planes":
+        text = LENSING.replace("snapshots = [0.55]\n", "")
     path = tmp_path / "run.toml"
     path.write_text(text + f'output = "{tmp_path / "out"}"\n')
     assert main(["run", str(path)]) == 2

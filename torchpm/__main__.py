@@ -433,7 +433,8 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     device = simulation.device
     batch = config["batch"]
     snapshots = [simulation.scale_factors[scale_factor_index(simulation, a)] for a in config["snapshots"]]
-    for key, used in (("snapshots", snapshots), ("halos_linking_length", config["halos_linking_length"])):
+    for key, used in (("snapshots", snapshots), ("halos_linking_length", config["halos_linking_length"]),
+                      ("write_density", config["write_density"]), ("lensing_planes", config["lensing_planes"])):
         if used and importlib.util.find_spec("h5py") is None:
             raise UserError(f"`{key}` needs h5py (its outputs are HDF5 files): pip install h5py")
     # Rank 0 draws the figure after the run: without matplotlib the run stops before it
