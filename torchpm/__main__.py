@@ -37,9 +37,9 @@ validates the config and prints the resolved settings and the memory estimate
 without running. Every key, its default, unit and meaning: the README table,
 generated from :data:`torchpm.config.SETTINGS` (``python -m torchpm config-table``).
 
-User errors print one line and exit with status 2; so does a snapshot, its P(k) table or
-a halo catalogue that cannot be written (a full disk, a quota, permissions), on every
-rank of a process grid.
+User errors print one line and exit with status 2; so does an output that cannot be
+written (a full disk, a quota, permissions), on every rank of a process grid, and a
+missing matplotlib (the figure) or h5py (HDF5 outputs), found before the run.
 """
 
 from __future__ import annotations
