@@ -210,6 +210,10 @@ if rank == failing_rank and output == "density":  # (write_fields writes a tempo
     real_file = h5py.File
     h5py.File = lambda name, *args, **kwargs: (full(name) if os.path.basename(os.fspath(name)) == (
         ".density.hdf5.partial") else real_file(name, *args, **kwargs))
+if rank == failing_rank and output == "defect":  # (not a write error: a defect in rank 0's figure)
+    def plot(*args, **kwargs):
+        raise ValueError("a defect in the figure")
+    cli.plot = plot
 status = cli.main(sys.argv[3:])
 print(f"rank {rank} exits with status {status}", file=sys.stderr, flush=True)
 sys.exit(status)
@@ -304,3 +308,26 @@ def test_torchrun_final_output_failing_on_one_rank_is_one_line_on_every_rank(tmp
     # a failed density.hdf5 leaves no file (nor its temporary), and the run stopped there
     assert not (grid / ".density.hdf5.partial").exists()
     assert output != "density" or not (grid / "density.hdf5").exists() and not (grid / "power_spectrum.txt").exists()
+
+
+def test_torchrun_a_defect_in_rank_0s_final_outputs_stops_every_rank_at_once(tmp_path):
+    """Any other exception of rank 0 while it writes the final outputs (here a ValueError of
+    the figure: a defect, not a full disk) is its traceback on rank 0 and a RuntimeError
+    naming it on the others, at once: not a wait until the collective timeout (120 s)."""
+    import time
+
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)  # (collective_timeout = 120)
+    launcher = tmp_path / "failing.py"
+    launcher.write_text(FAILING_LAUNCHER)
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(launcher), "0",
+         "defect", "run", str(config), "--output", str(tmp_path / "out")],
+        cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    output_text = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "ValueError: a defect in the figure" in output_text, output_text[-3000:]
+    assert "RuntimeError: rank 0 (grid (0, 0)): ValueError: a defect in the figure" in output_text, output_text[-3000:]
+    assert elapsed < 100, f"the ranks took {elapsed:.0f} s: the other rank waited for the collective timeout"

@@ -612,7 +612,7 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
     # Rank 0 writes the tables, the figure and the lens planes' file; one that cannot be
     # written (a full disk, a quota, permissions) is the UserError of every rank, raised
     # together (the other ranks wait for rank 0's word rather than exit before it).
-    problem, lensing_line = None, ""
+    problem, lensing_line, unexpected = None, "", None
     if main_rank:
         try:
             table_path, multipoles_path, linear, kaiser = tables.write("", state.a, spectra, multipoles)
@@ -624,7 +624,22 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
                 summary["lensing"], lensing_line = _lensing_outputs(taker, simulation, config, output, main_rank)
         except UserError as error:
             problem = str(error)
+        except Exception as error:  # noqa: BLE001 - any other failure: raised below, after the others learn of it
+            if mesh.is_local:
+                raise
+            unexpected = error
     mesh.raise_together(problem, UserError, operation="torchpm run: the final outputs")
+    if not mesh.is_local:
+        # Any other exception of rank 0's (a defect, not a write) stops the other ranks now, as a
+        # RuntimeError naming it, instead of leaving them to the collective timeout; rank 0
+        # raises it chained to its own traceback.
+        try:
+            mesh.raise_together(None if unexpected is None else f"{type(unexpected).__name__}: {unexpected}",
+                                RuntimeError, operation="torchpm run: rank 0's final outputs")
+        except RuntimeError as failure:
+            if unexpected is not None:
+                raise failure from unexpected
+            raise
     if not main_rank:
         return summary
 
