@@ -799,16 +799,23 @@ def test_hdf5_outputs_without_h5py_are_one_line(tmp_path, capsys, monkeypatch, k
     assert not (tmp_path / "out").exists()
 
 
-def test_figure_without_matplotlib_is_one_line_before_the_run(tmp_path, capsys, monkeypatch):
-    """Where matplotlib is missing, the run stops before it starts (one line, exit 2), not
-    with a traceback at its end, after the steps, where rank 0 draws power_spectrum.png."""
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (as if not installed: importing it fails)
+@pytest.mark.parametrize("packages,line", [
+    (["matplotlib"], "the run needs matplotlib (the figure power_spectrum.png): pip install matplotlib"),
+    (["tqdm"], "the run needs tqdm (the progress bar): pip install tqdm"),
+    (["tqdm", "matplotlib"], "the run needs tqdm (the progress bar) and matplotlib (the figure "
+                             "power_spectrum.png): pip install tqdm matplotlib"),
+])
+def test_figure_without_matplotlib_is_one_line_before_the_run(tmp_path, capsys, monkeypatch, packages, line):
+    """Where matplotlib (or tqdm) is missing, the run stops before it starts (one line, exit
+    2), not with a traceback at its end, after the steps, where rank 0 draws
+    power_spectrum.png (or at its start, where the progress bar is made)."""
+    for package in packages:
+        monkeypatch.setitem(sys.modules, package, None)  # (as if not installed: importing it fails)
     path = tmp_path / "run.toml"
     path.write_text(SMALL + f'output = "{tmp_path / "out"}"\n')
     assert main(["run", str(path)]) == 2
     error = capsys.readouterr().err
-    assert error.splitlines()[-1] == \
-        "torchpm run: the figure power_spectrum.png needs matplotlib: pip install matplotlib", error
+    assert error.splitlines()[-1] == "torchpm run: " + line, error
     assert not (tmp_path / "out").exists()
 
 

@@ -439,9 +439,13 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
             raise UserError(f"`{key}` needs h5py (its outputs are HDF5 files): pip install h5py")
     # Rank 0 draws the figure after the run: without matplotlib the run stops before it
     # starts, not at its end (on every rank together: the others do not draw).
-    missing = main_rank and importlib.util.find_spec("matplotlib") is None
-    simulation.force_mesh.raise_together("the figure power_spectrum.png needs matplotlib: pip install matplotlib"
-                                         if missing else None, UserError, operation="torchpm run: matplotlib")
+    # So does the progress bar without tqdm (every rank draws one).
+    uses = {"tqdm": "the progress bar", "matplotlib": "the figure power_spectrum.png"}
+    missing = [package for package, needed in (("tqdm", True), ("matplotlib", main_rank))
+               if needed and importlib.util.find_spec(package) is None]
+    simulation.force_mesh.raise_together(
+        "the run needs " + " and ".join(f"{package} ({uses[package]})" for package in missing)
+        + f": pip install {' '.join(missing)}" if missing else None, UserError, operation="torchpm run: packages")
     if config["halos_linking_length"]:
         # (friends_of_friends' own limit, checked before the run rather than at its end)
         from torchpm.halos import linking_distance
