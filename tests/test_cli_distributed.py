@@ -220,28 +220,25 @@ sys.exit(status)
 """
 
 
-@pytest.mark.parametrize("output, failing_rank, single_file, grid_file", [
-    ("snapshot", 1, "snap_000.hdf5", "snap_000.1.hdf5"),  # write_snapshot, collective
-    ("halos", 0, "halos_000.hdf5", "halos_000.hdf5"),  # rank 0's write, raised together as a UserError
-])
-def test_torchrun_output_at_a_snapshot_failing_on_one_rank_is_one_line_on_every_rank(
-        tmp_path, output, failing_rank, single_file, grid_file):
-    """A write inside the run's observer that fails on one rank (its file of the snapshot
-    set, or rank 0's halo catalogue of the snapshot) stops every rank with the one line
-    and the exit status of one process with the same failure (2), naming the file and the
-    rank: not a RuntimeError traceback on every rank, not a rank left waiting."""
+MESSAGE = "cannot write {!r}: No space left on device"
+
+
+def _fail_alone_and_on_a_grid(tmp_path, config_text, output, failing_rank, single_name, grid_name):
+    """Run the CLI with ``output`` failing (a full disk, faked by FAILING_LAUNCHER) in one
+    process, then on rank ``failing_rank`` of a 2 x 1 grid under torchrun. Checks the one
+    process's one line, exit status 2 and no traceback, and that every rank prints the
+    grid's line naming the failing rank and the file, exits with status 2, and shows no
+    traceback. Returns the grid run's output and its folder."""
     config = tmp_path / "run.toml"
-    config.write_text(CONFIG + "snapshots = [0.4]\nhalos_linking_length = 0.3\nhalos_min_members = 2\n")
+    config.write_text(config_text)
     launcher = tmp_path / "failing.py"
     launcher.write_text(FAILING_LAUNCHER)
     environment = dict(os.environ, OMP_NUM_THREADS="1")
-    message = "cannot write {!r}: No space left on device"
-
     single = subprocess.run([sys.executable, str(launcher), "0", output, "run", str(config), "--output",
                              str(tmp_path / "single")], cwd=tmp_path, env=environment, capture_output=True,
                             text=True, timeout=300)
     assert single.returncode == 2, single.stderr[-3000:]
-    assert f"torchpm run: {message.format(str(tmp_path / 'single' / single_file))}\n" in single.stderr, \
+    assert f"torchpm run: {MESSAGE.format(str(tmp_path / 'single' / single_name))}\n" in single.stderr, \
         single.stderr[-3000:]
     assert "Traceback" not in single.stderr, single.stderr[-3000:]
 
@@ -252,14 +249,30 @@ def test_torchrun_output_at_a_snapshot_failing_on_one_rank_is_one_line_on_every_
         cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)  # (no hang)
     output_text = result.stdout + result.stderr
     assert result.returncode != 0
-    line = (f"torchpm run: rank {failing_rank} (grid ({failing_rank}, 0)): {message.format(str(grid / grid_file))} "
+    line = (f"torchpm run: rank {failing_rank} (grid ({failing_rank}, 0)): {MESSAGE.format(str(grid / grid_name))} "
             "[every rank of the 2 x 1 grid raises this error together]")
     # (the ranks share the pipe: one rank's line may run into the other's)
     assert output_text.count(line) == 2, output_text[-3000:]
     for rank in range(2):
         assert f"rank {rank} exits with status {single.returncode}" in output_text, output_text[-3000:]
         assert f"[rank{rank}]: Traceback" not in output_text, output_text[-3000:]
-    assert "RuntimeError" not in output_text, output_text[-3000:]
+    return result, grid
+
+
+@pytest.mark.parametrize("output, failing_rank, single_file, grid_file", [
+    ("snapshot", 1, "snap_000.hdf5", "snap_000.1.hdf5"),  # write_snapshot, collective
+    ("halos", 0, "halos_000.hdf5", "halos_000.hdf5"),  # rank 0's write, raised together as a UserError
+])
+def test_torchrun_output_at_a_snapshot_failing_on_one_rank_is_one_line_on_every_rank(
+        tmp_path, output, failing_rank, single_file, grid_file):
+    """A write inside the run's observer that fails on one rank (its file of the snapshot
+    set, or rank 0's halo catalogue of the snapshot) stops every rank with the one line
+    and the exit status of one process with the same failure (2), naming the file and the
+    rank: not a RuntimeError traceback on every rank, not a rank left waiting."""
+    result, grid = _fail_alone_and_on_a_grid(
+        tmp_path, CONFIG + "snapshots = [0.4]\nhalos_linking_length = 0.3\nhalos_min_members = 2\n", output,
+        failing_rank, single_file, grid_file)
+    assert "RuntimeError" not in result.stdout + result.stderr, (result.stdout + result.stderr)[-3000:]
     # the run stopped there: no final table (and of a failed snapshot set, no file: each rank's removed)
     assert not (grid / "power_spectrum.txt").exists()
     assert output != "snapshot" or not list(grid.glob("snap_000*"))
@@ -274,36 +287,9 @@ def test_torchrun_final_output_failing_on_one_rank_is_one_line_on_every_rank(tmp
     of density.hdf5) stops every rank with the one line and the exit status of one
     process with the same failure (2), naming the file and the rank: no traceback, no
     rank left waiting for rank 0, no rank exiting 0."""
-    config = tmp_path / "run.toml"
-    config.write_text(CONFIG + "write_density = true\n")
-    launcher = tmp_path / "failing.py"
-    launcher.write_text(FAILING_LAUNCHER)
-    environment = dict(os.environ, OMP_NUM_THREADS="1")
-    message = "cannot write {!r}: No space left on device"
-
-    single = subprocess.run([sys.executable, str(launcher), "0", output, "run", str(config), "--output",
-                             str(tmp_path / "single")], cwd=tmp_path, env=environment, capture_output=True,
-                            text=True, timeout=300)
-    assert single.returncode == 2, single.stderr[-3000:]
-    assert f"torchpm run: {message.format(str(tmp_path / 'single' / name))}\n" in single.stderr, \
-        single.stderr[-3000:]
-    assert "Traceback" not in single.stderr, single.stderr[-3000:]
-
-    grid = tmp_path / "grid"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(launcher),
-         str(failing_rank), output, "run", str(config), "--output", str(grid)],
-        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)  # (no hang)
-    output_text = result.stdout + result.stderr
-    assert result.returncode != 0
-    line = (f"torchpm run: rank {failing_rank} (grid ({failing_rank}, 0)): {message.format(str(grid / name))} "
-            "[every rank of the 2 x 1 grid raises this error together]")
-    # (the ranks share the pipe: one rank's line may run into the other's)
-    assert output_text.count(line) == 2, output_text[-3000:]
-    for rank in range(2):
-        assert f"rank {rank} exits with status {single.returncode}" in output_text, output_text[-3000:]
-        assert f"[rank{rank}]: Traceback" not in output_text, output_text[-3000:]
-    assert "OSError" not in output_text, output_text[-3000:]
+    result, grid = _fail_alone_and_on_a_grid(tmp_path, CONFIG + "write_density = true\n", output, failing_rank,
+                                             name, name)
+    assert "OSError" not in result.stdout + result.stderr, (result.stdout + result.stderr)[-3000:]
     assert "wrote " not in result.stdout  # (rank 0 reports no outputs written)
     # a failed density.hdf5 leaves no file (nor its temporary), and the run stopped there
     assert not (grid / ".density.hdf5.partial").exists()
