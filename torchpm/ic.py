@@ -217,6 +217,14 @@ def fixed_amplitude(noise: torch.Tensor, mesh=None) -> torch.Tensor:
     return mesh.irfftn(phase * math.sqrt(mesh.size))
 
 
+def _nonzero_k(k: torch.Tensor):
+    """``(k > 0, k with 0 replaced by the smallest nonzero k)``: a spectrum at k = 0 is never
+    used (the mode is zeroed), so it is evaluated at the smallest k instead."""
+    nonzero = k > 0
+    k_floor = k[nonzero].min() if bool(nonzero.any()) else torch.ones((), dtype=k.dtype, device=k.device)
+    return nonzero, torch.where(nonzero, k, k_floor)
+
+
 def power_kernel(
     kernels: FourierKernels, box_size: Sequence[float], power: Callable, cosmology: Cosmology
 ) -> torch.Tensor:
@@ -230,10 +238,8 @@ def power_kernel(
     cosmology = cosmology.to(kernels.device)
 
     def amplitude(k):
-        nonzero = k > 0
-        # P at k = 0 is never used (the mode is zeroed); evaluate it at the smallest k.
-        k_floor = k[nonzero].min() if bool(nonzero.any()) else torch.ones((), dtype=k.dtype, device=k.device)
-        p = power(torch.where(nonzero, k, k_floor), cosmology)
+        nonzero, safe = _nonzero_k(k)
+        p = power(safe, cosmology)
         if isinstance(p, torch.Tensor):
             p = p.to(device=k.device, dtype=torch.float64)
         else:
@@ -276,9 +282,7 @@ def primordial_transfer(
     n_s = cosmology.n_s
 
     def transfer(k):
-        nonzero = k > 0
-        k_floor = k[nonzero].min() if bool(nonzero.any()) else torch.ones((), dtype=k.dtype, device=k.device)
-        safe = torch.where(nonzero, k, k_floor)
+        nonzero, safe = _nonzero_k(k)
         points = torch.cat([safe, torch.tensor([k0], dtype=torch.float64, device=k.device)])
         values = torch.as_tensor(power(points, cosmology)).to(device=k.device, dtype=torch.float64)
         values = torch.broadcast_to(values, points.shape)  # (a constant spectrum may be a number)
