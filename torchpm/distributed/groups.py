@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import datetime
 import functools
+import importlib.abc
 import os
+import sys
 import zlib
 from typing import Sequence
 
@@ -28,6 +30,73 @@ __all__ = ["process_grid_groups", "GridAxis", "GridGroups", "agreement_checks"]
 AGREEMENT_SLOTS = 16
 
 
+def _untraced(function, reason):
+    """``function`` under ``torch.compiler.disable`` (which imports ``torch._dynamo``)."""
+    try:
+        return torch.compiler.disable(function, reason=reason)
+    except TypeError:  # torch < 2.8 has no reason=
+        return torch.compiler.disable(function)
+
+
+# The functions `eager` wraps, each with a one-element list that holds what a call runs: the
+# function itself until torch._dynamo is imported, then its torch.compiler.disable twin.
+_EAGER: list[tuple[object, str, list]] = []
+
+
+def _dynamo_imported() -> None:
+    """Give every function `eager` wrapped its ``torch.compiler.disable`` twin (once)."""
+    for function, reason, runs in _EAGER:
+        if runs[0] is function:
+            runs[0] = _untraced(function, reason)
+
+
+class _AfterDynamo(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs `_dynamo_imported` as soon as ``torch._dynamo`` has been executed.
+
+    ``torch.compiler.disable`` imports all of Dynamo (about 2.5 s, twice the time of
+    ``import torch``), so applying it at import would cost every process that imports
+    torchpm, most of which never compile. Nothing can trace a function before Dynamo is
+    imported, so the twins are made right after that import, before any tracing: by
+    this finder, which hands the module to the loader that Python's other finders
+    choose and only adds the call after its code has run."""
+
+    def __init__(self):
+        self.loader = None
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch._dynamo" or self.loader is not None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                    return spec
+                self.loader = spec.loader
+                spec.loader = self
+                return spec
+        return None
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        loader, self.loader = self.loader, None
+        # The module keeps the real loader (introspection, reloads).
+        module.__loader__ = loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = loader
+        loader.exec_module(module)
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        _dynamo_imported()
+
+
+if "torch._dynamo" not in sys.modules:
+    sys.meta_path.insert(0, _AfterDynamo())
+
+
 def eager(function=None, *, local=None):
     """Run ``function`` outside ``torch.compile``'s graphs: it talks to process groups,
     which Dynamo cannot trace, so a compiled function that calls it breaks its graph
@@ -37,20 +106,21 @@ def eager(function=None, *, local=None):
     ``local(*args, **kwargs)``, given the call's arguments (``self`` first for a method),
     says when a call talks to no process group (a 1 x 1 grid): such a call is traced like
     any other code, so one device keeps ``fullgraph=True``.
+
+    The ``torch.compiler.disable`` twin is made when ``torch._dynamo`` is imported (see
+    `_AfterDynamo`), not when torchpm is.
     """
     def wrap(function):
         reason = (f"torchpm's {function.__qualname__} talks to process groups, which torch.compile cannot "
                   "trace: it runs eagerly between graphs, so compile without fullgraph=True")
-        try:
-            disabled = torch.compiler.disable(function, reason=reason)
-        except TypeError:  # torch < 2.8 has no reason=
-            disabled = torch.compiler.disable(function)
-        if local is None:
-            return disabled
+        runs = [_untraced(function, reason) if "torch._dynamo" in sys.modules else function]
+        _EAGER.append((function, reason, runs))
 
         @functools.wraps(function)
         def call(*args, **kwargs):
-            return (function if local(*args, **kwargs) else disabled)(*args, **kwargs)
+            if local is not None and local(*args, **kwargs):
+                return function(*args, **kwargs)
+            return runs[0](*args, **kwargs)
 
         return call
 
