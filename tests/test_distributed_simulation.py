@@ -44,7 +44,7 @@ def case_ids(world_size):
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}", f"paint_layers-{grid}",
                     f"redshift_multipoles-{grid}", f"lightcone-{grid}", f"trajectory-{grid}", f"trajectory_sorted_resume-{grid}",
                     f"migration_ignores_empty_slots-{grid}", f"resume_bits-{grid}", f"forces_box_shifted-{grid}",
-                    f"non_gaussian-{grid}"]
+                    f"non_gaussian-{grid}", f"correlation-{grid}"]
         if (p0, p1) == (2, 1):
             ids += [f"migration_placement-{grid}", f"migration_dtypes-{grid}", f"replicated_gradients-{grid}", f"unsummed_gradients-{grid}",
                     f"whole_state_refused-{grid}", f"adjoint_explicit_cosmology-{grid}", f"compiled-{grid}",
@@ -1446,6 +1446,48 @@ def case_power_layer(grid, ctx):
         assert "`field`" in str(error) and "rank 0" in str(error), str(error)
     else:
         raise AssertionError("rank 0's whole field (not its block) did not raise on every rank")
+
+
+def case_correlation(grid, ctx):
+    """torchpm.analysis.correlation_function / cross_correlation with mesh= on an uneven grid:
+    every rank gets the one-device shells (r, lags) and xi of the global fields, and its
+    gradient is its block of the one-device gradient; bad options raise on every rank."""
+    from torchpm.analysis import correlation_function, cross_correlation
+    from torchpm.distributed import PencilDecomposition
+
+    shape, box = (10, 9, 8), (50.0, 45.0, 40.0)
+    mesh = PencilDecomposition(shape, ctx["groups"][grid])
+    whole, other = global_random((2, *shape), 31), global_random((2, *shape), 32)
+    for options in (dict(), dict(bins=[0.0, 6.0, 11.0, 30.0], ells=(0, 2), axis="x"),
+                    dict(bins=4, window="cic", n_particles=700)):
+        for pair in ((whole,), (whole, other)):
+            if len(pair) == 2 and "n_particles" in options:
+                continue
+            function = correlation_function if len(pair) == 1 else cross_correlation
+            global_fields = [f.clone().requires_grad_() for f in pair]
+            local_fields = [mesh.local_real_part(f).clone().requires_grad_() for f in pair]
+            expected = function(*global_fields, box, **options)
+            result = function(*local_fields, box, mesh=mesh, **options)
+            assert torch.equal(result.lags, expected.lags), (options, result.lags, expected.lags)
+            assert_small(float((result.r - expected.r).abs().max()), float(expected.r.max()), f"r {options}")
+            assert result.xi.shape == expected.xi.shape, (result.xi.shape, expected.xi.shape)
+            assert_small(float((result.xi - expected.xi).detach().abs().max()),
+                         float(expected.xi.detach().abs().max()), f"xi {options} {len(pair)} fields")
+            cotangent = global_random(expected.xi.shape, 33)
+            expected_grads = torch.autograd.grad(expected.xi, global_fields, cotangent)
+            grads = torch.autograd.grad(result.xi, local_fields, cotangent)
+            for grad, expected_grad in zip(grads, expected_grads):
+                expected_grad = mesh.local_real_part(expected_grad)
+                assert_small(float((grad - expected_grad).abs().max()), float(expected_grad.abs().max()),
+                             f"gradient {options} {len(pair)} fields")
+    # One rank's bad argument raises on every rank, naming it.
+    block = mesh.local_real_part(whole)
+    try:
+        correlation_function(block, box, mesh=mesh, n_particles=-1 if ctx["rank"] == 0 else 10, window="cic")
+    except ValueError as error:
+        assert "`n_particles`" in str(error), str(error)
+    else:
+        raise AssertionError("rank 0's bad n_particles did not raise on every rank")
 
 
 def case_compiled(grid, ctx):

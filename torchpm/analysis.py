@@ -1,4 +1,5 @@
-"""Power spectra, cross spectra, cross-correlation coefficient and transfer function.
+"""Power spectra, cross spectra, cross-correlation coefficient, transfer function, and the
+two-point correlation function in configuration space.
 
 Estimator (DESIGN.md): for a real field on ``N`` cells in a box of volume ``V``::
 
@@ -51,6 +52,10 @@ __all__ = [
     "cross_multipoles",
     "redshift_space",
     "legendre",
+    "CorrelationFunction",
+    "correlation_function",
+    "cross_correlation",
+    "aliased_window_power",
 ]
 
 
@@ -177,7 +182,8 @@ def _binned(values_of, count: int, mesh: LocalMesh, box: Sequence[float], bins, 
     # One all-reduce of every shell sum: the global spectrum on every rank.
     totals = mesh.all_reduce(torch.cat([modes[:n_bins].unsqueeze(0), k_sum[:n_bins].unsqueeze(0),
                                         sums.reshape(-1, n_bins + 1)[:, :n_bins]]))
-    modes, k_sum, sums = totals[0], totals[1], totals[2:].reshape(count, *extra, n_bins)
+    # (k and the counts do not depend on the fields: no gradient through them)
+    modes, k_sum, sums = totals[0].detach(), totals[1].detach(), totals[2:].reshape(count, *extra, n_bins)
     keep = modes > 0
     modes = modes[keep]
     return k_sum[keep] / modes, sums[..., keep] / modes, modes
@@ -726,3 +732,214 @@ def paint_density(
     phase = torch.exp(1j * 0.5 * (w[0] + w[1] + w[2])).to(rho_k.dtype)
     combined = 0.5 * (rho_k + shifted_k * phase)
     return mesh.irfftn(combined) * scale - 1.0
+
+
+# ----------------------------------------------------------------------------
+# Configuration space: the two-point correlation function.
+
+
+class CorrelationFunction(NamedTuple):
+    """Binned two-point correlation function. ``r``: ``(n_bins,)`` mean length (Mpc/h) of
+    the cell separations in each shell; ``xi``: ``(n_bins,)`` or ``(B, n_bins)``, with
+    ``ells`` ``(len(ells), n_bins)`` or ``(B, len(ells), n_bins)``, ``xi[..., i, :]`` the
+    multipole ``ells[i]``; ``lags``: ``(n_bins,)`` the number of cell separations (lag
+    vectors of the mesh) in each shell; ``ells``: the multipoles' orders, or ``None`` for
+    the shell average. Empty shells are dropped."""
+
+    r: torch.Tensor
+    xi: torch.Tensor
+    lags: torch.Tensor
+    ells: tuple[int, ...] | None = None
+
+
+def aliased_window_power(wavevectors, order) -> torch.Tensor:
+    """``sum_n W^2(w + 2 pi n)`` over the aliasing images ``n`` of each wavevector: the
+    shape in ``k`` of the Poisson shot noise of particles painted with ``order``'s window
+    (Jing 2005), a product over the axes of polynomials in ``s^2 = sin^2(w_i/2)``:
+    ``1`` (NGP), ``1 - 2/3 s^2`` (CIC), ``1 - s^2 + 2/15 s^4`` (TSC),
+    ``1 - 4/3 s^2 + 2/5 s^4 - 4/315 s^6`` (PCS). For a field painted without interlacing."""
+    from .ops._arguments import order_number
+
+    coefficients = {1: (1.0,), 2: (1.0, -2.0 / 3.0), 3: (1.0, -1.0, 2.0 / 15.0),
+                    4: (1.0, -4.0 / 3.0, 2.0 / 5.0, -4.0 / 315.0)}[order_number(order, "aliased_window_power")]
+    result = 1.0
+    for wi in wavevectors:
+        s2 = torch.sin(wi / 2) ** 2
+        axis = 0.0
+        for c in reversed(coefficients):  # Horner
+            axis = axis * s2 + c
+        result = result * axis
+    return result
+
+
+def _lag_edges(mesh, box, bins, device):
+    """The shells' edges (Mpc/h) for ``bins`` (see :func:`correlation_function`)."""
+    cell = max(b / n for b, n in zip(box, mesh.global_shape))
+    r_max = min(box) / 2
+    if bins is None:
+        count = max(1, int(math.floor(r_max / cell - 0.5)))
+        return cell * (torch.arange(count + 1, dtype=torch.float64, device=device) + 0.5)
+    if isinstance(bins, numbers.Integral) and not isinstance(bins, bool):
+        if int(bins) < 1:
+            raise ValueError(f"`bins` must be a positive number of bins or increasing bin edges, got {bins}")
+        return torch.linspace(0.0, r_max, int(bins) + 1, dtype=torch.float64, device=device)
+    message = f"`bins` must be None, a positive int or at least 2 finite increasing bin edges in Mpc/h, got {bins!r}"
+    if isinstance(bins, (str, bytes, bool, numbers.Real)):
+        raise ValueError(message)
+    try:
+        edges = torch.as_tensor(bins, dtype=torch.float64, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(message) from None
+    if edges.dim() != 1 or edges.numel() < 2 or not bool(torch.isfinite(edges).all()) \
+            or bool((edges[1:] <= edges[:-1]).any()) or bool(edges[0] < 0):
+        raise ValueError(message)
+    return edges
+
+
+def _lag_binned(values, mesh, box, edges, ells, axis):
+    """Shell averages over the cell separations of the local real block, all-reduced over
+    the grid. ``values``: ``(count, *local_real_shape)``, the value at each separation
+    ``r`` (the minimum image of the block's global index times the cell). Returns ``(r,
+    means, lags)`` as :func:`_binned` does (zero separation excluded, empty shells dropped)."""
+    device = values.device
+    (lx, ly, lz), offset = mesh.local_real_shape, mesh.local_real_offset
+    lag = []
+    for n, b, o, length in zip(mesh.global_shape, box, offset, (lx, ly, lz)):
+        index = torch.arange(o, o + length, dtype=torch.float64, device=device)
+        lag.append(torch.where(index > n // 2, index - n, index) * (b / n))
+    rx, ry, rz = lag[0].view(-1, 1, 1), lag[1].view(1, -1, 1), lag[2].view(1, 1, -1)
+    n_bins = edges.numel() - 1
+    count = values.shape[0]
+    extra = () if ells is None else (len(ells),)
+    lags = torch.zeros(n_bins + 1, dtype=torch.float64, device=device)
+    r_sum = torch.zeros(n_bins + 1, dtype=torch.float64, device=device)
+    sums = torch.zeros(count, *extra, n_bins + 1, dtype=torch.float64, device=device)
+    planes = max(1, _BIN_CHUNK // max(1, ly * lz))
+    for start in range(0, lx, planes):
+        end = min(lx, start + planes)
+        r = torch.sqrt(rx[start:end] ** 2 + ry**2 + rz**2)  # (end - start, ly, lz)
+        flat_r = r.reshape(-1)
+        index = torch.bucketize(flat_r, edges, right=True) - 1
+        valid = (index >= 0) & (index < n_bins) & (flat_r > 0)
+        index = torch.where(valid, index, torch.full_like(index, n_bins))  # overflow bin, dropped
+        weight = valid.to(torch.float64)
+        lags = lags.index_add(0, index, weight)
+        r_sum = r_sum.index_add(0, index, weight * flat_r)
+        block = values[:, start:end]
+        if ells is not None:
+            block = block.unsqueeze(1) * _multipole_weights(ells, (rx[start:end], ry, rz)[axis], r)
+        flat_values = block.reshape(*block.shape[:-3], -1) * weight
+        sums = sums + torch.zeros_like(sums).index_add(-1, index, flat_values)
+    totals = mesh.all_reduce(torch.cat([lags[:n_bins].unsqueeze(0), r_sum[:n_bins].unsqueeze(0),
+                                        sums.reshape(-1, n_bins + 1)[:, :n_bins]]))
+    lags, r_sum, sums = totals[0].detach(), totals[1].detach(), totals[2:].reshape(count, *extra, n_bins)
+    keep = lags > 0
+    lags = lags[keep]
+    return r_sum[keep] / lags, sums[..., keep] / lags, lags
+
+
+def _n_particles_argument(n_particles, window) -> str | None:
+    if n_particles is None:
+        return None
+    if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral) or n_particles <= 0:
+        return f"`n_particles` must be a positive integer, got {n_particles!r}"
+    if window is None:
+        return ("`n_particles` needs `window=`, the window the particles were painted with: their self-pairs "
+                "reach as far as the window does")
+    return None
+
+
+def _correlation(function, fields, box_size, bins, compensate_cic, window, mesh, ells, axis, n_particles=None):
+    error = None
+    if ells is not None:
+        try:
+            ells = _ells_argument(ells, function)
+            axis = line_of_sight_axis(axis, function)
+        except ValueError as exc:
+            ells, axis, error = (0,), -1, str(exc)
+    error = error or _n_particles_argument(n_particles, window)
+    mesh, box, window, transforms, single = _measure(
+        function, fields, box_size, bins, compensate_cic, window, mesh,
+        [("`ells`", ells), ("`axis`", axis if ells is not None else None), ("`n_particles`", n_particles)], error)
+    a_k, b_k = transforms[0], transforms[-1]
+    edges = _lag_edges(mesh, box, bins, a_k.device)
+    w = mesh.wavevectors(dtype=torch.float64, device=a_k.device)
+    # conj(A) B: its inverse DFT is sum_x a(x) b(x + r); the k = 0 mode (the means) is dropped.
+    product = a_k.conj() * b_k
+    k_zero = (w[0] == 0) & (w[1] == 0) & (w[2] == 0)
+    product = product.masked_fill(k_zero, 0)
+    if n_particles is not None:
+        # Poisson self-pairs of n_particles equal-mass particles painted with the window.
+        product = product - aliased_window_power(w, window) * (mesh.size**2 / int(n_particles))
+    if window is not None:
+        product = product / window_of(w, window) ** 2
+    xi = mesh.irfftn(product) / mesh.size
+    r, xi, lags = _lag_binned(xi, mesh, box, edges, ells, axis)
+    return CorrelationFunction(r, xi[0] if single else xi, lags, ells)
+
+
+def correlation_function(
+    field: torch.Tensor,
+    box_size: float | Sequence[float],
+    *,
+    bins=None,
+    ells: Sequence[int] | None = None,
+    axis: int | str = 2,
+    compensate_cic: bool = False,
+    window: str | None = None,
+    n_particles: int | None = None,
+    mesh=None,
+) -> CorrelationFunction:
+    """Two-point correlation function of a field on its mesh, in shells of the separation::
+
+        xi(r) = < delta(x) delta(x + r) >_(x, r in the shell)
+
+    averaged over every cell ``x`` and every separation ``r`` of the periodic mesh (the
+    minimum image of each cell offset) in the shell: the inverse DFT of the power,
+    ``xi(r) = 1/N^2 IDFT(|DFT delta|^2)``, binned. Exact for the mesh's field: it equals the
+    sum over all cell pairs, done with two FFTs. The mean of the field is removed (its
+    ``k = 0`` mode dropped, as :func:`power_spectrum` does) and zero separation is left out.
+    Differentiable; on a process grid every rank gets the global result.
+
+    Args:
+        bins: None (shells one cell wide, of the largest cell side ``h``, centred on
+            multiples of it, up to half the smallest box side), a number of equal-width
+            shells from 0 to half the smallest box side, or bin edges in Mpc/h. Beyond
+            half a box side a shell holds only some directions.
+        ells: None for the shell average, or even multipole orders, e.g. ``(0, 2, 4)``:
+            ``xi_ell(r) = (2 ell + 1) < xi L_ell(mu) >``, ``mu = r_axis / |r|``, about the
+            line of sight ``axis`` (plane-parallel; for redshift-space fields).
+        axis: the line of sight with ``ells``: 0, 1, 2 or ``"x"``, ``"y"``, ``"z"``.
+        window, compensate_cic: divide the power by the mass-assignment window ``W^2``
+            before the transform (see :func:`cross_power`); it sharpens the first few cells.
+        n_particles: subtract the Poisson self-pairs of that many equal-mass particles
+            painted with ``window`` (required with it) and without interlacing: the shot
+            noise ``V / n_particles * sum_n W^2(w + 2 pi n)`` of :func:`aliased_window_power`,
+            which reaches as far as the window. Without it the first shells (within the
+            window's reach, 1-2 cells) hold the particles' pairs with themselves.
+        mesh: as in :func:`cross_power`.
+
+    Returns:
+        :class:`CorrelationFunction`; ``xi`` is batched like the field.
+    """
+    return _correlation("correlation_function", {"field": field}, box_size, bins, compensate_cic, window, mesh,
+                        ells, axis, n_particles)
+
+
+def cross_correlation(
+    field_a: torch.Tensor,
+    field_b: torch.Tensor,
+    box_size: float | Sequence[float],
+    *,
+    bins=None,
+    ells: Sequence[int] | None = None,
+    axis: int | str = 2,
+    compensate_cic: bool = False,
+    window: str | None = None,
+    mesh=None,
+) -> CorrelationFunction:
+    """Cross-correlation ``xi_ab(r) = < a(x) b(x + r) >`` of two fields on one mesh, in
+    shells of the separation (the inverse DFT of ``conj(DFT a) DFT b / N^2``, means
+    removed); the arguments of :func:`correlation_function`."""
+    return _correlation("cross_correlation", {"field_a": field_a, "field_b": field_b}, box_size, bins,
+                        compensate_cic, window, mesh, ells, axis)
