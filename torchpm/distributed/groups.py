@@ -16,6 +16,7 @@ import functools
 import importlib.abc
 import os
 import sys
+import threading
 import zlib
 from typing import Sequence
 
@@ -38,63 +39,81 @@ def _untraced(function, reason):
         return torch.compiler.disable(function)
 
 
-# The functions `eager` wraps, each with a one-element list that holds what a call runs: the
-# function itself until torch._dynamo is imported, then its torch.compiler.disable twin.
+# The functions `eager` wrapped before torch._dynamo was imported, each with a one-element
+# list that holds what a call runs: the function itself until then, then its
+# torch.compiler.disable twin (made by `_dynamo_imported`, which empties the list).
 _EAGER: list[tuple[object, str, list]] = []
+_LOCK = threading.Lock()
 
 
 def _dynamo_imported() -> None:
-    """Give every function `eager` wrapped its ``torch.compiler.disable`` twin (once)."""
-    for function, reason, runs in _EAGER:
+    """Give every function `eager` wrapped its ``torch.compiler.disable`` twin (once).
+    The twins are made outside the lock: making one imports Dynamo, which may wait for
+    another thread's import of it, which ends by calling this."""
+    with _LOCK:
+        waiting = list(_EAGER)
+        _EAGER.clear()
+    for function, reason, runs in waiting:
         if runs[0] is function:
             runs[0] = _untraced(function, reason)
 
 
-class _AfterDynamo(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Runs `_dynamo_imported` as soon as ``torch._dynamo`` has been executed.
+class _TwinsAfter(importlib.abc.Loader):
+    """The loader Python's finders chose for ``torch._dynamo``, and `_dynamo_imported` once
+    its code has run. The module keeps the real loader (introspection, reloads)."""
 
-    ``torch.compiler.disable`` imports all of Dynamo (about 2.5 s, twice the time of
-    ``import torch``), so applying it at import would cost every process that imports
-    torchpm, most of which never compile. Nothing can trace a function before Dynamo is
-    imported, so the twins are made right after that import, before any tracing: by
-    this finder, which hands the module to the loader that Python's other finders
-    choose and only adds the call after its code has run."""
-
-    def __init__(self):
-        self.loader = None
-
-    def find_spec(self, name, path, target=None):
-        if name != "torch._dynamo" or self.loader is not None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is None or not hasattr(spec.loader, "exec_module"):
-                    return spec
-                self.loader = spec.loader
-                spec.loader = self
-                return spec
-        return None
+    def __init__(self, loader):
+        self.loader = loader
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
-        loader, self.loader = self.loader, None
-        # The module keeps the real loader (introspection, reloads).
-        module.__loader__ = loader
+        module.__loader__ = self.loader
         if module.__spec__ is not None:
-            module.__spec__.loader = loader
-        loader.exec_module(module)
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
         _dynamo_imported()
+        if _FINDER in sys.meta_path:
+            sys.meta_path.remove(_FINDER)
 
 
+class _AfterDynamo(importlib.abc.MetaPathFinder):
+    """Hands the import of ``torch._dynamo`` to the loader the other finders choose, with
+    `_dynamo_imported` after it (`_TwinsAfter`).
+
+    ``torch.compiler.disable`` imports all of Dynamo (about 2.5 s, more than ``import
+    torch``), so applying it at import would cost every process that imports torchpm,
+    most of which never compile. Nothing can trace a function before Dynamo is imported,
+    so the twins are made right after that import, before any tracing. A lookup that
+    imports nothing (``importlib.util.find_spec``) leaves no state behind; an import this
+    finder does not see (a finder put before it later) is caught by the first call of a
+    wrapped function (see `eager`)."""
+
+    def __init__(self):
+        self.busy = threading.local()
+
+    def find_spec(self, name, path, target=None):
+        if name != "torch._dynamo" or getattr(self.busy, "value", False):
+            return None
+        self.busy.value = True  # (a finder below that asks importlib again gets None here)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _TwinsAfter(spec.loader)
+                    return spec
+            return None
+        finally:
+            self.busy.value = False
+
+
+_FINDER = _AfterDynamo()
 if "torch._dynamo" not in sys.modules:
-    sys.meta_path.insert(0, _AfterDynamo())
+    sys.meta_path.insert(0, _FINDER)
 
 
 def eager(function=None, *, local=None):
@@ -108,18 +127,26 @@ def eager(function=None, *, local=None):
     any other code, so one device keeps ``fullgraph=True``.
 
     The ``torch.compiler.disable`` twin is made when ``torch._dynamo`` is imported (see
-    `_AfterDynamo`), not when torchpm is.
+    `_AfterDynamo`), not when torchpm is; what the decorator returns is a plain wrapper
+    that calls it (Dynamo steps into the wrapper and breaks its graph at the twin).
     """
     def wrap(function):
         reason = (f"torchpm's {function.__qualname__} talks to process groups, which torch.compile cannot "
                   "trace: it runs eagerly between graphs, so compile without fullgraph=True")
-        runs = [_untraced(function, reason) if "torch._dynamo" in sys.modules else function]
-        _EAGER.append((function, reason, runs))
+        runs = [function]
+        with _LOCK:
+            waiting = "torch._dynamo" not in sys.modules
+            if waiting:
+                _EAGER.append((function, reason, runs))
+        if not waiting:
+            runs[0] = _untraced(function, reason)
 
         @functools.wraps(function)
         def call(*args, **kwargs):
             if local is not None and local(*args, **kwargs):
                 return function(*args, **kwargs)
+            if runs[0] is function and "torch._dynamo" in sys.modules:
+                _dynamo_imported()  # Dynamo was imported past `_AfterDynamo`
             return runs[0](*args, **kwargs)
 
         return call
