@@ -74,7 +74,7 @@ def test_auto_correlation_is_the_sum_over_cell_pairs(bins):
     if bins is None:  # shells one largest cell (5.5 Mpc/h) wide centred on its multiples, up to L_min / 2
         np.testing.assert_allclose(edges, [2.75, 8.25, 13.75], rtol=1e-15)
     elif isinstance(bins, int):
-        np.testing.assert_allclose(edges, np.linspace(0, 13.75, 4), rtol=1e-15)
+        np.testing.assert_allclose(edges, np.linspace(0, 13.75, 4), rtol=1e-11)
     check(result, pair_sum(field, field, BOX, edges))
     assert result.ells is None and result.xi.shape == result.r.shape
 
@@ -155,10 +155,54 @@ def test_poisson_self_pairs_subtracted(order):
     assert abs(float(raw.xi.mean(0)[0])) > 20 * float(error[0]), (raw.xi.mean(0), error)
 
 
+@pytest.mark.parametrize("order", ["ngp", "cic", "tsc", "pcs"])
+def test_self_pairs_of_one_particle_cancel_exactly(order):
+    """One particle, averaged over its position in a cell: with ``n_particles=1`` the expected
+    xi is zero at every separation (no other pair exists). The painted field is piecewise
+    polynomial in the position, with breaks at whole and half cells, so Gauss-Legendre nodes
+    on each half cell give the average exactly."""
+    nodes, weights = np.polynomial.legendre.leggauss(5)
+    points = np.concatenate([0.25 + 0.25 * nodes, 0.75 + 0.25 * nodes])
+    weights = np.concatenate([weights, weights]) / 4  # (sum to 1 over the cell)
+    g = torch.tensor(points)
+    positions = torch.stack(torch.meshgrid(g, g, g, indexing="ij"), -1).reshape(-1, 1, 3) + torch.tensor(
+        [2.0, 3.0, 1.0], dtype=torch.float64)
+    w = torch.tensor(weights)
+    average = (w.view(-1, 1, 1) * w.view(1, -1, 1) * w.view(1, 1, -1)).reshape(-1)
+    shape = (6, 7, 8)
+    delta = paint_density(positions, shape=shape, order=order)
+    bins = [0.0, 1.2, 1.6, 2.0, 3.0]
+    clean = correlation_function(delta, (6.0, 7.0, 8.0), bins=bins, window=order, n_particles=1)
+    np.testing.assert_allclose((average @ clean.xi).numpy(), 0.0, atol=1e-12)
+    raw = correlation_function(delta, (6.0, 7.0, 8.0), bins=bins, window=order)
+    assert float((average @ raw.xi).abs().max()) > 0.1  # what was subtracted
+    # A number need not be an integer ((sum w)^2 / sum w^2 for weighted particles).
+    torch.testing.assert_close(correlation_function(delta, (6.0, 7.0, 8.0), bins=bins, window=order,
+                                                    n_particles=1.0).xi, clean.xi, rtol=0, atol=0)
+
+
+def test_shells_leave_out_axes_one_cell_thick():
+    for shape, box, expected in (((16, 16, 1), (16.0, 16.0, 16.0), 1.0 * (np.arange(8) + 0.5)),
+                                 ((6, 1, 5), (12.0, 3.0, 10.0), 2.0 * (np.arange(3) + 0.5))):
+        from torchpm.analysis import _lag_edges
+        from torchpm.mesh import LocalMesh
+
+        edges = _lag_edges(LocalMesh(shape), box, None, "cpu").numpy()
+        np.testing.assert_allclose(edges, expected, rtol=1e-15)
+        field = random_field(shape, 12)
+        check(correlation_function(field, box), pair_sum(field, field, box, edges))
+    # An int number of shells ends just past half the box: the separation of half a box is kept.
+    field = random_field((8, 8, 8), 13)
+    result = correlation_function(field, 8.0, bins=2)
+    assert int(result.lags.sum()) == int(pair_sum(field, field, (8.0,) * 3, [0.0, 2.0, 4.0 + 1e-9])[2].sum())
+
+
 def test_gradients():
-    shape, box = (4, 3, 5), (8.0, 6.0, 10.0)
+    shape, box = (4, 3, 6), (8.0, 6.0, 12.0)  # (an even last side: its Nyquist plane)
     a, b = random_field(shape, 8).requires_grad_(), random_field(shape, 9).requires_grad_()
     torch.autograd.gradcheck(lambda f: correlation_function(f, box, bins=2, window="cic").xi, (a,))
+    torch.autograd.gradcheck(lambda f: correlation_function(f, box, ells=(0, 2), window="tsc", n_particles=50).xi,
+                             (a,))
     torch.autograd.gradcheck(lambda f, g: cross_correlation(f, g, box, bins=2, ells=(0, 2)).xi, (a, b))
     # The shells do not depend on the field: only xi carries a gradient (and P(k) alone, not k).
     result, spectrum = correlation_function(a, box), power_spectrum(a, box)
@@ -171,8 +215,13 @@ def test_errors_name_the_argument():
     field = random_field(SHAPE, 10)
     with pytest.raises(ValueError, match="`n_particles` needs `window=`"):
         correlation_function(field, BOX, n_particles=100)
-    with pytest.raises(ValueError, match="`n_particles` must be a positive integer"):
-        correlation_function(field, BOX, n_particles=0, window="cic")
+    for bad in (0, -3.0, float("inf"), True, "10"):
+        with pytest.raises(ValueError, match="`n_particles` must be a positive number"):
+            correlation_function(field, BOX, n_particles=bad, window="cic")
+    # compensate_cic names the CIC window
+    correlation_function(field, BOX, n_particles=100, compensate_cic=True)
+    with pytest.raises(ValueError, match="`axis`"):
+        correlation_function(field, BOX, axis=7)  # (checked without ells too)
     for bins in ([3.0, 1.0], [-1.0, 2.0], [1.0, float("nan")], 0, "many"):
         with pytest.raises(ValueError, match="`bins`"):
             correlation_function(field, BOX, bins=bins)
@@ -184,7 +233,7 @@ def test_errors_name_the_argument():
         cross_correlation(field, random_field((6, 5, 7), 1), BOX)
     with pytest.raises(ValueError, match="NaN"):
         correlation_function(field.clone().fill_(float("nan")), BOX)
-    with pytest.raises(ValueError, match="`window`|window"):
+    with pytest.raises(ValueError, match="correlation_function.*window"):
         correlation_function(field, BOX, window="quadratic")
 
 
@@ -214,3 +263,20 @@ def test_linear_field_has_the_hankel_transform_of_its_power():
     assert np.all(np.abs(measured[near] - expected[near]) < 0.015 * np.abs(expected[near])), (measured, expected)
     assert np.all(np.abs(measured[~near] - expected[~near]) < 5e-4 * expected.max()), (measured, expected)
     assert expected[0] > 0.04 and expected[-1] < 0  # the range spans xi's zero crossing near 130 Mpc/h
+
+
+def test_correlation_from_power_of_a_gaussian_spectrum():
+    """P(k) = exp(-k^2 R^2) has xi(r) = exp(-r^2 / 4R^2) / (8 pi^(3/2) R^3) (by hand)."""
+    from torchpm.analysis import correlation_from_power
+
+    radius = 10.0
+    r = torch.tensor([0.5, 5.0, 20.0, 40.0, 60.0], dtype=torch.float64)
+    xi = correlation_from_power(r, lambda k: torch.exp(-(k * radius) ** 2))
+    expected = torch.exp(-r**2 / (4 * radius**2)) / (8 * math.pi**1.5 * radius**3)
+    torch.testing.assert_close(xi, expected, rtol=1e-6, atol=1e-9 * float(expected.max()))
+    assert correlation_from_power(r.view(5, 1), lambda k: torch.exp(-(k * radius) ** 2)).shape == (5, 1)
+    for bad, match in ((dict(r=[0.0, 1.0]), "`r`"), (dict(k_min=0.0), "`k_min`"), (dict(points=2), "`points`"),
+                       (dict(power=3.0), "`power`")):
+        arguments = {"r": r, "power": lambda k: k, **bad}
+        with pytest.raises((ValueError, TypeError), match=match):
+            correlation_from_power(arguments.pop("r"), arguments.pop("power"), **arguments)

@@ -56,6 +56,7 @@ __all__ = [
     "correlation_function",
     "cross_correlation",
     "aliased_window_power",
+    "correlation_from_power",
 ]
 
 
@@ -69,12 +70,12 @@ class PowerSpectrum(NamedTuple):
     modes: torch.Tensor
 
 
-def _window_argument(window, compensate_cic):
+def _window_argument(window, compensate_cic, function="power_spectrum"):
     if not isinstance(compensate_cic, bool):
         raise TypeError(f"`compensate_cic` must be a bool, got {compensate_cic!r}")
     if window is None:
         return "cic" if compensate_cic else None
-    name = ORDER_NAMES[order_number(window, "power_spectrum", "window")]
+    name = ORDER_NAMES[order_number(window, function, "window")]
     if compensate_cic and name != "cic":
         raise ValueError(f"`compensate_cic=True` contradicts `window={window!r}`; pass only `window`")
     return name
@@ -221,7 +222,7 @@ def _measure(function, fields, box_size, bins, compensate_cic, window, mesh, opt
     Returns ``(mesh, box, window, transforms, single)`` with ``transforms`` the float64 rfft
     of each field in the order given, batched ``(B, ...)``."""
     try:
-        window = _window_argument(window, compensate_cic)
+        window = _window_argument(window, compensate_cic, function)
     except (TypeError, ValueError) as exc:
         window, error = None, error or exc
     _check_mesh_argument(mesh, function)
@@ -685,7 +686,8 @@ def paint_density(
         over the global mesh from the total mass of the particles (summed over
         the process grid when the mesh has ``all_reduce``). Measure its spectrum with
         ``power_spectrum(delta, box, window=order, mesh=mesh)``; the result still
-        contains shot noise ``V / N``.
+        contains shot noise ``V / N`` (for :func:`correlation_function`'s ``n_particles``,
+        paint without interlacing: that keeps only the even aliasing images of the noise).
     """
     positions = tensor_argument(positions, "positions", "paint_density")
     weights = tensor_argument(weights, "weights", "paint_density", optional=True)
@@ -774,15 +776,18 @@ def aliased_window_power(wavevectors, order) -> torch.Tensor:
 
 def _lag_edges(mesh, box, bins, device):
     """The shells' edges (Mpc/h) for ``bins`` (see :func:`correlation_function`)."""
-    cell = max(b / n for b, n in zip(box, mesh.global_shape))
-    r_max = min(box) / 2
+    # (over the axes with more than one cell: a separation has no extent along the others)
+    spread = [(b, n) for b, n in zip(box, mesh.global_shape) if n > 1] or list(zip(box, mesh.global_shape))
+    cell = max(b / n for b, n in spread)
+    r_max = min(b for b, _ in spread) / 2
     if bins is None:
         count = max(1, int(math.floor(r_max / cell - 0.5)))
         return cell * (torch.arange(count + 1, dtype=torch.float64, device=device) + 0.5)
     if isinstance(bins, numbers.Integral) and not isinstance(bins, bool):
         if int(bins) < 1:
             raise ValueError(f"`bins` must be a positive number of bins or increasing bin edges, got {bins}")
-        return torch.linspace(0.0, r_max, int(bins) + 1, dtype=torch.float64, device=device)
+        # (the last edge just past half a box side, so that separation is kept)
+        return torch.linspace(0.0, r_max * (1 + 1e-12), int(bins) + 1, dtype=torch.float64, device=device)
     message = f"`bins` must be None, a positive int or at least 2 finite increasing bin edges in Mpc/h, got {bins!r}"
     if isinstance(bins, (str, bytes, bool, numbers.Real)):
         raise ValueError(message)
@@ -838,12 +843,14 @@ def _lag_binned(values, mesh, box, edges, ells, axis):
     return r_sum[keep] / lags, sums[..., keep] / lags, lags
 
 
-def _n_particles_argument(n_particles, window) -> str | None:
+def _n_particles_argument(n_particles, window, compensate_cic) -> str | None:
     if n_particles is None:
         return None
-    if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral) or n_particles <= 0:
-        return f"`n_particles` must be a positive integer, got {n_particles!r}"
-    if window is None:
+    if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Real) \
+            or not math.isfinite(n_particles) or n_particles <= 0:
+        return (f"`n_particles` must be a positive number (of equal-mass particles, or (sum w)^2 / sum w^2 for "
+                f"weighted ones), got {n_particles!r}")
+    if window is None and compensate_cic is not True:
         return ("`n_particles` needs `window=`, the window the particles were painted with: their self-pairs "
                 "reach as far as the window does")
     return None
@@ -851,26 +858,27 @@ def _n_particles_argument(n_particles, window) -> str | None:
 
 def _correlation(function, fields, box_size, bins, compensate_cic, window, mesh, ells, axis, n_particles=None):
     error = None
-    if ells is not None:
-        try:
+    try:
+        axis = line_of_sight_axis(axis, function)
+        if ells is not None:
             ells = _ells_argument(ells, function)
-            axis = line_of_sight_axis(axis, function)
-        except ValueError as exc:
-            ells, axis, error = (0,), -1, str(exc)
-    error = error or _n_particles_argument(n_particles, window)
+    except ValueError as exc:
+        ells, axis, error = (0,), -1, str(exc)
+    error = error or _n_particles_argument(n_particles, window, compensate_cic)
     mesh, box, window, transforms, single = _measure(
         function, fields, box_size, bins, compensate_cic, window, mesh,
-        [("`ells`", ells), ("`axis`", axis if ells is not None else None), ("`n_particles`", n_particles)], error)
+        [("`ells`", ells), ("`axis`", axis if ells is not None else None),
+         ("`n_particles`", None if n_particles is None else repr(float(n_particles)))], error)
     a_k, b_k = transforms[0], transforms[-1]
     edges = _lag_edges(mesh, box, bins, a_k.device)
     w = mesh.wavevectors(dtype=torch.float64, device=a_k.device)
     # conj(A) B: its inverse DFT is sum_x a(x) b(x + r); the k = 0 mode (the means) is dropped.
     product = a_k.conj() * b_k
-    k_zero = (w[0] == 0) & (w[1] == 0) & (w[2] == 0)
-    product = product.masked_fill(k_zero, 0)
     if n_particles is not None:
         # Poisson self-pairs of n_particles equal-mass particles painted with the window.
-        product = product - aliased_window_power(w, window) * (mesh.size**2 / int(n_particles))
+        product = product - aliased_window_power(w, window) * (mesh.size**2 / float(n_particles))
+    k_zero = (w[0] == 0) & (w[1] == 0) & (w[2] == 0)
+    product = product.masked_fill(k_zero, 0)  # (after the subtraction: none at k = 0 either)
     if window is not None:
         product = product / window_of(w, window) ** 2
     xi = mesh.irfftn(product) / mesh.size
@@ -903,9 +911,9 @@ def correlation_function(
 
     Args:
         bins: None (shells one cell wide, of the largest cell side ``h``, centred on
-            multiples of it, up to half the smallest box side), a number of equal-width
-            shells from 0 to half the smallest box side, or bin edges in Mpc/h. Beyond
-            half a box side a shell holds only some directions.
+            multiples of it, up to half the smallest box side; axes one cell thick left
+            out), a number of equal-width shells from 0 to half the smallest box side, or
+            bin edges in Mpc/h. Beyond half a box side a shell holds only some directions.
         ells: None for the shell average, or even multipole orders, e.g. ``(0, 2, 4)``:
             ``xi_ell(r) = (2 ell + 1) < xi L_ell(mu) >``, ``mu = r_axis / |r|``, about the
             line of sight ``axis`` (plane-parallel; for redshift-space fields).
@@ -913,10 +921,12 @@ def correlation_function(
         window, compensate_cic: divide the power by the mass-assignment window ``W^2``
             before the transform (see :func:`cross_power`); it sharpens the first few cells.
         n_particles: subtract the Poisson self-pairs of that many equal-mass particles
-            painted with ``window`` (required with it) and without interlacing: the shot
-            noise ``V / n_particles * sum_n W^2(w + 2 pi n)`` of :func:`aliased_window_power`,
+            (for weighted ones, ``(sum w)^2 / sum w^2``) painted with ``window``
+            (required with it) and without interlacing: the shot noise
+            ``V / n_particles * sum_n W^2(w + 2 pi n)`` of :func:`aliased_window_power`,
             which reaches as far as the window. Without it the first shells (within the
-            window's reach, 1-2 cells) hold the particles' pairs with themselves.
+            window's reach, 1-2 cells) hold the particles' pairs with themselves. An
+            interlaced field keeps only the even aliasing images: this form is then wrong.
         mesh: as in :func:`cross_power`.
 
     Returns:
@@ -943,3 +953,43 @@ def cross_correlation(
     removed); the arguments of :func:`correlation_function`."""
     return _correlation("cross_correlation", {"field_a": field_a, "field_b": field_b}, box_size, bins,
                         compensate_cic, window, mesh, ells, axis)
+
+
+def correlation_from_power(r, power, *, k_min: float = 1e-5, k_max: float = 100.0,
+                           points: int = 200_001) -> torch.Tensor:
+    """The correlation function of an isotropic power spectrum at separations ``r``::
+
+        xi(r) = 1 / (2 pi^2) int k^2 P(k) j0(k r) dk,   j0(x) = sin(x) / x
+
+    by the trapezoidal rule in ``ln k`` on ``points`` log-spaced wavenumbers over
+    ``[k_min, k_max]`` h/Mpc (the default range holds the linear power's contribution
+    to a few 1e-4 of xi above 1 Mpc/h; a tabulated power needs its table's range).
+    E.g. linear theory at ``a``: ``correlation_from_power(r, sim.linear_power) * D1(a)^2``.
+
+    Args:
+        r: separations in Mpc/h (a tensor or a sequence, > 0).
+        power: a callable ``P(k)`` of a float64 tensor of wavenumbers in h/Mpc, in (Mpc/h)^3.
+
+    Returns:
+        float64 ``xi`` of ``r``'s shape.
+    """
+    r = torch.as_tensor(r, dtype=torch.float64)
+    if not callable(power):
+        raise TypeError(f"correlation_from_power: `power` must be a callable P(k), got {type(power).__name__}")
+    if not (isinstance(points, numbers.Integral) and not isinstance(points, bool) and points >= 3):
+        raise ValueError(f"correlation_from_power: `points` must be an integer >= 3, got {points!r}")
+    if not (0 < k_min < k_max < math.inf):
+        raise ValueError(f"correlation_from_power: need 0 < `k_min` < `k_max` (finite), got {k_min!r}, {k_max!r}")
+    if not bool(torch.isfinite(r).all()) or bool((r <= 0).any()):
+        raise ValueError("correlation_from_power: `r` must hold finite separations > 0 (Mpc/h)")
+    log_k = torch.linspace(math.log(k_min), math.log(k_max), int(points), dtype=torch.float64)
+    k = torch.exp(log_k)
+    weights = torch.full_like(k, float(log_k[1] - log_k[0]))
+    weights[0] = weights[-1] = weights[0] / 2
+    integrand = torch.as_tensor(power(k), dtype=torch.float64).cpu() * k**3 * weights / (2 * math.pi**2)
+    flat = r.reshape(-1).cpu()
+    result = torch.empty_like(flat)
+    for start in range(0, flat.numel(), 16):  # (bounded temporaries: 16 x points)
+        x = flat[start:start + 16, None] * k
+        result[start:start + 16] = (integrand * torch.sinc(x / math.pi)).sum(-1)
+    return result.reshape(r.shape).to(r.device)
