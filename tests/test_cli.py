@@ -587,6 +587,53 @@ def test_redshift_space_multipoles_and_density_outputs(tmp_path, capsys, monkeyp
     assert not list((tmp_path / "out").glob("power_multipoles_*")) and not list((tmp_path / "out").glob("snap_*"))
 
 
+def test_correlation_function_output(tmp_path, capsys, monkeypatch):
+    """`correlation_function = true` writes correlation_function.txt (and one per snapshot):
+    the library's xi(r) of the final density of each member (CIC-compensated, Poisson
+    self-pairs off), the lags per shell, and linear theory, the Hankel transform of the
+    linear P(k) integrated here with numpy on a grid of its own; `shot_noise = "keep"` keeps
+    the self-pairs; a later --overwrite run without the key removes the tables."""
+    from torchpm.analysis import correlation_function
+
+    monkeypatch.chdir(tmp_path)
+    base = 'n_particles = 8\nbox_size = 64.0\nmesh_factor = 2\nsteps = 2\ndtype = "float64"\nseed = 2\nbatch = 2\n'
+    config = tmp_path / "xi.toml"
+    config.write_text(base + "correlation_function = true\nsnapshots = [0.55]\n")
+    assert main(["run", str(config)]) == 0
+    output = capsys.readouterr().out
+    assert "correlation function: xi = " in output and "correlation_function.txt" in output, output
+    out = tmp_path / "out"
+    assert "correlation function at a = 0.5500" in (out / "correlation_function_000.txt").read_text().splitlines()[0]
+    table = np.loadtxt(out / "correlation_function.txt")
+    sim = torchpm.Simulation(8, 64.0, mesh_factor=2, steps=2, dtype=torch.float64)
+    density = sim.density(sim(sim.white_noise(2, seed=2)))
+    assert table.shape[1] == 1 + 2 + 1 + 1
+    for member in range(2):
+        expected = correlation_function(density[member] - 1.0, 64.0, window="cic", n_particles=512)
+        np.testing.assert_allclose(table[:, 0], expected.r.numpy(), rtol=1e-6)
+        np.testing.assert_allclose(table[:, 1 + member], expected.xi.numpy(), rtol=1e-6, atol=1e-9)
+        np.testing.assert_array_equal(table[:, 3], expected.lags.numpy())
+    # Shells one cell (4 Mpc/h) wide centred on its multiples, up to half the box: 7, the
+    # first holding the 6 separations of one cell and the 12 of sqrt(2) cells.
+    assert table.shape[0] == 7 and table[0, 3] == 18
+    np.testing.assert_allclose(table[0, 0], 4.0 * (6 + 12 * 2**0.5) / 18, rtol=1e-6)
+    k = np.linspace(1e-5, 100.0, 2_000_001)
+    power = sim.linear_power(torch.from_numpy(k)).numpy()
+    linear = [np.trapezoid(k**2 * power * np.sinc(k * r / np.pi), k) / (2 * np.pi**2) for r in table[:, 0]]
+    np.testing.assert_allclose(table[:, 4], linear, rtol=2e-3, atol=1e-4 * abs(linear[0]))
+    # Kept self-pairs: the first shell differs, the far ones hardly.
+    config.write_text(base + 'correlation_function = true\nshot_noise = "keep"\n')
+    assert main(["run", str(config), "--overwrite"]) == 0
+    kept = np.loadtxt(out / "correlation_function.txt")
+    assert abs(kept[0, 1] - table[0, 1]) > 1e-3 and "kept" in (out / "correlation_function.txt").read_text()
+    assert not list(out.glob("correlation_function_*")), "the earlier run's snapshot table was left"
+    config.write_text(base)
+    assert main(["run", str(config)]) == 2
+    assert "already holds outputs" in capsys.readouterr().err
+    assert main(["run", str(config), "--overwrite"]) == 0
+    assert not (out / "correlation_function.txt").exists()
+
+
 # ----------------------------------------------------------------------------------
 # Weak lensing from the command line.
 

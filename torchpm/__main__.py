@@ -16,6 +16,11 @@ progress bar over the steps, and writes into the run's output folder (default ``
   P_0, P_2, P_4 of the final density in redshift space along that axis
   (CIC-compensated; shot noise on P_0 as in the P(k) table), the number of modes, and
   linear theory (Kaiser);
+* ``correlation_function.txt`` (with ``correlation_function = true``, and
+  ``correlation_function_000.txt``, ... at the snapshots): xi(r) of the density in shells
+  one force-mesh cell wide up to half the box (CIC-compensated; the particles' pairs
+  with themselves subtracted as the shot noise is in the P(k) table), the number of cell
+  separations per shell, and linear theory (:func:`torchpm.analysis.correlation_function`);
 * ``density.hdf5`` (with ``write_density = true``): the final density (mean 1) on the
   force mesh, ``(batch, nx, ny, nz)``, and with ``redshift_space`` its redshift-space
   counterpart (:func:`torchpm.io.write_fields`);
@@ -63,7 +68,7 @@ from .config import SETTINGS, SettingError, defaults, load_config, markdown_tabl
 DEFAULTS = defaults()
 OUTPUT_NAMES = ("config.toml", "power_spectrum.txt", "power_spectrum.png")
 # Written by some runs only: with --overwrite removed first, so none is left from another run.
-OPTIONAL_OUTPUTS = ("power_multipoles.txt", "density.hdf5", "lensing.hdf5", "halos.hdf5")
+OPTIONAL_OUTPUTS = ("power_multipoles.txt", "correlation_function.txt", "density.hdf5", "lensing.hdf5", "halos.hdf5")
 
 
 class UserError(Exception):
@@ -179,7 +184,7 @@ def lensing_steps(config: dict, planes) -> list[float]:
 
 _SNAPSHOT_FILE = re.compile(r"^snap_(?P<index>\d{3,})(_member\d+)?(\.\d+)?\.hdf5$")
 # The spectra written at each snapshot (numbered as the snapshots).
-_SNAPSHOT_TABLE = re.compile(r"^power_(spectrum|multipoles)_(?P<index>\d{3,})\.txt$|"
+_SNAPSHOT_TABLE = re.compile(r"^(power_spectrum|power_multipoles|correlation_function)_(?P<index>\d{3,})\.txt$|"
                              r"^halos_(?P<halos>\d{3,})\.hdf5$")
 
 
@@ -205,7 +210,8 @@ def prepare_output(folder: str, overwrite: bool, keep: frozenset = frozenset()) 
         raise UserError(f"output folder {folder!r} is not writable: {error.strerror}") from None
     existing = [name for name in OUTPUT_NAMES + OPTIONAL_OUTPUTS if os.path.exists(os.path.join(folder, name))]
     snapshots = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "snap_*.hdf5")))
-    snapshots += sorted(name for name in (os.path.basename(p) for pattern in ("power_*_*.txt", "halos_*.hdf5")
+    patterns = ("power_*_*.txt", "correlation_function_*.txt", "halos_*.hdf5")
+    snapshots += sorted(name for name in (os.path.basename(p) for pattern in patterns
                                           for p in glob.glob(os.path.join(folder, pattern)))
                         if _SNAPSHOT_TABLE.match(name))
     existing += snapshots
@@ -549,6 +555,7 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
                     try:
                         written_tables.extend(
                             tables.write(f"_{index:03d}", state.a, snapshot_spectra, snapshot_multipoles)[:2])
+                        written_tables.append(tables.correlation_path)
                     except UserError as error:  # (a table that cannot be written)
                         problem = str(error)
                 simulation.force_mesh.raise_together(problem, UserError,
@@ -659,6 +666,14 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         kaiser_line = (f"  redshift space along {axis}: P_2/P_0 at {label}: {measured:.3f} "
                        f"(linear Kaiser {kaiser[1] / kaiser[0]:.3f})\n")
     summary["snapshot_tables"] = [path for path in written_tables if path is not None]
+    correlation_line = ""
+    if tables.correlation_path is not None:
+        summary["correlation"] = tables.correlation_path
+        xi = tables.correlations[0]
+        near = int(torch.argmin((xi.r - 8.0).abs()))
+        linear_xi = float(tables.correlation_linear[near])
+        correlation_line = (f"  correlation function: xi = {float(xi.xi[near]):.4g} at r = {float(xi.r[near]):.3g} "
+                            f"Mpc/h (linear {linear_xi:.4g})\n")
     halos_line = ""
     if halos is not None:
         summary["halos"], halos_line = halos
@@ -684,10 +699,12 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
         f"  density: std {density_std:.3f}, max {density_max:.1f}; "
         f"P/P_linear at {ratio_label}: {ratio:.3f}\n"
         + kaiser_line
+        + correlation_line
         + lensing_line
         + halos_line
         + f"  wrote {table_path} and {figure_path}"
-        + "".join(f", {summary[key]}" for key in ("multipoles", "density", "lensing", "halos") if key in summary)
+        + "".join(f", {summary[key]}" for key in ("multipoles", "correlation", "density", "lensing", "halos")
+                  if key in summary)
         + (f" and {len(written)} snapshot(s)" if written else ""),
         flush=True,
     )
@@ -886,6 +903,8 @@ class _Tables:
         self.power_spectrum = power_spectrum
         self.axis = config["redshift_space"]
         self.subtract = config["shot_noise"] == "subtract"
+        # (the last measure's xi, and the last table written of it with its linear theory)
+        self.correlations = self.correlation_path = self.correlation_linear = None
 
     def measure(self, state):
         """``(density, redshift-space density or None, spectra, multipoles or None)`` of a
@@ -896,6 +915,12 @@ class _Tables:
         density = sim.density(state)
         spectra = [self.power_spectrum(density[member] - 1.0, box, compensate_cic=True, n_particles=noise,
                                        mesh=sim.force_mesh) for member in range(density.shape[0])]
+        self.correlations = None
+        if self.config["correlation_function"]:
+            from torchpm.analysis import correlation_function
+
+            self.correlations = [correlation_function(density[member] - 1.0, box, window="cic", n_particles=noise,
+                                                      mesh=sim.force_mesh) for member in range(density.shape[0])]
         if self.axis == "none":
             return density, None, spectra, None
         from torchpm.analysis import power_multipoles
@@ -944,6 +969,7 @@ class _Tables:
                 header=header,
                 fmt=["%.6e"] * (1 + batch) + ["%d", "%.6e"],
             )
+        self.correlation_path = self._write_correlation(suffix, a, growth, describe)
         if multipoles is None:
             return table_path, None, linear, kaiser
         # Linear theory in redshift space (Kaiser): P_0, P_2, P_4 = (1 + 2f/3 + f^2/5,
@@ -966,6 +992,45 @@ class _Tables:
                 fmt=["%.6e"] * (1 + 3 * batch) + ["%d"] + ["%.6e"] * 3,
             )
         return table_path, multipoles_path, linear, kaiser
+
+    def _write_correlation(self, suffix, a, growth, describe):
+        """Writes ``correlation_function{suffix}.txt`` from the last :meth:`measure` (rank 0);
+        returns its path, or None when the run does not write it."""
+        import numpy as np
+
+        import torchpm
+        from torchpm.analysis import correlation_from_power
+        from torchpm.cosmology import PowerTable
+
+        correlations = self.correlations
+        if not correlations:
+            return None
+        sim, batch = self.simulation, len(correlations)
+        r = correlations[0].r
+        power = sim.power
+        # Linear theory over the range the spectrum is known on (a table's own, else 1e-5 to 100 h/Mpc).
+        k_min, k_max = power.k_range if isinstance(power, PowerTable) else (1e-5, 100.0)
+        linear = correlation_from_power(r, lambda k: sim.linear_power(k).detach(), k_min=k_min, k_max=k_max) \
+            * float(growth.D1) ** 2
+        self.correlation_linear = linear
+        noise = ("the particles' pairs with themselves subtracted (Poisson, CIC window)" if self.subtract
+                 else "the particles' pairs with themselves kept")
+        path = os.path.join(self.output, f"correlation_function{suffix}.txt")
+        with _writing(path):
+            np.savetxt(
+                path,
+                np.column_stack([r.cpu(), *(c.xi.detach().cpu() for c in correlations), correlations[0].lags.cpu(),
+                                 linear.cpu()]),
+                header=f"torchpm {torchpm.__version__}: matter correlation function at a = {a:.4f}\n{describe}\n"
+                "xi(r) = <delta(x) delta(x + r)> over every cell and cell separation in the shell (minimum image), "
+                f"CIC-compensated, {noise}; linear: 1/(2 pi^2) int k^2 P_linear(k) j0(k r) dk over "
+                f"[{k_min:.3g}, {k_max:.3g}] h/Mpc\n"
+                + ("columns: r [Mpc/h]  xi  lags  xi_linear" if batch == 1 else
+                   f"columns: r [Mpc/h]  xi of batch member 0, ..., of member {batch - 1} (one column each)  lags  "
+                   "xi_linear"),
+                fmt=["%.6e"] * (1 + batch) + ["%d", "%.6e"],
+            )
+        return path
 
 
 def plot(spectrum, linear, slab, thickness, simulation, a, path, shot_noise="subtract"):

@@ -528,6 +528,12 @@ SETTINGS: tuple[Setting, ...] = (
         check=_choice("none", "x", "y", "z"),
     ),
     Setting(
+        "correlation_function", "bool", default=False, unit="", allowed="true, false",
+        help="also write correlation_function.txt (and one per snapshot): xi(r) of the density in shells one "
+             "force-mesh cell wide up to half the box, with linear theory",
+        check=lambda n, v: as_bool(n, v),
+    ),
+    Setting(
         "write_density", "bool", default=False, unit="", allowed="true, false",
         help="write the final density on the force mesh (and in redshift space) to density.hdf5",
         check=lambda n, v: as_bool(n, v),
