@@ -1,5 +1,6 @@
-"""Time and peak memory of the spectra of a mesh field: ``power_spectrum`` and
-``power_multipoles`` (P_0, P_2, P_4) of a float32 ``n^3`` field with the CIC window.
+"""Time and peak memory of the two-point statistics of a mesh field: ``power_spectrum``,
+``power_multipoles`` (P_0, P_2, P_4), ``correlation_function`` and its multipoles
+(xi_0, xi_2, xi_4) of a float32 ``n^3`` field with the CIC window.
 
     python benchmarks/bench_analysis.py [--sizes 128 192 256] [--repeats 5] [--device cpu|cuda]
 
@@ -20,13 +21,18 @@ import sys
 from harness import PeakMemory, Table, child_report, print_header, timed
 
 
+FUNCTIONS = ("power_spectrum", "power_multipoles", "correlation_function", "correlation_multipoles")
+
+
 def measure(size: int, function: str, repeats: int, device: str) -> dict:
     import torch
 
-    from torchpm.analysis import power_multipoles, power_spectrum
+    from torchpm.analysis import correlation_function, power_multipoles, power_spectrum
 
     call = {"power_spectrum": lambda f: power_spectrum(f, 500.0, window="cic"),
-            "power_multipoles": lambda f: power_multipoles(f, 500.0, ells=(0, 2, 4), window="cic")}[function]
+            "power_multipoles": lambda f: power_multipoles(f, 500.0, ells=(0, 2, 4), window="cic"),
+            "correlation_function": lambda f: correlation_function(f, 500.0, window="cic"),
+            "correlation_multipoles": lambda f: correlation_function(f, 500.0, ells=(0, 2, 4), window="cic")}[function]
     field = torch.randn(1, size, size, size, generator=torch.Generator().manual_seed(0)).to(device)
     call(torch.randn(1, 8, 8, 8, device=device))  # libraries loaded outside the measurement
     # the high-water mark of the process (not reset): the field's call is its largest allocation
@@ -49,11 +55,11 @@ def main():
     if arguments.one:
         print(json.dumps(measure(int(arguments.one[0]), arguments.one[1], arguments.repeats, arguments.device)))
         return
-    print_header("spectra benchmark", arguments.device, ["float32", "CIC window"])
+    print_header("two-point statistics benchmark", arguments.device, ["float32", "CIC window"])
     table = Table(["n^3", "function", ("median ms", ".1f"), ("peak MiB", ".0f"), "peak / field"])
     table.print_header()
     for size in arguments.sizes:
-        for function in ("power_spectrum", "power_multipoles"):
+        for function in FUNCTIONS:
             row = child_report([sys.executable, os.path.abspath(__file__), "--one", str(size), function, "--repeats",
                                 str(arguments.repeats), "--device", arguments.device])
             table.print_row(f"{size}^3", function, row["ms"], row["peak_mib"], f"{row['peak_over_field']:.1f}x")
