@@ -34,7 +34,7 @@ def _run(command, tmp_path):
 def test_torchrun_four_ranks_matches_single_process(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(CONFIG + 'redshift_space = "y"\nwrite_density = true\nlensing_planes = 3\nlensing_pixels = 8\n'
-                      'halos_linking_length = 0.3\nhalos_min_members = 2\n')
+                      'halos_linking_length = 0.3\nhalos_min_members = 2\ncorrelation_function = true\n')
     _run([sys.executable, "-m", "torchpm", "run", str(config), "--output", str(tmp_path / "single")], tmp_path)
     result = _run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
@@ -53,6 +53,12 @@ def test_torchrun_four_ranks_matches_single_process(tmp_path):
     assert single.shape == grid.shape == (single.shape[0], 8)
     scale = np.abs(single[:, 1:4]).max(axis=1, keepdims=True)
     assert (np.abs(grid[:, 1:4] - single[:, 1:4]) / scale).max() <= 1e-10
+    # The correlation function, binned over every rank's separations.
+    single = np.loadtxt(tmp_path / "single" / "correlation_function.txt")
+    grid = np.loadtxt(tmp_path / "grid" / "correlation_function.txt")
+    assert single.shape == grid.shape == (single.shape[0], 4) and single.shape[0] > 3
+    np.testing.assert_array_equal(grid[:, 2], single[:, 2])  # lags per shell
+    assert (np.abs(grid[:, :2] - single[:, :2]) / np.abs(single[:, :2]).max(axis=0)).max() <= 1e-10
     import h5py
 
     with h5py.File(tmp_path / "single" / "density.hdf5", "r") as one, \
