@@ -1449,11 +1449,13 @@ def case_power_layer(grid, ctx):
 
 
 def case_correlation(grid, ctx):
-    """torchpm.analysis.correlation_function / cross_correlation with mesh= on an uneven grid:
-    every rank gets the one-device shells (r, lags) and xi of the global fields, and its
-    gradient is its block of the one-device gradient; bad options raise on every rank."""
+    """torchpm.analysis.correlation_function / cross_correlation, and the layer
+    torchpm.nn.CorrelationFunction, with mesh= on an uneven grid: every rank gets the
+    one-device shells (r, lags) and xi of the global fields, and its gradient is its block of
+    the one-device gradient; bad options raise on every rank."""
     from torchpm.analysis import correlation_function, cross_correlation
     from torchpm.distributed import PencilDecomposition
+    from torchpm.nn import CorrelationFunction
 
     shape, box = (10, 9, 8), (50.0, 45.0, 40.0)
     mesh = PencilDecomposition(shape, ctx["groups"][grid])
@@ -1476,10 +1478,18 @@ def case_correlation(grid, ctx):
             cotangent = global_random(expected.xi.shape, 33)
             expected_grads = torch.autograd.grad(expected.xi, global_fields, cotangent)
             grads = torch.autograd.grad(result.xi, local_fields, cotangent)
-            for grad, expected_grad in zip(grads, expected_grads):
+            # The layer form, built once on the grid (collective), gives the same.
+            layer = CorrelationFunction(shape, box, dtype=torch.float64, mesh=mesh, **options)
+            assert torch.equal(layer.lags, expected.lags)
+            layer_xi = layer(*local_fields)
+            assert_small(float((layer_xi - expected.xi).detach().abs().max()),
+                         float(expected.xi.detach().abs().max()), f"layer {options} {len(pair)} fields")
+            layer_grads = torch.autograd.grad(layer_xi, local_fields, cotangent)
+            for grad, layer_grad, expected_grad in zip(grads, layer_grads, expected_grads):
                 expected_grad = mesh.local_real_part(expected_grad)
-                assert_small(float((grad - expected_grad).abs().max()), float(expected_grad.abs().max()),
-                             f"gradient {options} {len(pair)} fields")
+                for got, what in ((grad, "gradient"), (layer_grad, "layer gradient")):
+                    assert_small(float((got - expected_grad).abs().max()), float(expected_grad.abs().max()),
+                                 f"{what} {options} {len(pair)} fields")
     # One rank's bad argument raises on every rank, naming it.
     block = mesh.local_real_part(whole)
     try:
@@ -1488,6 +1498,12 @@ def case_correlation(grid, ctx):
         assert "`n_particles`" in str(error), str(error)
     else:
         raise AssertionError("rank 0's bad n_particles did not raise on every rank")
+    try:
+        CorrelationFunction(shape, box, mesh=mesh, bins=3 if ctx["rank"] == 0 else 4)
+    except ValueError as error:
+        assert "`bins`" in str(error), str(error)
+    else:
+        raise AssertionError("ranks with different bins built the layer")
 
 
 def case_compiled(grid, ctx):

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import torchpm
-from torchpm.analysis import cross_power, power_spectrum
+from torchpm.analysis import correlation_function, cross_correlation, cross_power, power_spectrum
 from torchpm.nn import (
     CICPaint,
     CICReadout,
+    CorrelationFunction,
     NeuralSplineCorrection,
     PGDCorrection,
     PowerSpectrum,
@@ -167,6 +168,47 @@ def test_power_spectrum_layer_gradcheck():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_correlation_layer_matches_the_analysis_estimator(dtype, device):
+    generator = torch.Generator().manual_seed(1)
+    a = torch.randn(2, 8, 10, 6, generator=generator, dtype=torch.float64) + 0.2
+    b = torch.randn(2, 8, 10, 6, generator=generator, dtype=torch.float64)
+    box = (80.0, 100.0, 60.0)
+    tolerance = dict(rtol=1e-12, atol=1e-15) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-6)
+    for options in (dict(), dict(bins=4), dict(bins=[0.0, 12.0, 20.0, 45.0], ells=(0, 2, 4), axis="y"),
+                    dict(window="tsc"), dict(window="cic", n_particles=300)):
+        layer = CorrelationFunction((8, 10, 6), box, dtype=dtype, **options).to(device)
+        expected = correlation_function(a, box, **options)
+        torch.testing.assert_close(layer(a.to(device, dtype)).double().cpu(), expected.xi, **tolerance)
+        if "n_particles" not in options:
+            cross = cross_correlation(a, b, box, **options)
+            torch.testing.assert_close(layer(a.to(device, dtype), b.to(device, dtype)).double().cpu(), cross.xi,
+                                       **tolerance)
+        torch.testing.assert_close(layer.r.double().cpu(), expected.r, rtol=1e-6, atol=0)
+        torch.testing.assert_close(layer.lags.double().cpu(), expected.lags, rtol=0, atol=0)
+    assert layer.state_dict() == {} and "n_particles=300" in repr(layer)
+    with pytest.raises(ValueError, match="`field`"):
+        layer(a[0])
+    with pytest.raises(ValueError, match="`other`"):
+        layer(a, b[:, :4])
+    with pytest.raises(ValueError, match="`n_particles` needs `window=`"):
+        CorrelationFunction(8, 80.0, n_particles=10)
+    with pytest.raises(ValueError, match="`ells`"):
+        CorrelationFunction(8, 80.0, ells=(1,))
+    with pytest.raises(ValueError, match="CorrelationFunction.*`bins`"):
+        CorrelationFunction(8, 80.0, bins=[2.0, 1.0])
+
+
+def test_correlation_layer_gradcheck():
+    layer = CorrelationFunction((4, 3, 6), (8.0, 6.0, 12.0), ells=(0, 2), window="cic", n_particles=20,
+                                dtype=torch.float64)
+    field = torch.randn(1, 4, 3, 6, dtype=torch.float64, requires_grad=True)
+    other = torch.randn(1, 4, 3, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (field,))
+    assert torch.autograd.gradcheck(CorrelationFunction((4, 3, 6), (8.0, 6.0, 12.0), dtype=torch.float64),
+                                    (field, other))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_cic_layers(dtype, device):
     generator = torch.Generator().manual_seed(3)
     positions = (torch.rand(2, 50, 3, generator=generator, dtype=torch.float64) * 6).to(device, dtype)
@@ -251,12 +293,16 @@ def _compile_case(layer):
     if layer == "PowerSpectrum":
         other = torch.randn(2, 4, 4, 4, generator=generator, dtype=torch.float64).requires_grad_(True)
         return PowerSpectrum(4, 40.0, compensate_cic=True), (field, other), [field, other]
+    if layer == "CorrelationFunction":
+        other = torch.randn(2, 4, 4, 4, generator=generator, dtype=torch.float64).requires_grad_(True)
+        return (CorrelationFunction(4, 40.0, ells=(0, 2), window="cic", dtype=torch.float64), (field, other),
+                [field, other])
     module = PGDCorrection(0.1, 0.8, alpha=0.3, mu=0.5, dtype=torch.float64)
     k = torch.rand(4, 4, 3, generator=generator, dtype=torch.float64)
     return module, (k, torch.tensor(0.5, dtype=torch.float64)), list(module.parameters())
 
 
-@pytest.mark.parametrize("layer", ["CICPaint", "CICReadout", "PowerSpectrum", "PGDCorrection"])
+@pytest.mark.parametrize("layer", ["CICPaint", "CICReadout", "PowerSpectrum", "CorrelationFunction", "PGDCorrection"])
 def test_compile_layers_fullgraph(layer):
     """Every layer traces into one graph (fullgraph: a graph break is an error), forward
     and backward through AOTAutograd (the custom ops' fake kernels and registered

@@ -801,18 +801,24 @@ def _lag_edges(mesh, box, bins, device):
     return edges
 
 
+def _minimum_image_lags(mesh, box, device):
+    """``(rx, ry, rz)`` in Mpc/h, broadcastable over the local real block: the separation
+    each cell's global index stands for (its minimum image in the periodic mesh)."""
+    lag = []
+    for n, b, o, length in zip(mesh.global_shape, box, mesh.local_real_offset, mesh.local_real_shape):
+        index = torch.arange(o, o + length, dtype=torch.float64, device=device)
+        lag.append(torch.where(index > n // 2, index - n, index) * (b / n))
+    return lag[0].view(-1, 1, 1), lag[1].view(1, -1, 1), lag[2].view(1, 1, -1)
+
+
 def _lag_binned(values, mesh, box, edges, ells, axis):
     """Shell averages over the cell separations of the local real block, all-reduced over
     the grid. ``values``: ``(count, *local_real_shape)``, the value at each separation
     ``r`` (the minimum image of the block's global index times the cell). Returns ``(r,
     means, lags)`` as :func:`_binned` does (zero separation excluded, empty shells dropped)."""
     device = values.device
-    (lx, ly, lz), offset = mesh.local_real_shape, mesh.local_real_offset
-    lag = []
-    for n, b, o, length in zip(mesh.global_shape, box, offset, (lx, ly, lz)):
-        index = torch.arange(o, o + length, dtype=torch.float64, device=device)
-        lag.append(torch.where(index > n // 2, index - n, index) * (b / n))
-    rx, ry, rz = lag[0].view(-1, 1, 1), lag[1].view(1, -1, 1), lag[2].view(1, 1, -1)
+    lx, ly, lz = mesh.local_real_shape
+    rx, ry, rz = _minimum_image_lags(mesh, box, device)
     n_bins = edges.numel() - 1
     count = values.shape[0]
     extra = () if ells is None else (len(ells),)

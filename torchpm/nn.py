@@ -16,8 +16,8 @@ settings. They run on cpu and cuda in float32 and float64.
 ``fullgraph=True`` (no graph breaks), forward and backward (tests/test_nn.py checks
 each against eager; the bispectrum's forward checks its field and Q's denominator on
 the host, loops over the shells in Python and was not tried under the compiler):
-:class:`NeuralSplineCorrection`, :class:`PGDCorrection` and :class:`PowerSpectrum`
-are pure torch ops; :class:`CICPaint` and :class:`CICReadout` call the
+:class:`NeuralSplineCorrection`, :class:`PGDCorrection`, :class:`PowerSpectrum` and
+:class:`CorrelationFunction` are pure torch ops; :class:`CICPaint` and :class:`CICReadout` call the
 ``torch.ops.torchpm`` custom ops, whose fake kernels and registered backwards
 (themselves custom ops) let AOTAutograd trace both passes, and inductor keeps
 them as opaque calls. What does *not* compile as one graph is a whole
@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from ._transforms import is_transformed, outside_transforms
-from .analysis import _bin_edges, _bins_key, _ells_argument, _multipole_weights, line_of_sight_axis
+from .analysis import (_bin_edges, _bins_key, _ells_argument, _lag_edges, _minimum_image_lags, _multipole_weights,
+                       _n_particles_argument, _window_argument, aliased_window_power, line_of_sight_axis)
 from .bispectrum import Bispectrum, _settings, _Tables
 from .fourier import window_of
 from .distributed import PencilDecomposition
@@ -52,6 +53,7 @@ __all__ = [
     "CICPaint",
     "CICReadout",
     "PowerSpectrum",
+    "CorrelationFunction",
     "BispectrumEstimator",
     "NeuralSplineCorrection",
     "PGDCorrection",
@@ -86,6 +88,19 @@ def _mesh_shape_error(layer: str, mesh, shape, what: str) -> str | None:
         f"{layer}: `mesh` has the global shape {tuple(mesh.global_shape)} but `shape` is "
         f"{shape}; pass the shape of the mesh {what} (mesh.global_shape)"
     )
+
+
+def _layer_field_error(layer, field, name, local_shape, shape, mesh):
+    """What is wrong with a layer's ``field`` (None if nothing)."""
+    if not isinstance(field, torch.Tensor) or field.dim() != 4 or tuple(field.shape[1:]) != local_shape:
+        block = "" if mesh is None else f" (this rank's block of the {shape} mesh)"
+        return (
+            f"{layer}: `{name}` must be a real tensor of shape (B, {', '.join(map(str, local_shape))})"
+            f"{block}, got {tuple(field.shape) if isinstance(field, torch.Tensor) else type(field).__name__}"
+        )
+    if field.is_complex() or not field.is_floating_point():
+        return f"{layer}: `{name}` must be real floating point, got {field.dtype}"
+    return None
 
 
 class CICPaint(nn.Module):
@@ -316,6 +331,156 @@ class PowerSpectrum(nn.Module):
         return (
             f"shape={self.shape}, box_size={self.box_size}, n_bins={self.n_bins}, "
             f"compensate_cic={self.compensate_cic}"
+            f"{'' if self.ells is None else f', ells={self.ells}, axis={self.axis}'}{grid}"
+        )
+
+
+class CorrelationFunction(nn.Module):
+    """Differentiable binned two-point correlation function of fields on a fixed mesh.
+
+    The estimator of :func:`torchpm.analysis.correlation_function`: ``xi(r) = <a(x) b(x +
+    r)>`` over every cell and every separation of the periodic mesh in a shell of ``|r|``
+    (the means removed, zero separation left out), computed as the inverse DFT of
+    ``conj(DFT a) DFT b / N^2``. The shell of every separation, the window's filter and the
+    self-pairs' noise are computed once, at construction, so the forward pass is two FFTs
+    (three for a cross-correlation), a product and one ``index_add`` (no data-dependent
+    shapes: it compiles). The shells take 8 bytes per cell of this rank's block.
+
+    Args:
+        shape: mesh cells per side (int) or ``(nx, ny, nz)``: the global mesh.
+        box_size: box side(s) in Mpc/h.
+        bins: None, a number of shells, or shell edges in Mpc/h, as in
+            :func:`~torchpm.analysis.correlation_function`. Empty shells are dropped.
+        ells: None, or even multipole orders about the line of sight ``axis``:
+            ``(B, len(ells), n_bins)``.
+        axis: the line of sight of ``ells``: 0, 1, 2 or ``"x"``, ``"y"``, ``"z"``.
+        window: divide the power by this mass-assignment window squared first (``"ngp"``,
+            ``"cic"``, ``"tsc"``, ``"pcs"``), or None.
+        n_particles: subtract the Poisson self-pairs of this many equal-mass particles
+            painted with ``window`` (required with it), without interlacing.
+        dtype, device: of the buffers (the computation runs in the field's dtype).
+        mesh: None (the whole mesh on this device) or a
+            :class:`~torchpm.distributed.PencilDecomposition` of global shape ``shape``
+            (e.g. ``sim.force_mesh``): each rank passes its block, construction is
+            collective (the shells' counts are all-reduced), and every rank gets the
+            global ``xi``, differentiable with :class:`PowerSpectrum`'s convention.
+
+    ``forward(field, other=None)``: ``(B, *local block)`` real fields; returns ``(B,
+    n_bins)`` (or ``(B, len(ells), n_bins)``). Buffers ``r`` (mean separation of each
+    shell, Mpc/h) and ``lags`` (separations per shell).
+    """
+
+    def __init__(
+        self,
+        shape: int | Sequence[int],
+        box_size: float | Sequence[float],
+        *,
+        bins=None,
+        ells: Sequence[int] | None = None,
+        axis: int | str = 2,
+        window: str | None = None,
+        n_particles: float | None = None,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        mesh: PencilDecomposition | None = None,
+    ):
+        super().__init__()
+        self.shape = as_shape(shape, "shape")
+        self.box_size = as_box_size(box_size)
+        error = None
+        try:
+            self.axis = line_of_sight_axis(axis, "CorrelationFunction")
+            self.ells = None if ells is None else _ells_argument(ells, "CorrelationFunction")
+            self.window = _window_argument(window, False, "CorrelationFunction")
+        except ValueError as exc:  # (raised below with the other ranks' errors)
+            self.ells, self.axis, self.window, error = None, -1, None, str(exc)
+        error = error or _n_particles_argument(n_particles, self.window, False)
+        self.n_particles = None if n_particles is None or error else float(n_particles)
+        if mesh is None:
+            mesh = LocalMesh(self.shape)
+        _check_mesh_type("CorrelationFunction", mesh)
+        error = error or _mesh_shape_error("CorrelationFunction", mesh, self.shape, "the fields live on")
+        mesh.agree("CorrelationFunction", [("`shape`", self.shape), ("`box_size`", self.box_size),
+                                           ("`bins`", _bins_key(bins)), ("`ells`", self.ells), ("`axis`", self.axis),
+                                           ("`window`", self.window),
+                                           ("`n_particles`", None if self.n_particles is None else
+                                            repr(self.n_particles))], error)
+        self._mesh = None if mesh.is_local else mesh
+        try:
+            edges = _lag_edges(mesh, self.box_size, bins, None)  # (the same on every rank)
+        except ValueError as exc:
+            raise ValueError(f"CorrelationFunction: {exc}") from None
+        n_bins = edges.numel() - 1
+        rx, ry, rz = _minimum_image_lags(mesh, self.box_size, None)
+        r = torch.sqrt(rx**2 + ry**2 + rz**2).reshape(-1)
+        index = torch.bucketize(r, edges, right=True) - 1
+        valid = (index >= 0) & (index < n_bins) & (r > 0)
+        weight = valid.to(torch.float64)
+        index = torch.where(valid, index, torch.full_like(index, n_bins))
+        lags = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, weight)[:n_bins]
+        r_sum = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, weight * r)[:n_bins]
+        lags, r_sum = mesh.all_reduce(torch.stack([lags, r_sum]))
+        keep = lags > 0
+        renumber = torch.full((n_bins + 1,), int(keep.sum()), dtype=torch.long)
+        renumber[:n_bins][keep] = torch.arange(int(keep.sum()))
+        index = renumber[index]
+        # xi = irfftn(filtered product) / N, averaged over the shell's separations
+        scale = weight / (mesh.size * torch.cat([lags[keep], torch.ones(1, dtype=torch.float64)])[index])
+        if self.ells is not None:
+            along = (rx, ry, rz)[self.axis].expand(*mesh.local_real_shape).reshape(-1)
+            scale = scale * _multipole_weights(self.ells, along, r)
+        w = mesh.wavevectors(dtype=torch.float64)
+        fourier_shape = mesh.local_fourier_shape
+        keep_k = ~((w[0] == 0) & (w[1] == 0) & (w[2] == 0))  # (the means: the k = 0 mode dropped)
+        filter_ = keep_k.to(torch.float64).expand(*fourier_shape)
+        if self.window is not None:
+            filter_ = filter_ / window_of(w, self.window) ** 2
+        noise = torch.zeros(fourier_shape, dtype=torch.float64)
+        if self.n_particles is not None:
+            noise = (aliased_window_power(w, self.window) * (mesh.size**2 / self.n_particles)).expand(*fourier_shape)
+        self.n_bins = int(keep.sum())
+        self._local_shape = tuple(mesh.local_real_shape)
+        self.register_buffer("r", (r_sum[keep] / lags[keep]).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lags", lags[keep].to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("_lag_index", index.to(device=device), persistent=False)
+        self.register_buffer("_lag_scale", scale.to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("_filter", filter_.contiguous().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("_noise", (noise * filter_).contiguous().to(dtype=dtype, device=device),
+                             persistent=False)
+
+    def forward(self, field: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        error = _layer_field_error("CorrelationFunction", field, "field", self._local_shape, self.shape, self._mesh) \
+            or (None if other is None else
+                _layer_field_error("CorrelationFunction", other, "other", self._local_shape, self.shape, self._mesh))
+        if self._mesh is not None:
+            self._mesh.raise_together(error, operation="torchpm.nn.CorrelationFunction")
+        elif error:
+            raise ValueError(error)
+        rfftn = (lambda f: torch.fft.rfftn(f, dim=(-3, -2, -1))) if self._mesh is None else self._mesh.rfftn
+        field_k = rfftn(field)
+        other_k = field_k if other is None else rfftn(other)
+        # conj(a) b, filtered (k = 0 dropped, the window divided out) less the self-pairs' noise
+        product = torch.complex(field_k.real * other_k.real + field_k.imag * other_k.imag,
+                                field_k.real * other_k.imag - field_k.imag * other_k.real)
+        product = product * self._filter.to(field_k.real.dtype) - self._noise.to(field_k.real.dtype)
+        if self._mesh is None:
+            xi = torch.fft.irfftn(product, s=self.shape, dim=(-3, -2, -1))
+        else:
+            xi = self._mesh.irfftn(product)
+        values = xi.reshape(field.shape[0], -1)
+        if self.ells is not None:  # (B, len(ells), cells)
+            values = values.unsqueeze(1)
+        values = values * self._lag_scale.to(values.dtype)
+        sums = values.new_zeros(*values.shape[:-1], self.n_bins + 1).index_add(-1, self._lag_index, values)
+        if self._mesh is None:
+            return sums[..., : self.n_bins]
+        return self._mesh.all_reduce(sums[..., : self.n_bins])
+
+    def extra_repr(self) -> str:
+        grid = "" if self._mesh is None else f", grid={self._mesh.grid_shape}"
+        return (
+            f"shape={self.shape}, box_size={self.box_size}, n_bins={self.n_bins}, window={self.window!r}"
+            f"{'' if self.n_particles is None else f', n_particles={self.n_particles:g}'}"
             f"{'' if self.ells is None else f', ells={self.ells}, axis={self.axis}'}{grid}"
         )
 
