@@ -289,15 +289,7 @@ class PowerSpectrum(nn.Module):
 
     def _field_error(self, field, name):
         """What is wrong with ``field`` (None if nothing)."""
-        if not isinstance(field, torch.Tensor) or field.dim() != 4 or tuple(field.shape[1:]) != self._local_shape:
-            block = "" if self._mesh is None else f" (this rank's block of the {self.shape} mesh)"
-            return (
-                f"PowerSpectrum: `{name}` must be a real tensor of shape (B, {', '.join(map(str, self._local_shape))})"
-                f"{block}, got {tuple(field.shape) if isinstance(field, torch.Tensor) else type(field).__name__}"
-            )
-        if field.is_complex() or not field.is_floating_point():
-            return f"PowerSpectrum: `{name}` must be real floating point, got {field.dtype}"
-        return None
+        return _layer_field_error("PowerSpectrum", field, name, self._local_shape, self.shape, self._mesh)
 
     def _rfftn(self, field):
         if self._mesh is None:
