@@ -75,7 +75,8 @@ import torch
 
 from .mesh import as_box_size
 
-__all__ = ["HaloCatalog", "friends_of_friends", "halo_catalog", "find_halos", "linking_distance"]
+__all__ = ["HaloCatalog", "friends_of_friends", "halo_catalog", "find_halos", "linking_distance", "MassFunction",
+           "mass_function", "mass_function_theory", "MASS_FUNCTION_MODELS"]
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 # Hubble units: the critical density today is 27.7536627e10 (Msun/h) / (Mpc/h)^3.
@@ -934,3 +935,165 @@ def find_halos(sim, state, *, linking_length: float = 0.2, min_members: int = 20
     catalog = halo_catalog(state.positions, labels, sim.box_size, particle_mass=particle_mass, velocities=velocities,
                            ids=ids, min_members=min_members, mesh=mesh)
     return (catalog, labels) if return_labels else catalog
+
+
+# ----------------------------------------------------------------------------
+# The halo mass function: measured, and the fits of the literature.
+
+
+class MassFunction(NamedTuple):
+    """Halo mass function ``dn/dln M`` in mass bins. ``mass``: ``(n_bins,)`` the bins'
+    geometric centres in Msun/h; ``dn_dlnM``: ``(n_bins,)`` or ``(B, n_bins)`` in
+    (h/Mpc)^3; ``error``: its Poisson error ``sqrt(counts) / (V dln M)``; ``counts``: halos
+    per bin (like ``dn_dlnM``); ``edges``: ``(n_bins + 1,)`` in Msun/h."""
+
+    mass: torch.Tensor
+    dn_dlnM: torch.Tensor
+    error: torch.Tensor
+    counts: torch.Tensor
+    edges: torch.Tensor
+
+
+def mass_function(masses, box_size, *, bins=None) -> MassFunction:
+    """The mass function of a halo catalogue: halos per unit volume and ``ln M``.
+
+    Args:
+        masses: a :class:`HaloCatalog` (its ``masses``), or halo masses ``(H,)`` or ``(B,
+            H)`` in Msun/h; entries of 0 (a catalogue's padding) are not halos.
+        box_size: the periodic box's side(s) in Mpc/h.
+        bins: None (five per decade, from the smallest halo mass of all members to past
+            the largest), a number of log-spaced bins over that range, or increasing
+            positive edges in Msun/h.
+
+    Returns:
+        :class:`MassFunction` (not differentiable: it counts).
+    """
+    function = "mass_function"
+    if isinstance(masses, HaloCatalog):
+        masses = masses.masses
+    if not isinstance(masses, torch.Tensor) or masses.dim() not in (1, 2) or not masses.is_floating_point():
+        raise ValueError(f"{function}: `masses` must be a HaloCatalog or a real (H,) or (B, H) tensor of masses in "
+                         f"Msun/h, got {_describe(masses)}")
+    masses = masses.detach().to(torch.float64)
+    if not bool(torch.isfinite(masses).all()) or bool((masses < 0).any()):
+        raise ValueError(f"{function}: `masses` must be finite and not negative (0 marks padding)")
+    single = masses.dim() == 1
+    batched = masses.unsqueeze(0) if single else masses
+    volume = math.prod(as_box_size(box_size))
+    halos = batched[batched > 0]
+    message = (f"{function}: `bins` must be None, a positive int or at least 2 increasing positive edges in Msun/h, "
+               f"got {bins!r}")
+    if bins is None or (isinstance(bins, numbers.Integral) and not isinstance(bins, bool)):
+        if bins is not None and int(bins) < 1:
+            raise ValueError(message)
+        if halos.numel() == 0:
+            raise ValueError(f"{function}: no halo (every mass is 0): pass `bins` as edges to count none")
+        low, high = math.log10(float(halos.min())), math.log10(float(halos.max())) + 1e-9
+        count = max(1, math.ceil((high - low) * 5)) if bins is None else int(bins)
+        edges = torch.logspace(low, high if bins is not None else low + count / 5, count + 1, dtype=torch.float64)
+    else:
+        if isinstance(bins, (str, bytes, bool, numbers.Real)):
+            raise ValueError(message)
+        try:
+            edges = torch.as_tensor(bins, dtype=torch.float64).reshape(-1)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(message) from None
+        if edges.numel() < 2 or not bool(torch.isfinite(edges).all()) or bool((edges <= 0).any()) \
+                or bool((edges[1:] <= edges[:-1]).any()):
+            raise ValueError(message)
+    edges = edges.to(batched.device)
+    n_bins = edges.numel() - 1
+    index = torch.bucketize(batched, edges, right=True) - 1
+    inside = (batched > 0) & (index >= 0) & (index < n_bins)
+    index = torch.where(inside, index, torch.full_like(index, n_bins))
+    counts = torch.zeros(batched.shape[0], n_bins + 1, dtype=torch.float64, device=batched.device)
+    counts = counts.scatter_add_(1, index, inside.to(torch.float64))[:, :n_bins]
+    width = torch.log(edges[1:] / edges[:-1])
+    dn = counts / (volume * width)
+    error = counts.sqrt() / (volume * width)
+    centres = torch.sqrt(edges[1:] * edges[:-1])
+    if single:
+        dn, error, counts = dn[0], error[0], counts[0]
+    return MassFunction(centres, dn, error, counts, edges)
+
+
+# Collapse threshold of linear theory, 3/20 (12 pi)^(2/3).
+DELTA_C = 0.15 * (12.0 * math.pi) ** (2.0 / 3.0)
+
+
+def _press74(sigma):
+    nu = DELTA_C / sigma
+    return math.sqrt(2.0 / math.pi) * nu * torch.exp(-0.5 * nu**2)
+
+
+def _sheth99(sigma):
+    a, p, amplitude = 0.707, 0.3, 0.3222
+    nu2 = a * (DELTA_C / sigma) ** 2
+    return amplitude * math.sqrt(2.0 / math.pi) * (1.0 + nu2 ** (-p)) * torch.sqrt(nu2) * torch.exp(-0.5 * nu2)
+
+
+def _jenkins01(sigma):
+    return 0.315 * torch.exp(-torch.abs(torch.log(1.0 / sigma) + 0.61) ** 3.8)
+
+
+def _watson13(sigma):
+    amplitude, alpha, beta, gamma = 0.282, 2.163, 1.406, 1.210
+    return amplitude * ((beta / sigma) ** alpha + 1.0) * torch.exp(-gamma / sigma**2)
+
+
+# The multiplicity functions f(sigma) of dn/dln M = f(sigma) rho_m / M |dln sigma / dln M|.
+MASS_FUNCTION_MODELS = {
+    "press74": _press74,      # Press & Schechter 1974
+    "sheth99": _sheth99,      # Sheth & Tormen 1999
+    "jenkins01": _jenkins01,  # Jenkins et al. 2001, FoF b = 0.2 (fit for -1.2 < ln 1/sigma < 1.05)
+    "watson13": _watson13,    # Watson et al. 2013, FoF b = 0.2, universal form
+}
+
+
+def mass_function_theory(mass, cosmology, a: float = 1.0, *, model: str = "watson13", power=None) -> torch.Tensor:
+    """``dn/dln M`` in (h/Mpc)^3 of a fit of the literature at masses ``mass`` (Msun/h)::
+
+        dn/dln M = f(sigma) rho_m / M |dln sigma / dln M|,   rho_m = 27.7536627e10 Omega_m
+
+    with ``sigma(M, a) = D1(a) sigma(R)`` the rms linear overdensity in spheres of ``R =
+    (3 M / (4 pi rho_m))^(1/3)`` (the linear power at ``a = 1`` integrated with Simpson's
+    rule in ``ln k`` over 1e-5 to 100 h/Mpc, as :func:`torchpm.cosmology.sigma_r`; the
+    derivative by central differences) and ``f`` one of :data:`MASS_FUNCTION_MODELS`:
+    ``"press74"``, ``"sheth99"`` (Sheth & Tormen), ``"jenkins01"`` and ``"watson13"``
+    (FoF halos of linking length 0.2, as :func:`find_halos` finds by default).
+    Differentiable in the cosmology's parameters.
+
+    Args:
+        mass: halo masses in Msun/h (tensor or sequence, > 0).
+        cosmology: a :class:`~torchpm.Cosmology`.
+        a: the scale factor.
+        model: the multiplicity function's name.
+        power: the linear power at ``a = 1``, a callable of ``k`` (h/Mpc) (e.g.
+            ``sim.linear_power``); default :func:`torchpm.cosmology.linear_power` of ``cosmology``.
+    """
+    from .cosmology import _log_k_grid, _simpson, _top_hat, linear_power
+
+    function = "mass_function_theory"
+    if model not in MASS_FUNCTION_MODELS:
+        raise ValueError(f"{function}: `model` must be one of {', '.join(MASS_FUNCTION_MODELS)}, got {model!r}")
+    if not callable(getattr(cosmology, "growth", None)):
+        raise TypeError(f"{function}: `cosmology` must be a torchpm.Cosmology, got {type(cosmology).__name__}")
+    mass = torch.as_tensor(mass, dtype=torch.float64)
+    if not bool(torch.isfinite(mass).all()) or bool((mass <= 0).any()):
+        raise ValueError(f"{function}: `mass` must hold finite masses > 0 (Msun/h)")
+    if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 < a <= 1:
+        raise ValueError(f"{function}: `a` must be a scale factor in (0, 1], got {a!r}")
+    device = cosmology.Omega_m.device
+    power = power or (lambda k: linear_power(k, cosmology))
+    k = _log_k_grid(device)
+    integrand = k**3 * torch.as_tensor(power(k), dtype=torch.float64) / (2.0 * math.pi**2)
+    rho = CRITICAL_DENSITY_MSUN * cosmology.Omega_m
+    flat = mass.reshape(-1).to(device)
+    radius = (3.0 * flat / (4.0 * math.pi * rho)) ** (1.0 / 3.0)
+    step = 1e-4  # (in ln R)
+    radii = radius.unsqueeze(-1) * torch.exp(torch.tensor([-step, 0.0, step], dtype=torch.float64, device=device))
+    sigma = torch.sqrt(_simpson(integrand * _top_hat(k * radii.unsqueeze(-1)) ** 2, torch.log(k)))
+    dln_sigma_dln_m = (torch.log(sigma[:, 2]) - torch.log(sigma[:, 0])) / (2 * step) / 3.0
+    sigma_a = sigma[:, 1] * cosmology.growth(float(a)).D1
+    result = MASS_FUNCTION_MODELS[model](sigma_a) * rho / flat * dln_sigma_dln_m.abs()
+    return result.reshape(mass.shape).to(mass.device)
