@@ -127,7 +127,12 @@ def _bin_edges(k_axes, mesh, box, bins, device):
             local_max = torch.zeros((), dtype=torch.float64, device=device)
         k_max = float(mesh.all_reduce(local_max.reshape(1), "max")[0])
         return torch.linspace(0.5 * k_fundamental, k_max * (1 + 1e-12), bins + 1, dtype=torch.float64, device=device)
-    message = f"`bins` must be None, a positive int or at least 2 finite increasing bin edges in h/Mpc, got {bins!r}"
+    return _edges_argument(bins, "h/Mpc", device)
+
+
+def _edges_argument(bins, unit: str, device, least: float | None = None) -> torch.Tensor:
+    """``bins`` given as edges: at least 2, finite and increasing (and ``>= least``), float64."""
+    message = f"`bins` must be None, a positive int or at least 2 finite increasing bin edges in {unit}, got {bins!r}"
     if isinstance(bins, (str, bytes, bool, numbers.Real)):
         raise ValueError(message)
     try:
@@ -135,7 +140,7 @@ def _bin_edges(k_axes, mesh, box, bins, device):
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(message) from None
     if edges.dim() != 1 or edges.numel() < 2 or not bool(torch.isfinite(edges).all()) \
-            or bool((edges[1:] <= edges[:-1]).any()):
+            or bool((edges[1:] <= edges[:-1]).any()) or (least is not None and bool(edges[0] < least)):
         raise ValueError(message)
     return edges
 
@@ -788,17 +793,7 @@ def _lag_edges(mesh, box, bins, device):
             raise ValueError(f"`bins` must be a positive number of bins or increasing bin edges, got {bins}")
         # (the last edge just past half a box side, so that separation is kept)
         return torch.linspace(0.0, r_max * (1 + 1e-12), int(bins) + 1, dtype=torch.float64, device=device)
-    message = f"`bins` must be None, a positive int or at least 2 finite increasing bin edges in Mpc/h, got {bins!r}"
-    if isinstance(bins, (str, bytes, bool, numbers.Real)):
-        raise ValueError(message)
-    try:
-        edges = torch.as_tensor(bins, dtype=torch.float64, device=device)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(message) from None
-    if edges.dim() != 1 or edges.numel() < 2 or not bool(torch.isfinite(edges).all()) \
-            or bool((edges[1:] <= edges[:-1]).any()) or bool(edges[0] < 0):
-        raise ValueError(message)
-    return edges
+    return _edges_argument(bins, "Mpc/h", device, least=0.0)
 
 
 def _minimum_image_lags(mesh, box, device):

@@ -981,26 +981,21 @@ def mass_function(masses, box_size, *, bins=None) -> MassFunction:
     batched = masses.unsqueeze(0) if single else masses
     volume = math.prod(as_box_size(box_size))
     halos = batched[batched > 0]
-    message = (f"{function}: `bins` must be None, a positive int or at least 2 increasing positive edges in Msun/h, "
-               f"got {bins!r}")
     if bins is None or (isinstance(bins, numbers.Integral) and not isinstance(bins, bool)):
         if bins is not None and int(bins) < 1:
-            raise ValueError(message)
+            raise ValueError(f"{function}: `bins` must be a positive number of bins or increasing edges, got {bins}")
         if halos.numel() == 0:
             raise ValueError(f"{function}: no halo (every mass is 0): pass `bins` as edges to count none")
         low, high = math.log10(float(halos.min())), math.log10(float(halos.max())) + 1e-9
         count = max(1, math.ceil((high - low) * 5)) if bins is None else int(bins)
         edges = torch.logspace(low, high if bins is not None else low + count / 5, count + 1, dtype=torch.float64)
     else:
-        if isinstance(bins, (str, bytes, bool, numbers.Real)):
-            raise ValueError(message)
+        from .analysis import _edges_argument
+
         try:
-            edges = torch.as_tensor(bins, dtype=torch.float64).reshape(-1)
-        except (TypeError, ValueError, RuntimeError):
-            raise ValueError(message) from None
-        if edges.numel() < 2 or not bool(torch.isfinite(edges).all()) or bool((edges <= 0).any()) \
-                or bool((edges[1:] <= edges[:-1]).any()):
-            raise ValueError(message)
+            edges = _edges_argument(bins, "Msun/h", None, least=math.ulp(0.0))  # (positive)
+        except ValueError as exc:
+            raise ValueError(f"{function}: {exc}") from None
     edges = edges.to(batched.device)
     n_bins = edges.numel() - 1
     index = torch.bucketize(batched, edges, right=True) - 1

@@ -103,6 +103,14 @@ def _layer_field_error(layer, field, name, local_shape, shape, mesh):
     return None
 
 
+def _shell_sums(values, index, n_bins, mesh):
+    """The sums of ``values`` (``(..., entries)``) over the shells ``index`` (``n_bins`` for an
+    entry in none), all-reduced over a process grid: every rank gets the global sums (the
+    reduction and autograd convention of :func:`~torchpm.analysis.cross_power`)."""
+    sums = values.new_zeros(*values.shape[:-1], n_bins + 1).index_add(-1, index, values)[..., :n_bins]
+    return sums if mesh is None else mesh.all_reduce(sums)
+
+
 class CICPaint(nn.Module):
     """Cloud-in-cell paint onto a periodic mesh (:func:`torchpm.cic_paint`).
 
@@ -311,12 +319,7 @@ class PowerSpectrum(nn.Module):
             product = field_k.real * other_k.real + field_k.imag * other_k.imag
         if self.ells is not None:  # (B, len(ells), modes)
             product = product.unsqueeze(1)
-        values = product * self._mode_scale.to(product.dtype)
-        sums = values.new_zeros(*values.shape[:-1], self.n_bins + 1).index_add(-1, self._bin_index, values)
-        if self._mesh is None:
-            return sums[..., : self.n_bins]
-        # The global shell sums on every rank (cross_power's reduction and its autograd convention).
-        return self._mesh.all_reduce(sums[..., : self.n_bins])
+        return _shell_sums(product * self._mode_scale.to(product.dtype), self._bin_index, self.n_bins, self._mesh)
 
     def extra_repr(self) -> str:
         grid = "" if self._mesh is None else f", grid={self._mesh.grid_shape}"
@@ -462,11 +465,7 @@ class CorrelationFunction(nn.Module):
         values = xi.reshape(field.shape[0], -1)
         if self.ells is not None:  # (B, len(ells), cells)
             values = values.unsqueeze(1)
-        values = values * self._lag_scale.to(values.dtype)
-        sums = values.new_zeros(*values.shape[:-1], self.n_bins + 1).index_add(-1, self._lag_index, values)
-        if self._mesh is None:
-            return sums[..., : self.n_bins]
-        return self._mesh.all_reduce(sums[..., : self.n_bins])
+        return _shell_sums(values * self._lag_scale.to(values.dtype), self._lag_index, self.n_bins, self._mesh)
 
     def extra_repr(self) -> str:
         grid = "" if self._mesh is None else f", grid={self._mesh.grid_shape}"
