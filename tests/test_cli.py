@@ -634,6 +634,31 @@ def test_correlation_function_output(tmp_path, capsys, monkeypatch):
     assert not (out / "correlation_function.txt").exists()
 
 
+def test_a_power_table_short_of_the_force_mesh_leaves_nan_in_the_linear_columns(tmp_path, capsys, monkeypatch):
+    """A power table must cover the particle grid's modes; the tables' bins on the twice finer
+    force mesh reach further (here the last, 0.694 h/Mpc, past a table ending at 0.685): the
+    linear column there is NaN instead of a traceback at the first snapshot, and without the
+    1e-4 to 10 h/Mpc that xi needs, the linear xi is NaN with the header saying why."""
+    from torchpm.cosmology import linear_power
+
+    monkeypatch.chdir(tmp_path)
+    k = np.logspace(-2.5, np.log10(0.685), 200)
+    power = linear_power(torch.from_numpy(k), torchpm.Planck15()).numpy()
+    np.savetxt(tmp_path / "table.txt", np.column_stack([k, power]))
+    config = tmp_path / "table.toml"
+    config.write_text('n_particles = 8\nbox_size = 64.0\nmesh_factor = 2\nsteps = 2\npower_spectrum = "table.txt"\n'
+                      'correlation_function = true\nsnapshots = [0.55]\n')
+    assert main(["run", str(config)]) == 0
+    assert "(linear nan)" in capsys.readouterr().out
+    for name in ("power_spectrum.txt", "power_spectrum_000.txt"):
+        table = np.loadtxt(tmp_path / "out" / name)
+        inside = table[:, 0] <= 0.685
+        assert not inside.all() and np.isnan(table[~inside, 3]).all() and np.isfinite(table[inside, 3]).all()
+    xi = np.loadtxt(tmp_path / "out" / "correlation_function.txt")
+    assert np.isnan(xi[:, -1]).all() and np.isfinite(xi[:, 1]).all()
+    assert "not computed (nan): the power table covers" in (tmp_path / "out" / "correlation_function.txt").read_text()
+
+
 # ----------------------------------------------------------------------------------
 # Weak lensing from the command line.
 

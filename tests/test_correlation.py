@@ -275,8 +275,17 @@ def test_correlation_from_power_of_a_gaussian_spectrum():
     expected = torch.exp(-r**2 / (4 * radius**2)) / (8 * math.pi**1.5 * radius**3)
     torch.testing.assert_close(xi, expected, rtol=1e-6, atol=1e-9 * float(expected.max()))
     assert correlation_from_power(r.view(5, 1), lambda k: torch.exp(-(k * radius) ** 2)).shape == (5, 1)
+    # The default points follow the largest separation (8 per period of j0 at k_max): at
+    # 1000 Mpc/h the Gaussian's tail is still its closed form (to 1e-9 of the peak).
+    far = torch.tensor([500.0, 1000.0], dtype=torch.float64)
+    wide = correlation_from_power(far, lambda k: torch.exp(-(k * 2.0) ** 2) * 1e3)
+    torch.testing.assert_close(wide, 1e3 * torch.exp(-far**2 / 16.0) / (8 * math.pi**1.5 * 8.0), rtol=0,
+                               atol=1e-9 * 1e3 / (8 * math.pi**1.5 * 8.0))
     for bad, match in ((dict(r=[0.0, 1.0]), "`r`"), (dict(k_min=0.0), "`k_min`"), (dict(points=2), "`points`"),
-                       (dict(power=3.0), "`power`")):
+                       (dict(power=3.0), "`power`"), (dict(k_min="1e-5"), "`k_min`"),
+                       (dict(power=lambda k: k.sum()), "one finite value per wavenumber"),
+                       (dict(power=lambda k: k.unsqueeze(-1)), "one finite value per wavenumber"),
+                       (dict(power=lambda k: k * float("nan")), "NaN")):
         arguments = {"r": r, "power": lambda k: k, **bad}
         with pytest.raises((ValueError, TypeError), match=match):
             correlation_from_power(arguments.pop("r"), arguments.pop("power"), **arguments)

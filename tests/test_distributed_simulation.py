@@ -1498,12 +1498,14 @@ def case_correlation(grid, ctx):
         assert "`n_particles`" in str(error), str(error)
     else:
         raise AssertionError("rank 0's bad n_particles did not raise on every rank")
-    try:
-        CorrelationFunction(shape, box, mesh=mesh, bins=3 if ctx["rank"] == 0 else 4)
-    except ValueError as error:
-        assert "`bins`" in str(error), str(error)
-    else:
-        raise AssertionError("ranks with different bins built the layer")
+    for name, bad, good in (("bins", 3, 4), ("window", 2.5, "cic"), ("box_size", -1.0, box)):
+        options = {name: bad if ctx["rank"] == 0 else good}
+        try:
+            CorrelationFunction(shape, **{"box_size": box, **options}, mesh=mesh)
+        except (TypeError, ValueError) as error:  # (every rank, not rank 0 alone while the others wait)
+            assert f"`{name}`" in str(error), str(error)
+        else:
+            raise AssertionError(f"ranks with different `{name}` built the layer")
 
 
 def case_compiled(grid, ctx):

@@ -893,6 +893,20 @@ def _lensing_outputs(taker, simulation, config, output, main_rank):
     return path, line
 
 
+def _linear_power(sim, k):
+    """The run's linear power at ``k``; NaN where a power table does not reach (it covers the
+    particle grid's modes, which the tables' bins on the force mesh may pass)."""
+    from torchpm.cosmology import PowerTable
+
+    k = torch.as_tensor(k, dtype=torch.float64)
+    if not isinstance(sim.power, PowerTable):
+        return sim.linear_power(k)
+    low, high = sim.power.k_range
+    inside = (k >= low * (1 - 1e-9)) & (k <= high * (1 + 1e-9))
+    values = sim.linear_power(k.clamp(low, high))
+    return torch.where(inside.to(values.device), values, torch.full_like(values, float("nan")))
+
+
 class _Tables:
     """The P(k) (and, with ``redshift_space``, multipoles) tables of a run: measured on
     every rank (collective), written by rank 0 alone, at the end (``power_spectrum.txt``)
@@ -942,7 +956,7 @@ class _Tables:
         sim, config, batch = self.simulation, self.config, len(spectra)
         box, n_particles, cosmology = sim.box_size, sim.n_total, sim.cosmology
         growth = cosmology.growth(a)
-        linear = sim.linear_power(spectra[0].k) * growth.D1**2
+        linear = _linear_power(sim, spectra[0].k) * growth.D1**2
         f = float(growth.f1)
         kaiser = (1 + 2 * f / 3 + f**2 / 5, 4 * f / 3 + 4 * f**2 / 7, 8 * f**2 / 35)
         describe = (
@@ -974,7 +988,7 @@ class _Tables:
             return table_path, None, linear, kaiser
         # Linear theory in redshift space (Kaiser): P_0, P_2, P_4 = (1 + 2f/3 + f^2/5,
         # 4f/3 + 4f^2/7, 8f^2/35) P_linear, with f = dlnD/dlna at a.
-        linear_rsd = sim.linear_power(multipoles[0].k).detach().cpu() * float(growth.D1) ** 2
+        linear_rsd = _linear_power(sim, multipoles[0].k).detach().cpu() * float(growth.D1) ** 2
         multipoles_path = os.path.join(self.output, f"power_multipoles{suffix}.txt")
         member_columns = "P_0 P_2 P_4 [(Mpc/h)^3]" + ("" if batch == 1 else
                                                      f" of batch member 0, ..., of member {batch - 1} (three each)")
@@ -1008,10 +1022,17 @@ class _Tables:
         sim, batch = self.simulation, len(correlations)
         r = correlations[0].r
         power = sim.power
-        # Linear theory over the range the spectrum is known on (a table's own, else 1e-5 to 100 h/Mpc).
+        # Linear theory over 1e-5 to 100 h/Mpc, or a table's own range if it spans 1e-4 to 10
+        # (what xi above a few Mpc/h needs; NaN, and the header says why, if it does not).
         k_min, k_max = power.k_range if isinstance(power, PowerTable) else (1e-5, 100.0)
-        linear = correlation_from_power(r, lambda k: sim.linear_power(k).detach(), k_min=k_min, k_max=k_max) \
-            * float(growth.D1) ** 2
+        if k_min <= 1e-4 * (1 + 1e-9) and k_max >= 10.0 * (1 - 1e-9):
+            linear = correlation_from_power(r, lambda k: sim.linear_power(k).detach(), k_min=k_min, k_max=k_max) \
+                * float(growth.D1) ** 2
+            about = f"over [{k_min:.3g}, {k_max:.3g}] h/Mpc"
+        else:
+            linear = torch.full_like(r, float("nan"))
+            about = (f"not computed (nan): the power table covers [{k_min:.3g}, {k_max:.3g}] h/Mpc, not 1e-4 to "
+                     "10 h/Mpc")
         self.correlation_linear = linear
         noise = ("the particles' pairs with themselves subtracted (Poisson, CIC window)" if self.subtract
                  else "the particles' pairs with themselves kept")
@@ -1023,8 +1044,7 @@ class _Tables:
                                  linear.cpu()]),
                 header=f"torchpm {torchpm.__version__}: matter correlation function at a = {a:.4f}\n{describe}\n"
                 "xi(r) = <delta(x) delta(x + r)> over every cell and cell separation in the shell (minimum image), "
-                f"CIC-compensated, {noise}; linear: 1/(2 pi^2) int k^2 P_linear(k) j0(k r) dk over "
-                f"[{k_min:.3g}, {k_max:.3g}] h/Mpc\n"
+                f"CIC-compensated, {noise}; linear: 1/(2 pi^2) int k^2 P_linear(k) j0(k r) dk {about}\n"
                 + ("columns: r [Mpc/h]  xi  lags  xi_linear" if batch == 1 else
                    f"columns: r [Mpc/h]  xi of batch member 0, ..., of member {batch - 1} (one column each)  lags  "
                    "xi_linear"),

@@ -364,10 +364,11 @@ def _shot_noise_argument(shot_noise, n_particles, box_size) -> tuple[float, str 
     if shot_noise is not None and n_particles is not None:
         return 0.0, "pass at most one of `shot_noise` and `n_particles`"
     if n_particles is not None:
-        if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral) or n_particles <= 0:
-            return 0.0, f"`n_particles` must be a positive integer, got {n_particles!r}"
+        if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Real) \
+                or not math.isfinite(n_particles) or n_particles <= 0:
+            return 0.0, f"`n_particles` must be a positive number, got {n_particles!r}"
         try:
-            return math.prod(as_box_size(box_size)) / int(n_particles), None
+            return math.prod(as_box_size(box_size)) / float(n_particles), None
         except ValueError as exc:
             return 0.0, str(exc)
     if shot_noise is not None and (isinstance(shot_noise, bool) or not isinstance(shot_noise, numbers.Real)
@@ -957,40 +958,57 @@ def cross_correlation(
 
 
 def correlation_from_power(r, power, *, k_min: float = 1e-5, k_max: float = 100.0,
-                           points: int = 200_001) -> torch.Tensor:
+                           points: int | None = None) -> torch.Tensor:
     """The correlation function of an isotropic power spectrum at separations ``r``::
 
         xi(r) = 1 / (2 pi^2) int k^2 P(k) j0(k r) dk,   j0(x) = sin(x) / x
 
     by the trapezoidal rule in ``ln k`` on ``points`` log-spaced wavenumbers over
-    ``[k_min, k_max]`` h/Mpc (the default range holds the linear power's contribution
-    to a few 1e-4 of xi above 1 Mpc/h; a tabulated power needs its table's range).
-    E.g. linear theory at ``a``: ``correlation_from_power(r, sim.linear_power) * D1(a)^2``.
+    ``[k_min, k_max]`` h/Mpc. The default ``points`` is 200 001, or more where the largest
+    ``r`` needs them: 8 per period of ``j0`` at ``k_max``. The default range holds the
+    linear power's contribution to a few 1e-4 of xi from 1 to 300 Mpc/h (against a
+    converged integral); a tabulated power is integrated over its table's range. E.g.
+    linear theory at ``a``: ``correlation_from_power(r, sim.linear_power) * D1(a)^2``.
 
     Args:
-        r: separations in Mpc/h (a tensor or a sequence, > 0).
-        power: a callable ``P(k)`` of a float64 tensor of wavenumbers in h/Mpc, in (Mpc/h)^3.
+        r: separations in Mpc/h (a tensor or a sequence, > 0); the wavenumbers are made
+            on its device.
+        power: a callable ``P(k)`` of a float64 tensor of wavenumbers in h/Mpc, in
+            (Mpc/h)^3, returning one finite value per wavenumber.
 
     Returns:
-        float64 ``xi`` of ``r``'s shape.
+        float64 ``xi`` of ``r``'s shape and device.
     """
+    function = "correlation_from_power"
     r = torch.as_tensor(r, dtype=torch.float64)
     if not callable(power):
-        raise TypeError(f"correlation_from_power: `power` must be a callable P(k), got {type(power).__name__}")
-    if not (isinstance(points, numbers.Integral) and not isinstance(points, bool) and points >= 3):
-        raise ValueError(f"correlation_from_power: `points` must be an integer >= 3, got {points!r}")
-    if not (0 < k_min < k_max < math.inf):
-        raise ValueError(f"correlation_from_power: need 0 < `k_min` < `k_max` (finite), got {k_min!r}, {k_max!r}")
-    if not bool(torch.isfinite(r).all()) or bool((r <= 0).any()):
-        raise ValueError("correlation_from_power: `r` must hold finite separations > 0 (Mpc/h)")
-    log_k = torch.linspace(math.log(k_min), math.log(k_max), int(points), dtype=torch.float64)
+        raise TypeError(f"{function}: `power` must be a callable P(k), got {type(power).__name__}")
+    if points is not None and not (isinstance(points, numbers.Integral) and not isinstance(points, bool)
+                                   and points >= 3):
+        raise ValueError(f"{function}: `points` must be an integer >= 3 or None, got {points!r}")
+    if not all(isinstance(v, numbers.Real) and not isinstance(v, bool) for v in (k_min, k_max)) \
+            or not 0 < k_min < k_max < math.inf:
+        raise ValueError(f"{function}: need 0 < `k_min` < `k_max` (finite, h/Mpc), got {k_min!r}, {k_max!r}")
+    if r.numel() == 0 or not bool(torch.isfinite(r).all()) or bool((r <= 0).any()):
+        raise ValueError(f"{function}: `r` must hold finite separations > 0 (Mpc/h)")
+    span = math.log(k_max / k_min)
+    if points is None:
+        points = max(200_001, math.ceil(8 * k_max * float(r.max()) * span / (2 * math.pi)) + 1)
+    log_k = torch.linspace(math.log(k_min), math.log(k_max), int(points), dtype=torch.float64, device=r.device)
     k = torch.exp(log_k)
-    weights = torch.full_like(k, float(log_k[1] - log_k[0]))
+    values = power(k)
+    values = torch.as_tensor(values, dtype=torch.float64).to(r.device) if values is not None else None
+    if values is None or values.shape != k.shape or not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{function}: `power` must return one finite value per wavenumber, shape {tuple(k.shape)}, "
+                         f"got {None if values is None else tuple(values.shape)}"
+                         + ("" if values is None or values.shape != k.shape else " with NaN or infinite values"))
+    weights = torch.full_like(k, span / (int(points) - 1))
     weights[0] = weights[-1] = weights[0] / 2
-    integrand = torch.as_tensor(power(k), dtype=torch.float64).cpu() * k**3 * weights / (2 * math.pi**2)
-    flat = r.reshape(-1).cpu()
+    integrand = values * k**3 * weights / (2 * math.pi**2)
+    flat = r.reshape(-1)
     result = torch.empty_like(flat)
-    for start in range(0, flat.numel(), 16):  # (bounded temporaries: 16 x points)
-        x = flat[start:start + 16, None] * k
-        result[start:start + 16] = (integrand * torch.sinc(x / math.pi)).sum(-1)
-    return result.reshape(r.shape).to(r.device)
+    rows = max(1, (1 << 22) // int(points))  # (temporaries of about 4 million entries)
+    for start in range(0, flat.numel(), rows):
+        x = flat[start:start + rows, None] * k
+        result[start:start + rows] = (integrand * torch.sinc(x / math.pi)).sum(-1)
+    return result.reshape(r.shape)

@@ -90,17 +90,34 @@ def _mesh_shape_error(layer: str, mesh, shape, what: str) -> str | None:
     )
 
 
-def _layer_field_error(layer, field, name, local_shape, shape, mesh):
-    """What is wrong with a layer's ``field`` (None if nothing)."""
-    if not isinstance(field, torch.Tensor) or field.dim() != 4 or tuple(field.shape[1:]) != local_shape:
+def _layer_field_error(layer, field, name, local_shape, shape, mesh, batch=None):
+    """What is wrong with a layer's ``field`` (None if nothing); ``batch``: the size of dim 0
+    it must have (``other``'s, the field's)."""
+    if not isinstance(field, torch.Tensor) or field.dim() != 4 or tuple(field.shape[1:]) != local_shape \
+            or (batch is not None and field.shape[0] != batch):
         block = "" if mesh is None else f" (this rank's block of the {shape} mesh)"
+        first = "B" if batch is None else f"B = {batch}, as `field`"
         return (
-            f"{layer}: `{name}` must be a real tensor of shape (B, {', '.join(map(str, local_shape))})"
+            f"{layer}: `{name}` must be a real tensor of shape ({first}, {', '.join(map(str, local_shape))})"
             f"{block}, got {tuple(field.shape) if isinstance(field, torch.Tensor) else type(field).__name__}"
         )
     if field.is_complex() or not field.is_floating_point():
         return f"{layer}: `{name}` must be real floating point, got {field.dtype}"
     return None
+
+
+def _layer_geometry(layer, shape, box_size, dtype, mesh):
+    """``(shape, box_size, error)`` of a layer's arguments: a bad one is the error that
+    :meth:`PencilDecomposition.agree` raises on every rank of a grid (with the mesh's own
+    shape standing in meanwhile); without a mesh it is raised at once."""
+    try:
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and not dtype.is_complex):
+            raise TypeError(f"`dtype` must be a real floating-point torch.dtype, got {dtype!r}")
+        return as_shape(shape, "shape"), as_box_size(box_size), None
+    except (TypeError, ValueError) as exc:
+        if mesh is None:
+            raise type(exc)(f"{layer}: {exc}") from None
+        return tuple(getattr(mesh, "global_shape", (1, 1, 1))), (1.0, 1.0, 1.0), f"{layer}: {exc}"
 
 
 def _shell_sums(values, index, n_bins, mesh):
@@ -240,15 +257,13 @@ class PowerSpectrum(nn.Module):
         mesh: PencilDecomposition | None = None,
     ):
         super().__init__()
-        self.shape = as_shape(shape, "shape")
-        self.box_size = as_box_size(box_size)
+        self.shape, self.box_size, error = _layer_geometry("PowerSpectrum", shape, box_size, dtype, mesh)
         self.compensate_cic = bool(compensate_cic)
-        error = None
         try:
             self.ells = None if ells is None else _ells_argument(ells, "PowerSpectrum")
             self.axis = line_of_sight_axis(axis, "PowerSpectrum")
-        except ValueError as exc:  # (raised below with the other ranks' errors)
-            self.ells, self.axis, error = None, -1, str(exc)
+        except (TypeError, ValueError) as exc:  # (raised below with the other ranks' errors)
+            self.ells, self.axis, error = None, -1, error or str(exc)
         if mesh is None:
             mesh = LocalMesh(self.shape)
         _check_mesh_type("PowerSpectrum", mesh)
@@ -305,7 +320,9 @@ class PowerSpectrum(nn.Module):
         return self._mesh.rfftn(field)
 
     def forward(self, field: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
-        error = self._field_error(field, "field") or (None if other is None else self._field_error(other, "other"))
+        error = self._field_error(field, "field") or (
+            None if other is None else _layer_field_error("PowerSpectrum", other, "other", self._local_shape,
+                                                          self.shape, self._mesh, batch=field.shape[0]))
         if self._mesh is not None:
             # A rank with a bad field raises on every rank, not leaving the others in the FFT.
             self._mesh.raise_together(error, operation="torchpm.nn.PowerSpectrum")
@@ -339,7 +356,10 @@ class CorrelationFunction(nn.Module):
     ``conj(DFT a) DFT b / N^2``. The shell of every separation, the window's filter and the
     self-pairs' noise are computed once, at construction, so the forward pass is two FFTs
     (three for a cross-correlation), a product and one ``index_add`` (no data-dependent
-    shapes: it compiles). The shells take 8 bytes per cell of this rank's block.
+    shapes: it compiles). Its buffers: the shell of each separation, 4 bytes per cell of
+    this rank's block; with ``ells`` ``len(ells)`` values of ``dtype`` per cell; 1 byte per
+    Fourier entry (the ``k = 0`` mode), and one value per entry more with ``window`` and with
+    ``n_particles``. Buffers in float32 round the result to float32 whatever the field's dtype.
 
     Args:
         shape: mesh cells per side (int) or ``(nx, ny, nz)``: the global mesh.
@@ -352,7 +372,8 @@ class CorrelationFunction(nn.Module):
         window: divide the power by this mass-assignment window squared first (``"ngp"``,
             ``"cic"``, ``"tsc"``, ``"pcs"``), or None.
         n_particles: subtract the Poisson self-pairs of this many equal-mass particles
-            painted with ``window`` (required with it), without interlacing.
+            painted with ``window`` (required with it), without interlacing; for the
+            auto-correlation only (``forward`` then refuses ``other``).
         dtype, device: of the buffers (the computation runs in the field's dtype).
         mesh: None (the whole mesh on this device) or a
             :class:`~torchpm.distributed.PencilDecomposition` of global shape ``shape``
@@ -380,15 +401,13 @@ class CorrelationFunction(nn.Module):
         mesh: PencilDecomposition | None = None,
     ):
         super().__init__()
-        self.shape = as_shape(shape, "shape")
-        self.box_size = as_box_size(box_size)
-        error = None
+        self.shape, self.box_size, error = _layer_geometry("CorrelationFunction", shape, box_size, dtype, mesh)
         try:
             self.axis = line_of_sight_axis(axis, "CorrelationFunction")
             self.ells = None if ells is None else _ells_argument(ells, "CorrelationFunction")
             self.window = _window_argument(window, False, "CorrelationFunction")
-        except ValueError as exc:  # (raised below with the other ranks' errors)
-            self.ells, self.axis, self.window, error = None, -1, None, str(exc)
+        except (TypeError, ValueError) as exc:  # (raised below with the other ranks' errors)
+            self.ells, self.axis, self.window, error = None, -1, None, error or str(exc)
         error = error or _n_particles_argument(n_particles, self.window, False)
         self.n_particles = None if n_particles is None or error else float(n_particles)
         if mesh is None:
@@ -418,35 +437,46 @@ class CorrelationFunction(nn.Module):
         keep = lags > 0
         renumber = torch.full((n_bins + 1,), int(keep.sum()), dtype=torch.long)
         renumber[:n_bins][keep] = torch.arange(int(keep.sum()))
-        index = renumber[index]
-        # xi = irfftn(filtered product) / N, averaged over the shell's separations
-        scale = weight / (mesh.size * torch.cat([lags[keep], torch.ones(1, dtype=torch.float64)])[index])
+        index = renumber[index].to(torch.int32)  # (n_bins: a separation in no shell, or zero)
+        # xi = irfftn(filtered product) / N, averaged over the shell's separations: a divisor
+        # per shell, or with ells the Legendre weights per separation too.
+        divisor = torch.cat([lags[keep], torch.ones(1, dtype=torch.float64)]) * mesh.size
+        scale = None
         if self.ells is not None:
             along = (rx, ry, rz)[self.axis].expand(*mesh.local_real_shape).reshape(-1)
-            scale = scale * _multipole_weights(self.ells, along, r)
+            scale = _multipole_weights(self.ells, along, r) / divisor[index.long()]
         w = mesh.wavevectors(dtype=torch.float64)
         fourier_shape = mesh.local_fourier_shape
-        keep_k = ~((w[0] == 0) & (w[1] == 0) & (w[2] == 0))  # (the means: the k = 0 mode dropped)
-        filter_ = keep_k.to(torch.float64).expand(*fourier_shape)
-        if self.window is not None:
-            filter_ = filter_ / window_of(w, self.window) ** 2
-        noise = torch.zeros(fourier_shape, dtype=torch.float64)
+        k_zero = ((w[0] == 0) & (w[1] == 0) & (w[2] == 0)).expand(*fourier_shape)  # (the means: dropped)
+        noise = filter_ = None
         if self.n_particles is not None:
             noise = (aliased_window_power(w, self.window) * (mesh.size**2 / self.n_particles)).expand(*fourier_shape)
+        if self.window is not None:
+            filter_ = (1.0 / window_of(w, self.window) ** 2).expand(*fourier_shape)
         self.n_bins = int(keep.sum())
         self._local_shape = tuple(mesh.local_real_shape)
-        self.register_buffer("r", (r_sum[keep] / lags[keep]).to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("lags", lags[keep].to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("_lag_index", index.to(device=device), persistent=False)
-        self.register_buffer("_lag_scale", scale.to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("_filter", filter_.contiguous().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("_noise", (noise * filter_).contiguous().to(dtype=dtype, device=device),
-                             persistent=False)
+
+        def buffer(name, value, kind=dtype):
+            self.register_buffer(name, None if value is None else value.contiguous().to(dtype=kind, device=device),
+                                 persistent=False)
+
+        buffer("r", r_sum[keep] / lags[keep])
+        buffer("lags", lags[keep])
+        buffer("_lag_index", index, torch.int32)  # 4 bytes per cell
+        buffer("_divisor", divisor[:-1], torch.float64)  # (exact counts, cast to the field's dtype)
+        buffer("_lag_scale", scale)  # with ells: len(ells) values per cell
+        buffer("_k_zero", k_zero, torch.bool)  # 1 byte per Fourier entry
+        buffer("_filter", filter_)  # with a window: one value per Fourier entry
+        buffer("_noise", noise)  # with n_particles: one value per Fourier entry
 
     def forward(self, field: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
         error = _layer_field_error("CorrelationFunction", field, "field", self._local_shape, self.shape, self._mesh) \
             or (None if other is None else
-                _layer_field_error("CorrelationFunction", other, "other", self._local_shape, self.shape, self._mesh))
+                _layer_field_error("CorrelationFunction", other, "other", self._local_shape, self.shape, self._mesh,
+                                   batch=field.shape[0]))
+        if error is None and other is not None and self.n_particles is not None:
+            error = ("CorrelationFunction: `other` with `n_particles`: the Poisson self-pairs are those of one "
+                     "particle set's auto-correlation; build the layer without n_particles for a cross-correlation")
         if self._mesh is not None:
             self._mesh.raise_together(error, operation="torchpm.nn.CorrelationFunction")
         elif error:
@@ -454,18 +484,24 @@ class CorrelationFunction(nn.Module):
         rfftn = (lambda f: torch.fft.rfftn(f, dim=(-3, -2, -1))) if self._mesh is None else self._mesh.rfftn
         field_k = rfftn(field)
         other_k = field_k if other is None else rfftn(other)
-        # conj(a) b, filtered (k = 0 dropped, the window divided out) less the self-pairs' noise
+        real = field_k.real.dtype
+        # conj(a) b, less the self-pairs' noise, the window divided out, k = 0 dropped
         product = torch.complex(field_k.real * other_k.real + field_k.imag * other_k.imag,
                                 field_k.real * other_k.imag - field_k.imag * other_k.real)
-        product = product * self._filter.to(field_k.real.dtype) - self._noise.to(field_k.real.dtype)
+        if self._noise is not None:
+            product = product - self._noise.to(real)
+        if self._filter is not None:
+            product = product * self._filter.to(real)
+        product = product.masked_fill(self._k_zero, 0)
         if self._mesh is None:
             xi = torch.fft.irfftn(product, s=self.shape, dim=(-3, -2, -1))
         else:
             xi = self._mesh.irfftn(product)
         values = xi.reshape(field.shape[0], -1)
         if self.ells is not None:  # (B, len(ells), cells)
-            values = values.unsqueeze(1)
-        return _shell_sums(values * self._lag_scale.to(values.dtype), self._lag_index, self.n_bins, self._mesh)
+            values = values.unsqueeze(1) * self._lag_scale.to(values.dtype)
+            return _shell_sums(values, self._lag_index, self.n_bins, self._mesh)
+        return _shell_sums(values, self._lag_index, self.n_bins, self._mesh) / self._divisor.to(values.dtype)
 
     def extra_repr(self) -> str:
         grid = "" if self._mesh is None else f", grid={self._mesh.grid_shape}"
