@@ -1,6 +1,9 @@
 """Time and peak memory of the two-point statistics of a mesh field: ``power_spectrum``,
 ``power_multipoles`` (P_0, P_2, P_4), ``correlation_function`` and its multipoles
-(xi_0, xi_2, xi_4) of a float32 ``n^3`` field with the CIC window.
+(xi_0, xi_2, xi_4) of a float32 ``n^3`` field with the CIC window, and the layers
+``torchpm.nn.PowerSpectrum`` and ``CorrelationFunction`` (built once before the measurement;
+their forward pass computes in the field's float32; on the CPU their peak is the process's
+high-water mark, which their construction, in float64, may set).
 
     python benchmarks/bench_analysis.py [--sizes 128 192 256] [--repeats 5] [--device cpu|cuda]
 
@@ -21,20 +24,33 @@ import sys
 from harness import PeakMemory, Table, child_report, print_header, timed
 
 
-FUNCTIONS = ("power_spectrum", "power_multipoles", "correlation_function", "correlation_multipoles")
+FUNCTIONS = ("power_spectrum", "power_multipoles", "correlation_function", "correlation_multipoles", "power_layer",
+             "correlation_layer")
 
 
 def measure(size: int, function: str, repeats: int, device: str) -> dict:
     import torch
 
     from torchpm.analysis import correlation_function, power_multipoles, power_spectrum
+    from torchpm.nn import CorrelationFunction, PowerSpectrum
 
+    if function in ("power_layer", "correlation_layer"):  # built once, outside the measurement
+        kind = PowerSpectrum if function == "power_layer" else CorrelationFunction
+        options = dict(compensate_cic=True) if function == "power_layer" else dict(window="cic")
+        layer = kind(size, 500.0, device=device, **options)
+        return _measured(size, function, repeats, device, layer)
     call = {"power_spectrum": lambda f: power_spectrum(f, 500.0, window="cic"),
             "power_multipoles": lambda f: power_multipoles(f, 500.0, ells=(0, 2, 4), window="cic"),
             "correlation_function": lambda f: correlation_function(f, 500.0, window="cic"),
             "correlation_multipoles": lambda f: correlation_function(f, 500.0, ells=(0, 2, 4), window="cic")}[function]
-    field = torch.randn(1, size, size, size, generator=torch.Generator().manual_seed(0)).to(device)
     call(torch.randn(1, 8, 8, 8, device=device))  # libraries loaded outside the measurement
+    return _measured(size, function, repeats, device, call)
+
+
+def _measured(size, function, repeats, device, call):
+    import torch
+
+    field = torch.randn(1, size, size, size, generator=torch.Generator().manual_seed(0)).to(device)
     # the high-water mark of the process (not reset): the field's call is its largest allocation
     with PeakMemory(device, host="high-water") as memory:
         call(field)  # also the warm-up of the timed calls

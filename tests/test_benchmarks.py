@@ -308,7 +308,7 @@ SMOKE = {
                      ["| particles | rows | jacrev [s] | autograd.grad row by row [s] | forward [s] |"]),
     "bench_analysis": (["--sizes", "16", "--repeats", "1"],
                        ["| n^3 | function | median ms | peak MiB | peak / field |", "| 16^3 | power_multipoles |",
-                        "| 16^3 | correlation_multipoles |"]),
+                        "| 16^3 | correlation_multipoles |", "| 16^3 | correlation_layer |"]),
     "bench_bispectrum": (["--sizes", "16", "--reach", "two-thirds", "--repeats", "1"],
                          ["| n^3 | shells up to | shells | configurations | pass | time (s) [min-max] |"]),
     "bench_growth": (["--repeats", "1"], [f"{'table':<28} {'what':<24} {'median / min ms':>19}",
