@@ -1,7 +1,7 @@
 """The friends-of-friends halo mass function of a run against the fits of the literature.
 
 Runs one simulation, finds its FoF halos (linking length 0.2, at least ``--min-members``
-particles), measures ``dn/dln M`` in 0.2 dex bins with Poisson errors
+particles), measures ``dn/dln M`` in bins of about 0.2 dex with Poisson errors
 (:func:`torchpm.halos.mass_function`) and divides it by Watson et al. (2013, FoF),
 Jenkins et al. (2001, FoF) and Sheth & Tormen (1999)
 (:func:`torchpm.halos.mass_function_theory`). Writes ``result.json`` and
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 
@@ -46,13 +47,25 @@ def main():
     halos = find_halos(sim, state, min_members=args.min_members)
     found = time.perf_counter()
     particle_mass = float(simulation_particle_mass(sim))
-    edges = particle_mass * args.min_members * 10 ** (0.2 * np.arange(16))  # 0.2 dex from the smallest halo
+    a = float(state.a)
+    # Bins of about 0.2 dex whose edges fall halfway between whole numbers of particles (a
+    # halo's mass is a whole number of them, summed in the state's dtype).
+    members = np.unique(np.round(args.min_members * 10 ** (0.2 * np.arange(16))))
+    edges = particle_mass * (members - 0.5)
     measured = mass_function(halos, sim.box_size, bins=edges.tolist())
     keep = measured.counts[0] > 0
     mass = measured.mass[keep].cpu()
-    fits = {model: mass_function_theory(mass, sim.cosmology.to("cpu"), model=model,
-                                        power=lambda k: sim.linear_power(k.to(sim.cosmology.device)).cpu())
-            for model in MODELS}
+    cosmology = sim.cosmology.to("cpu")
+
+    def power(k):
+        return sim.linear_power(k.to(sim.cosmology.device)).cpu()
+
+    fits = {model: mass_function_theory(mass, cosmology, a, model=model, power=power) for model in MODELS}
+    # Halos of at least 50 particles: the count against Watson et al.'s integrated over ln M.
+    grid = torch.logspace(math.log10(49.5 * particle_mass), 16.5, 400, dtype=torch.float64)
+    expected = float(torch.trapezoid(mass_function_theory(grid, cosmology, a, power=power), torch.log(grid))) \
+        * math.prod(sim.box_size)
+    above = int(((halos.masses[0] >= 49.5 * particle_mass)).sum())
     dn, error, counts = (t[0][keep].cpu() for t in (measured.dn_dlnM, measured.error, measured.counts))
     result = {
         "particle_mass": particle_mass,
@@ -63,6 +76,8 @@ def main():
         "dn_dlnM": dn.tolist(),
         "error": error.tolist(),
         **{f"ratio_{model}": (dn / fit).tolist() for model, fit in fits.items()},
+        "halos_above_50": above,
+        "expected_above_50_watson13": expected,
         "simulation_seconds": simulated - start,
         "fof_seconds": found - simulated,
     }
@@ -85,7 +100,7 @@ def main():
     top.set_xscale("log")
     top.set_yscale("log")
     top.set_ylabel("dn/dlnM [(h/Mpc)$^3$]")
-    top.set_title(f"{args.particles}^3 particles in {args.box_size:g} Mpc/h, {args.steps} steps, a = 1")
+    top.set_title(f"{args.particles}^3 particles in {args.box_size:g} Mpc/h, {args.steps} steps, a = {a:g}")
     top.legend(fontsize=8)
     bottom.axhline(1.0, color="k", lw=0.5)
     bottom.set_xlabel("M [Msun/h]")
@@ -100,6 +115,7 @@ def main():
     for i in range(len(mass)):
         print(f"  {float(mass[i]):.3e}  {float(mass[i]) / particle_mass:9.0f}  {int(counts[i]):5d}  "
               + "  ".join(f"{result[f'ratio_{model}'][i]:9.3f}" for model in MODELS))
+    print(f"halos of at least 50 particles: {above}, Watson et al. integrated: {expected:.1f}")
     print(f"wrote {args.output}/result.json and mass_function.png")
 
 

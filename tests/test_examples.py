@@ -51,7 +51,7 @@ def test_baryon_acoustic_peak_example(tmp_path):
                                  ("r", "xi_evolved", "xi_linear_field", "xi_linear_theory"))
     large = (r >= 30) & (r <= 120)
     assert np.all(np.abs(field - theory)[large] <= 0.15 * np.abs(theory[large]) + 2e-4), (r, field, theory)
-    middle = (r >= 30) & (r <= 100)
+    middle = (r >= 30) & (r <= 60)  # (not the trough before the peak, which evolution fills)
     assert np.all(np.abs(evolved / field - 1)[middle] < 0.15), (r, evolved, field)
     for key in ("peak_linear_theory", "peak_linear_field", "peak_evolved"):
         assert 88 <= summary[key][0] <= 112, (key, summary[key])
@@ -60,9 +60,9 @@ def test_baryon_acoustic_peak_example(tmp_path):
 
 def test_halo_mass_function_example(tmp_path):
     """examples/halo_mass_function.py at 32^3 particles in 128 Mpc/h (about 40 halos): the
-    FoF counts add up to the catalogue, and the halos of 60 particles or more are within a
-    factor 1.6 of Watson et al.'s FoF fit (1.04 and 1.2 measured; a wrong mass unit or
-    volume is a large factor in this exponential tail)."""
+    counts add up to the catalogue, and the number of halos of at least 50 particles is
+    Watson et al.'s FoF mass function integrated over mass and the volume within its
+    Poisson scatter (0.85-1.23 of it over seeds 1-5; a factor 2, ln 10 or h^3 is outside)."""
     environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "halo_mass_function.py"), "--particles", "32",
@@ -72,8 +72,8 @@ def test_halo_mass_function_example(tmp_path):
     assert (tmp_path / "mass_function.png").stat().st_size > 1000
     summary = json.loads((tmp_path / "result.json").read_text())
     assert summary["halos"] >= 20 and sum(summary["counts"]) == summary["halos"], summary
-    resolved = [ratio for ratio, n in zip(summary["ratio_watson13"], summary["particles"]) if n >= 60]
-    assert resolved and all(1 / 1.6 < ratio < 1.6 for ratio in resolved), (resolved, summary["particles"])
+    ratio = summary["halos_above_50"] / summary["expected_above_50_watson13"]
+    assert 0.55 < ratio < 1.6, (summary["halos_above_50"], summary["expected_above_50_watson13"])
 
 
 def test_weak_lensing_example_matches_limber_on_the_largest_scales(tmp_path):

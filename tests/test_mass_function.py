@@ -32,8 +32,14 @@ def test_counts_by_hand():
     np.testing.assert_allclose(default.edges.numpy(), 1e13 * 10 ** (np.arange(5) / 5), rtol=1e-12)
     np.testing.assert_array_equal(default.counts.numpy(), [[1, 1, 0, 1]])
     assert default.dn_dlnM.shape == (1, 4)
-    single = mass_function(masses[1], 100.0, bins=2)  # two log bins over [2.9e13, 3e13]
-    assert single.counts.tolist() == [1.0, 1.0] and single.dn_dlnM.shape == (2,)
+    # A number of bins spans at least 0.2 dex from the smallest halo: [2.9e13, 2.9e13 * 10^0.2].
+    single = mass_function(masses[1], 100.0, bins=2)
+    assert single.counts.tolist() == [2.0, 0.0] and single.dn_dlnM.shape == (2,)
+    np.testing.assert_allclose(single.edges.numpy(), 2.9e13 * 10 ** np.array([0.0, 0.1, 0.2]), rtol=1e-12)
+    # 10^log10(m) can round above m (here 2e11): the smallest halo still counts, as does the largest.
+    for low in (2e11, 20 * 6.827e11, 7.3e12):
+        assert mass_function(torch.tensor([low, low * 1.05], dtype=torch.float64), 100.0).counts.sum() == 2
+        assert mass_function(torch.tensor([low, low * 3], dtype=torch.float64), 100.0, bins=3).counts.sum() == 2
 
 
 def test_errors_name_the_argument():
@@ -53,6 +59,8 @@ def test_errors_name_the_argument():
         mass_function_theory([0.0], cosmology)
     with pytest.raises(ValueError, match="`a`"):
         mass_function_theory([1e13], cosmology, a=0.0)
+    with pytest.raises(ValueError, match="one finite value per wavenumber"):
+        mass_function_theory([1e13], cosmology, power=lambda k: k * float("nan"))
 
 
 @pytest.mark.parametrize("model", sorted(MASS_FUNCTION_MODELS))
@@ -70,6 +78,26 @@ def test_theory_matches_colossus(model, a):
     below = masses <= 3e14
     np.testing.assert_allclose(ours[below], reference[below], rtol=6e-3)
     np.testing.assert_allclose(ours[~below], reference[~below], rtol=6e-2)
+
+
+def test_small_spheres_integrate_further_in_k():
+    """Below about 1e9 Msun/h (R < 0.2 Mpc/h) sigma(R) needs k past 100 h/Mpc: the grid
+    extends to 300 / R, so 1e6 Msun/h matches an integral to 1e4 h/Mpc done here."""
+    from torchpm.cosmology import _simpson, _top_hat, linear_power
+
+    cosmology = torchpm.Cosmology(**PLANCK15)
+    k = torch.logspace(-5, 4, 2 * 9 * 600 + 1, dtype=torch.float64)
+    rho = 27.7536627e10 * float(cosmology.Omega_m)
+
+    def sigma(m):
+        radius = (3 * m / (4 * math.pi * rho)) ** (1 / 3)
+        return float(torch.sqrt(_simpson(k**3 * linear_power(k, cosmology) * _top_hat(k * radius) ** 2,
+                                         torch.log(k)) / (2 * math.pi**2)))
+
+    m = 1e6
+    slope = (math.log(sigma(m * 1.001)) - math.log(sigma(m / 1.001))) / (2 * math.log(1.001))
+    expected = 0.282 * ((1.406 / sigma(m)) ** 2.163 + 1) * math.exp(-1.210 / sigma(m) ** 2) * rho / m * abs(slope)
+    np.testing.assert_allclose(float(mass_function_theory([m], cosmology)[0]), expected, rtol=2e-3)
 
 
 def test_theory_is_differentiable_in_the_cosmology():

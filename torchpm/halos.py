@@ -986,9 +986,14 @@ def mass_function(masses, box_size, *, bins=None) -> MassFunction:
             raise ValueError(f"{function}: `bins` must be a positive number of bins or increasing edges, got {bins}")
         if halos.numel() == 0:
             raise ValueError(f"{function}: no halo (every mass is 0): pass `bins` as edges to count none")
-        low, high = math.log10(float(halos.min())), math.log10(float(halos.max())) + 1e-9
+        smallest, largest = float(halos.min()), float(halos.max())
+        low = math.log10(smallest)
+        high = max(math.log10(largest) + 1e-9, low + 0.2)  # (equal masses: one 0.2 dex range)
         count = max(1, math.ceil((high - low) * 5)) if bins is None else int(bins)
         edges = torch.logspace(low, high if bins is not None else low + count / 5, count + 1, dtype=torch.float64)
+        # (10^log10(m) may round above m: the smallest halo must be in the first bin, the largest in the last)
+        edges[0] = min(float(edges[0]), smallest)
+        edges[-1] = max(float(edges[-1]), largest * (1 + 1e-12))
     else:
         from .analysis import _edges_argument
 
@@ -1052,8 +1057,9 @@ def mass_function_theory(mass, cosmology, a: float = 1.0, *, model: str = "watso
 
     with ``sigma(M, a) = D1(a) sigma(R)`` the rms linear overdensity in spheres of ``R =
     (3 M / (4 pi rho_m))^(1/3)`` (the linear power at ``a = 1`` integrated with Simpson's
-    rule in ``ln k`` over 1e-5 to 100 h/Mpc, as :func:`torchpm.cosmology.sigma_r`; the
-    derivative by central differences) and ``f`` one of :data:`MASS_FUNCTION_MODELS`:
+    rule in ``ln k`` over 1e-5 to 100 h/Mpc, further for spheres under 3 Mpc/h, or over a
+    power table's own range, as :func:`torchpm.cosmology.sigma_r`; the derivative by
+    central differences) and ``f`` one of :data:`MASS_FUNCTION_MODELS`:
     ``"press74"``, ``"sheth99"`` (Sheth & Tormen), ``"jenkins01"`` and ``"watson13"``
     (FoF halos of linking length 0.2, as :func:`find_halos` finds by default).
     Differentiable in the cosmology's parameters.
@@ -1078,16 +1084,32 @@ def mass_function_theory(mass, cosmology, a: float = 1.0, *, model: str = "watso
         raise ValueError(f"{function}: `mass` must hold finite masses > 0 (Msun/h)")
     if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 < a <= 1:
         raise ValueError(f"{function}: `a` must be a scale factor in (0, 1], got {a!r}")
+    from .cosmology import PowerTable
+
     device = cosmology.Omega_m.device
-    power = power or (lambda k: linear_power(k, cosmology))
-    k = _log_k_grid(device)
-    integrand = k**3 * torch.as_tensor(power(k), dtype=torch.float64) / (2.0 * math.pi**2)
     rho = CRITICAL_DENSITY_MSUN * cosmology.Omega_m
     flat = mass.reshape(-1).to(device)
     radius = (3.0 * flat / (4.0 * math.pi * rho)) ** (1.0 / 3.0)
+    # k from 1e-5 to 100 h/Mpc, or to 300 / R for the smallest spheres (below 1e9 Msun/h);
+    # a power table over its own range.
+    k_min, k_max = 1e-5, max(100.0, 300.0 / float(radius.detach().min()))
+    if isinstance(power, PowerTable):
+        k_min, k_max = power.k_range
+    decades = math.log10(k_max / k_min)
+    k = _log_k_grid(device, k_min, k_max, 2 * math.ceil(decades * 4096 / 14) + 1)  # (odd: Simpson)
+    values = torch.as_tensor(linear_power(k, cosmology) if power is None else power(k), dtype=torch.float64)
+    if values.shape != k.shape or not bool(torch.isfinite(values.detach()).all()):
+        raise ValueError(f"{function}: `power` must return one finite value per wavenumber (shape {tuple(k.shape)}), "
+                         f"got shape {tuple(values.shape)}" + (" with NaN or infinite values"
+                                                               if values.shape == k.shape else ""))
+    integrand = k**3 * values.to(device) / (2.0 * math.pi**2)
     step = 1e-4  # (in ln R)
-    radii = radius.unsqueeze(-1) * torch.exp(torch.tensor([-step, 0.0, step], dtype=torch.float64, device=device))
-    sigma = torch.sqrt(_simpson(integrand * _top_hat(k * radii.unsqueeze(-1)) ** 2, torch.log(k)))
+    shifts = torch.exp(torch.tensor([-step, 0.0, step], dtype=torch.float64, device=device))
+    sigmas = []
+    for start in range(0, flat.numel(), 256):  # (temporaries of 3 x 256 x len(k))
+        radii = radius[start:start + 256].unsqueeze(-1) * shifts
+        sigmas.append(torch.sqrt(_simpson(integrand * _top_hat(k * radii.unsqueeze(-1)) ** 2, torch.log(k))))
+    sigma = torch.cat(sigmas)
     dln_sigma_dln_m = (torch.log(sigma[:, 2]) - torch.log(sigma[:, 0])) / (2 * step) / 3.0
     sigma_a = sigma[:, 1] * cosmology.growth(float(a)).D1
     result = MASS_FUNCTION_MODELS[model](sigma_a) * rho / flat * dln_sigma_dln_m.abs()
