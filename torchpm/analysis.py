@@ -172,9 +172,7 @@ def _binned(values_of, count: int, mesh: LocalMesh, box: Sequence[float], bins, 
         kx = k_axes[0][start:end]
         k = torch.sqrt(kx**2 + k_axes[1] ** 2 + k_axes[2] ** 2)  # (end - start, ly, lz)
         flat_k = k.reshape(-1)
-        index = torch.bucketize(flat_k, edges, right=True) - 1
-        valid = (index >= 0) & (index < n_bins) & (flat_k > 0)
-        index = torch.where(valid, index, torch.full_like(index, n_bins))  # overflow bin, dropped
+        index, valid = _shell_index(flat_k, edges)
         flat_weight = weight.expand_as(k).reshape(-1) * valid
         modes = modes.index_add(0, index, flat_weight)
         k_sum = k_sum.index_add(0, index, flat_weight * flat_k)
@@ -185,14 +183,30 @@ def _binned(values_of, count: int, mesh: LocalMesh, box: Sequence[float], bins, 
             values = values.unsqueeze(1) * _multipole_weights(ells, (kx, k_axes[1], k_axes[2])[axis], k)
         flat_values = values.reshape(*values.shape[:-3], -1) * flat_weight
         sums = sums + torch.zeros_like(sums).index_add(-1, index, flat_values)
-    # One all-reduce of every shell sum: the global spectrum on every rank.
-    totals = mesh.all_reduce(torch.cat([modes[:n_bins].unsqueeze(0), k_sum[:n_bins].unsqueeze(0),
+    return _global_shells(modes, k_sum, sums, mesh)
+
+
+def _shell_index(x, edges):
+    """``(index, valid)``: the shell of each ``x`` in ``[edges[i], edges[i+1])``, the number of
+    shells (an overflow slot, dropped) for one outside every shell or at ``x = 0``."""
+    n_bins = edges.numel() - 1
+    index = torch.bucketize(x, edges, right=True) - 1
+    valid = (index >= 0) & (index < n_bins) & (x > 0)
+    return torch.where(valid, index, torch.full_like(index, n_bins)), valid
+
+
+def _global_shells(counts, x_sums, sums, mesh):
+    """The shells' counts, sums of their coordinate and sums of the values (the last axis
+    ``n_bins + 1`` long: an overflow slot) all-reduced over the grid in one call, the empty
+    shells dropped: ``(mean coordinate, means, counts)`` on every rank. The coordinate and the
+    counts do not depend on the fields: they carry no gradient."""
+    n_bins = counts.numel() - 1
+    totals = mesh.all_reduce(torch.cat([counts[:n_bins].unsqueeze(0), x_sums[:n_bins].unsqueeze(0),
                                         sums.reshape(-1, n_bins + 1)[:, :n_bins]]))
-    # (k and the counts do not depend on the fields: no gradient through them)
-    modes, k_sum, sums = totals[0].detach(), totals[1].detach(), totals[2:].reshape(count, *extra, n_bins)
-    keep = modes > 0
-    modes = modes[keep]
-    return k_sum[keep] / modes, sums[..., keep] / modes, modes
+    counts, x_sums, sums = totals[0].detach(), totals[1].detach(), totals[2:].reshape(*sums.shape[:-1], n_bins)
+    keep = counts > 0
+    counts = counts[keep]
+    return x_sums[keep] / counts, sums[..., keep] / counts, counts
 
 
 def _check_mesh_argument(mesh, function):
@@ -826,9 +840,7 @@ def _lag_binned(values, mesh, box, edges, ells, axis):
         end = min(lx, start + planes)
         r = torch.sqrt(rx[start:end] ** 2 + ry**2 + rz**2)  # (end - start, ly, lz)
         flat_r = r.reshape(-1)
-        index = torch.bucketize(flat_r, edges, right=True) - 1
-        valid = (index >= 0) & (index < n_bins) & (flat_r > 0)
-        index = torch.where(valid, index, torch.full_like(index, n_bins))  # overflow bin, dropped
+        index, valid = _shell_index(flat_r, edges)
         weight = valid.to(torch.float64)
         lags = lags.index_add(0, index, weight)
         r_sum = r_sum.index_add(0, index, weight * flat_r)
@@ -837,12 +849,7 @@ def _lag_binned(values, mesh, box, edges, ells, axis):
             block = block.unsqueeze(1) * _multipole_weights(ells, (rx[start:end], ry, rz)[axis], r)
         flat_values = block.reshape(*block.shape[:-3], -1) * weight
         sums = sums + torch.zeros_like(sums).index_add(-1, index, flat_values)
-    totals = mesh.all_reduce(torch.cat([lags[:n_bins].unsqueeze(0), r_sum[:n_bins].unsqueeze(0),
-                                        sums.reshape(-1, n_bins + 1)[:, :n_bins]]))
-    lags, r_sum, sums = totals[0].detach(), totals[1].detach(), totals[2:].reshape(count, *extra, n_bins)
-    keep = lags > 0
-    lags = lags[keep]
-    return r_sum[keep] / lags, sums[..., keep] / lags, lags
+    return _global_shells(lags, r_sum, sums, mesh)
 
 
 def _n_particles_argument(n_particles, window, compensate_cic) -> str | None:

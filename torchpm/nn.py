@@ -42,7 +42,8 @@ from torch import nn
 
 from ._transforms import is_transformed, outside_transforms
 from .analysis import (_bin_edges, _bins_key, _ells_argument, _lag_edges, _minimum_image_lags, _multipole_weights,
-                       _n_particles_argument, _window_argument, aliased_window_power, line_of_sight_axis)
+                       _n_particles_argument, _shell_index, _window_argument, aliased_window_power,
+                       line_of_sight_axis)
 from .bispectrum import Bispectrum, _settings, _Tables
 from .fourier import window_of
 from .distributed import PencilDecomposition
@@ -427,10 +428,8 @@ class CorrelationFunction(nn.Module):
         n_bins = edges.numel() - 1
         rx, ry, rz = _minimum_image_lags(mesh, self.box_size, None)
         r = torch.sqrt(rx**2 + ry**2 + rz**2).reshape(-1)
-        index = torch.bucketize(r, edges, right=True) - 1
-        valid = (index >= 0) & (index < n_bins) & (r > 0)
+        index, valid = _shell_index(r, edges)
         weight = valid.to(torch.float64)
-        index = torch.where(valid, index, torch.full_like(index, n_bins))
         lags = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, weight)[:n_bins]
         r_sum = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, weight * r)[:n_bins]
         lags, r_sum = mesh.all_reduce(torch.stack([lags, r_sum]))
