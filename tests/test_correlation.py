@@ -176,9 +176,9 @@ def test_self_pairs_of_one_particle_cancel_exactly(order):
     np.testing.assert_allclose((average @ clean.xi).numpy(), 0.0, atol=1e-12)
     raw = correlation_function(delta, (6.0, 7.0, 8.0), bins=bins, window=order)
     assert float((average @ raw.xi).abs().max()) > 0.1  # what was subtracted
-    # A number need not be an integer ((sum w)^2 / sum w^2 for weighted particles).
+    # A count of particles: numpy's integers too, not 1.0 (as for the spectra).
     torch.testing.assert_close(correlation_function(delta, (6.0, 7.0, 8.0), bins=bins, window=order,
-                                                    n_particles=1.0).xi, clean.xi, rtol=0, atol=0)
+                                                    n_particles=np.int64(1)).xi, clean.xi, rtol=0, atol=0)
 
 
 def test_shells_leave_out_axes_one_cell_thick():
@@ -215,8 +215,8 @@ def test_errors_name_the_argument():
     field = random_field(SHAPE, 10)
     with pytest.raises(ValueError, match="`n_particles` needs `window=`"):
         correlation_function(field, BOX, n_particles=100)
-    for bad in (0, -3.0, float("inf"), True, "10"):
-        with pytest.raises(ValueError, match="`n_particles` must be a positive number"):
+    for bad in (0, -3, 1.0, 1.5, float("inf"), True, "10"):
+        with pytest.raises(ValueError, match="`n_particles` must be a positive integer"):
             correlation_function(field, BOX, n_particles=bad, window="cic")
     # compensate_cic names the CIC window
     correlation_function(field, BOX, n_particles=100, compensate_cic=True)

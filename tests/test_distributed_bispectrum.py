@@ -131,7 +131,7 @@ def case_bad_input(grid, ctx):
     expect_error_everywhere(lambda: bispectrum(field, BOX, window="tsc" if last else "cic", mesh=mesh),
                             "the ranks disagree on `window`", rank)
     expect_error_everywhere(lambda: bispectrum(field, BOX, n_particles=0 if last else 100, mesh=mesh),
-                            "`n_particles` must be a positive number", rank)
+                            "`n_particles` must be a positive integer", rank)
     expect_error_everywhere(lambda: bispectrum(field, BOX, shot_noise=2.0 if last else 1.0, mesh=mesh),
                             "the ranks disagree on the shot noise subtracted", rank)
     broken = field.clone()

@@ -378,11 +378,10 @@ def _shot_noise_argument(shot_noise, n_particles, box_size) -> tuple[float, str 
     if shot_noise is not None and n_particles is not None:
         return 0.0, "pass at most one of `shot_noise` and `n_particles`"
     if n_particles is not None:
-        if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Real) \
-                or not math.isfinite(n_particles) or n_particles <= 0:
-            return 0.0, f"`n_particles` must be a positive number, got {n_particles!r}"
+        if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral) or n_particles <= 0:
+            return 0.0, f"`n_particles` must be a positive integer, got {n_particles!r}"
         try:
-            return math.prod(as_box_size(box_size)) / float(n_particles), None
+            return math.prod(as_box_size(box_size)) / int(n_particles), None
         except ValueError as exc:
             return 0.0, str(exc)
     if shot_noise is not None and (isinstance(shot_noise, bool) or not isinstance(shot_noise, numbers.Real)
@@ -855,10 +854,8 @@ def _lag_binned(values, mesh, box, edges, ells, axis):
 def _n_particles_argument(n_particles, window, compensate_cic) -> str | None:
     if n_particles is None:
         return None
-    if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Real) \
-            or not math.isfinite(n_particles) or n_particles <= 0:
-        return (f"`n_particles` must be a positive number (of equal-mass particles, or (sum w)^2 / sum w^2 for "
-                f"weighted ones), got {n_particles!r}")
+    if isinstance(n_particles, bool) or not isinstance(n_particles, numbers.Integral) or n_particles <= 0:
+        return f"`n_particles` must be a positive integer (of equal-mass particles), got {n_particles!r}"
     if window is None and compensate_cic is not True:
         return ("`n_particles` needs `window=`, the window the particles were painted with: their self-pairs "
                 "reach as far as the window does")
@@ -877,7 +874,7 @@ def _correlation(function, fields, box_size, bins, compensate_cic, window, mesh,
     mesh, box, window, transforms, single = _measure(
         function, fields, box_size, bins, compensate_cic, window, mesh,
         [("`ells`", ells), ("`axis`", axis if ells is not None else None),
-         ("`n_particles`", None if n_particles is None else repr(float(n_particles)))], error)
+         ("`n_particles`", None if n_particles is None or error else repr(int(n_particles)))], error)
     a_k, b_k = transforms[0], transforms[-1]
     edges = _lag_edges(mesh, box, bins, a_k.device)
     w = mesh.wavevectors(dtype=torch.float64, device=a_k.device)
@@ -930,8 +927,7 @@ def correlation_function(
         window, compensate_cic: divide the power by the mass-assignment window ``W^2``
             before the transform (see :func:`cross_power`); it sharpens the first few cells.
         n_particles: subtract the Poisson self-pairs of that many equal-mass particles
-            (for weighted ones, ``(sum w)^2 / sum w^2``) painted with ``window``
-            (required with it) and without interlacing: the shot noise
+            painted with ``window`` (required with it) and without interlacing: the shot noise
             ``V / n_particles * sum_n W^2(w + 2 pi n)`` of :func:`aliased_window_power`,
             which reaches as far as the window. Without it the first shells (within the
             window's reach, 1-2 cells) hold the particles' pairs with themselves. An

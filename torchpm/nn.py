@@ -396,7 +396,7 @@ class CorrelationFunction(nn.Module):
         ells: Sequence[int] | None = None,
         axis: int | str = 2,
         window: str | None = None,
-        n_particles: float | None = None,
+        n_particles: int | None = None,
         dtype: torch.dtype = torch.float32,
         device=None,
         mesh: PencilDecomposition | None = None,
@@ -410,7 +410,7 @@ class CorrelationFunction(nn.Module):
         except (TypeError, ValueError) as exc:  # (raised below with the other ranks' errors)
             self.ells, self.axis, self.window, error = None, -1, None, error or str(exc)
         error = error or _n_particles_argument(n_particles, self.window, False)
-        self.n_particles = None if n_particles is None or error else float(n_particles)
+        self.n_particles = None if n_particles is None or error else int(n_particles)
         if mesh is None:
             mesh = LocalMesh(self.shape)
         _check_mesh_type("CorrelationFunction", mesh)
