@@ -887,8 +887,8 @@ def _correlation(function, fields, box_size, bins, compensate_cic, window, mesh,
     product = product.masked_fill(k_zero, 0)  # (after the subtraction: none at k = 0 either)
     if window is not None:
         product = product / window_of(w, window) ** 2
-    xi = mesh.irfftn(product) / mesh.size
-    r, xi, lags = _lag_binned(xi, mesh, box, edges, ells, axis)
+    r, sums, lags = _lag_binned(mesh.irfftn(product), mesh, box, edges, ells, axis)
+    xi = sums / mesh.size  # (the inverse DFT's sum over x, made a mean, on the shells alone)
     return CorrelationFunction(r, xi[0] if single else xi, lags, ells)
 
 

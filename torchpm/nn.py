@@ -121,6 +121,26 @@ def _layer_geometry(layer, shape, box_size, dtype, mesh):
         return tuple(getattr(mesh, "global_shape", (1, 1, 1))), (1.0, 1.0, 1.0), f"{layer}: {exc}"
 
 
+def _layer_shells(x, weight, edges, mesh):
+    """A layer's shells, made once: ``(index, counts, mean x)`` of the entries ``x`` (each
+    standing for ``weight`` of them) in the shells ``edges``, the counts and sums all-reduced
+    over the grid (the same shells on every rank), the shells empty everywhere dropped and
+    the rest renumbered ``0..n-1``; an entry in no shell (or at ``x = 0``) gets ``n``, a slot
+    the forward pass drops, so it needs no boolean indexing."""
+    index, valid = _shell_index(x, edges)
+    n_bins = edges.numel() - 1
+    weight = weight * valid
+    sums = torch.zeros(2, n_bins + 1, dtype=torch.float64)
+    sums[0].index_add_(0, index, weight)
+    sums[1].index_add_(0, index, weight * x)
+    counts, x_sums = mesh.all_reduce(sums[:, :n_bins].contiguous())
+    keep = counts > 0
+    n = int(keep.sum())
+    renumber = torch.full((n_bins + 1,), n, dtype=torch.long)
+    renumber[:n_bins][keep] = torch.arange(n)
+    return renumber[index], counts[keep], x_sums[keep] / counts[keep]
+
+
 def _shell_sums(values, index, n_bins, mesh):
     """The sums of ``values`` (``(..., entries)``) over the shells ``index`` (``n_bins`` for an
     entry in none), all-reduced over a process grid: every rank gets the global sums (the
@@ -284,30 +304,18 @@ class PowerSpectrum(nn.Module):
             edges = _bin_edges(k_axes, mesh, self.box_size, bins, None)  # (the same on every rank)
         except ValueError as exc:
             raise ValueError(f"PowerSpectrum: {exc}") from None
-        n_bins = edges.numel() - 1
-        index = torch.bucketize(k, edges, right=True) - 1
-        valid = (index >= 0) & (index < n_bins) & (k > 0)
-        modes = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index[valid], weight[valid])
-        k_sum = torch.zeros(n_bins, dtype=torch.float64).index_add_(0, index[valid], (weight * k)[valid])
-        # Every rank's shells count: the same global bins (and buffers) on every rank.
-        modes, k_sum = mesh.all_reduce(torch.stack([modes, k_sum]))
-        keep = modes > 0
-        # Renumber the non-empty bins 0..n-1; modes outside every bin go to a last,
-        # dropped slot, so the forward pass needs no boolean indexing.
-        renumber = torch.full((n_bins + 1,), int(keep.sum()), dtype=torch.long)
-        renumber[:n_bins][keep] = torch.arange(int(keep.sum()))
-        index = renumber[torch.where(valid, index, torch.full_like(index, n_bins))]
+        index, modes, k_mean = _layer_shells(k, weight, edges, mesh)
         scale = weight * (math.prod(self.box_size) / mesh.size**2)
         if self.compensate_cic:
             scale = scale / (window_of(w, "cic") ** 2).expand(*mesh.local_fourier_shape).reshape(-1)
-        scale = scale / torch.cat([modes[keep], torch.ones(1, dtype=torch.float64)])[index]
+        scale = scale / torch.cat([modes, torch.ones(1, dtype=torch.float64)])[index]
         if self.ells is not None:
             k_axis = k_axes[self.axis].expand(*mesh.local_fourier_shape).reshape(-1)
             scale = scale * _multipole_weights(self.ells, k_axis, k)
-        self.n_bins = int(keep.sum())
+        self.n_bins = len(modes)
         self._local_shape = tuple(mesh.local_real_shape)
-        self.register_buffer("k", (k_sum[keep] / modes[keep]).to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("modes", modes[keep].to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k", k_mean.to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("modes", modes.to(dtype=dtype, device=device), persistent=False)
         self.register_buffer("_bin_index", index.to(device=device), persistent=False)
         self.register_buffer("_mode_scale", scale.to(dtype=dtype, device=device), persistent=False)
 
@@ -425,21 +433,12 @@ class CorrelationFunction(nn.Module):
             edges = _lag_edges(mesh, self.box_size, bins, None)  # (the same on every rank)
         except ValueError as exc:
             raise ValueError(f"CorrelationFunction: {exc}") from None
-        n_bins = edges.numel() - 1
         rx, ry, rz = _minimum_image_lags(mesh, self.box_size, None)
         r = torch.sqrt(rx**2 + ry**2 + rz**2).reshape(-1)
-        index, valid = _shell_index(r, edges)
-        weight = valid.to(torch.float64)
-        lags = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, weight)[:n_bins]
-        r_sum = torch.zeros(n_bins + 1, dtype=torch.float64).index_add_(0, index, weight * r)[:n_bins]
-        lags, r_sum = mesh.all_reduce(torch.stack([lags, r_sum]))
-        keep = lags > 0
-        renumber = torch.full((n_bins + 1,), int(keep.sum()), dtype=torch.long)
-        renumber[:n_bins][keep] = torch.arange(int(keep.sum()))
-        index = renumber[index]  # (n_bins: a separation in no shell, or zero)
+        index, lags, r_mean = _layer_shells(r, torch.ones_like(r), edges, mesh)
         # xi = irfftn(filtered product) / N, averaged over the shell's separations: a divisor
         # per shell, or with ells the Legendre weights per separation too.
-        divisor = torch.cat([lags[keep], torch.ones(1, dtype=torch.float64)]) * mesh.size
+        divisor = torch.cat([lags, torch.ones(1, dtype=torch.float64)]) * mesh.size
         scale = None
         if self.ells is not None:
             along = (rx, ry, rz)[self.axis].expand(*mesh.local_real_shape).reshape(-1)
@@ -452,15 +451,15 @@ class CorrelationFunction(nn.Module):
             noise = (aliased_window_power(w, self.window) * (mesh.size**2 / self.n_particles)).expand(*fourier_shape)
         if self.window is not None:
             filter_ = (1.0 / window_of(w, self.window) ** 2).expand(*fourier_shape)
-        self.n_bins = int(keep.sum())
+        self.n_bins = len(lags)
         self._local_shape = tuple(mesh.local_real_shape)
 
         def buffer(name, value, kind=dtype):
             self.register_buffer(name, None if value is None else value.contiguous().to(dtype=kind, device=device),
                                  persistent=False)
 
-        buffer("r", r_sum[keep] / lags[keep])
-        buffer("lags", lags[keep])
+        buffer("r", r_mean)
+        buffer("lags", lags)
         # (int64: index_add with int32 indices is about 40x slower on the CPU in torch 2.13)
         buffer("_lag_index", index, torch.int64)  # 8 bytes per cell
         buffer("_divisor", divisor[:-1], torch.float64)  # (exact counts, cast to the field's dtype)
@@ -486,8 +485,12 @@ class CorrelationFunction(nn.Module):
         other_k = field_k if other is None else rfftn(other)
         real = field_k.real.dtype
         # conj(a) b, less the self-pairs' noise, the window divided out, k = 0 dropped
-        product = torch.complex(field_k.real * other_k.real + field_k.imag * other_k.imag,
-                                field_k.real * other_k.imag - field_k.imag * other_k.real)
+        if other is None:  # (|a|^2: no imaginary part to compute)
+            power = field_k.real**2 + field_k.imag**2
+            product = torch.complex(power, torch.zeros_like(power))
+        else:
+            product = torch.complex(field_k.real * other_k.real + field_k.imag * other_k.imag,
+                                    field_k.real * other_k.imag - field_k.imag * other_k.real)
         if self._noise is not None:
             product = product - self._noise.to(real)
         if self._filter is not None:
