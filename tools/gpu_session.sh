@@ -4,6 +4,7 @@
 # benchmarks/RESULTS.md with the device, the date and the command.
 #
 #   bash tools/gpu_session.sh first       # one call for a 15-minute device budget (below)
+#   bash tools/gpu_session.sh full        # the same budget's one call, after `first` ran once (below)
 #   bash tools/gpu_session.sh test        # build, then every CUDA case of the suite and the C++ API
 #   bash tools/gpu_session.sh memcheck    # build, then the CUDA op tests under compute-sanitizer memcheck
 #   bash tools/gpu_session.sh racecheck   # the same under racecheck
@@ -33,7 +34,7 @@
 # matplotlib, but not the test-only oracles astropy, colossus, pynbody and JaxPM: those
 # tests skip or are deselected here (they run in CI on the CPU).
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh first|test|memcheck|racecheck|bench|determinism|tiled|layout}
+phase=${1:?usage: gpu_session.sh first|full|test|memcheck|racecheck|bench|determinism|tiled|layout}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -126,6 +127,51 @@ first)
             | tee "$out/bench_pm_$n.log"
     done
     ;;
+full)
+    # One 590 s call: the suite on CUDA and the sanitizers side by side (8 xdist workers
+    # and one sanitized process on 16 cores; the GPU is shared, which only timings would
+    # mind), then the benchmarks alone. Groups, most needed first: (1) the code whose tests
+    # ran on the CPU only (tests/test_cuda_parity.py) and the CUDA cases of the analysis
+    # added after the H100 run; (2) every other CUDA case not run since the H100; (3) the
+    # files that first ran on 2026-11-27 (section 0b). Memcheck over the kernels it has
+    # not seen, racecheck over the one kernel with shared memory (the tiled paint).
+    build
+    raises | tee -a "$out/device.txt"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/device.txt"
+    group1="tests/test_cuda_parity.py tests/test_lensing.py tests/test_trajectory.py tests/test_halos.py \
+tests/test_halos_cells.py tests/test_bispectrum.py tests/test_mesh_analysis.py"
+    group3="tests/test_mass_assignment.py tests/test_paint_variants.py tests/test_finite_difference.py \
+tests/test_readout_kick_drift.py tests/test_updates.py tests/test_deferred_checks.py tests/test_tiled_paint.py \
+tests/test_simulation.py"
+    ignore=$(for f in $group1 $group3; do echo "--ignore=$f"; done)
+    (
+        timeout 100 $python -m pytest -v -ra -m cuda $parallel -p no:cacheprovider $group1 >"$out/pytest-1.log" 2>&1
+        echo "group 1 exit $? (124: timed out)" | tee -a "$out/pytest-1.log"
+        timeout 150 $python -m pytest -v -ra -m "cuda and not slow" $parallel $oracle_free -p no:cacheprovider $ignore \
+            >"$out/pytest-2.log" 2>&1
+        echo "group 2 exit $? (124: timed out)" | tee -a "$out/pytest-2.log"
+        timeout 45 $python -m pytest -q -ra -m cuda $parallel -p no:cacheprovider $group3 >"$out/pytest-3.log" 2>&1
+        echo "group 3 exit $? (124: timed out)" | tee -a "$out/pytest-3.log"
+    ) &
+    (
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 160 compute-sanitizer --tool memcheck --error-exitcode 9 \
+            --print-limit 20 $python -m pytest -v -x -m cuda -p no:cacheprovider tests/test_readout_kick_drift.py \
+            tests/test_updates.py tests/test_cic.py -k "not gradgrad and not compile" >"$out/sanitizer.log" 2>&1
+        echo "memcheck exit $? (9: an error found; 124: timed out)" | tee -a "$out/sanitizer.log"
+        timeout 130 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 20 \
+            $python -m pytest -v -x -m cuda -p no:cacheprovider tests/test_tiled_paint.py tests/test_paint_variants.py \
+            -k "tiled and not gradgrad and not compile" >>"$out/sanitizer.log" 2>&1
+        echo "racecheck exit $? (9: an error found; 124: timed out)" | tee -a "$out/sanitizer.log"
+    ) &
+    wait
+    grep -hE "^(FAILED|ERROR)|passed|failed" "$out"/pytest-*.log | tail -40
+    for n in 256 512; do
+        timeout $((n / 4 + 16)) $python benchmarks/bench_pm.py --device cuda --no-jaxpm --sizes $n 2>&1 \
+            | tee -a "$out/bench.log"
+    done
+    timeout 30 $python benchmarks/bench_mass_assignment.py --device cuda --sizes 256 512 --orders cic tsc \
+        --layouts late late-sorted --repeats 5 2>&1 | tee -a "$out/bench.log"
+    ;;
 test)
     build
     raises
@@ -195,5 +241,5 @@ layout)
         2>&1 | tee "$out/bench_layout.log"
     ;;
 *)
-    echo "unknown phase $phase (first, test, memcheck, racecheck, bench, determinism, tiled, layout)"; exit 2 ;;
+    echo "unknown phase $phase (first, full, test, memcheck, racecheck, bench, determinism, tiled, layout)"; exit 2 ;;
 esac
