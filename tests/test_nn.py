@@ -223,7 +223,7 @@ def test_correlation_layer_gradcheck():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cic_layers(dtype, device):
+def test_cic_layers(dtype, device, reproducible):
     generator = torch.Generator().manual_seed(3)
     positions = (torch.rand(2, 50, 3, generator=generator, dtype=torch.float64) * 6).to(device, dtype)
     mesh = torch.randn(2, 3, 6, 6, 6, generator=generator, dtype=torch.float64).to(device, dtype)

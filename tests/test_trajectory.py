@@ -12,7 +12,6 @@ from torch import nn
 import torchpm
 from torchpm import pm
 
-from conftest import DEVICES
 
 
 def _sim(**options):
@@ -208,8 +207,9 @@ def test_observed_values_carry_gradients_with_the_adjoint_method():
     assert float((grads[0] - grads[1]).abs().max()) < 1e-9 * float(grads[0].abs().max())
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_on_device(device):
+def test_on_device(device, reproducible):
+    # (on CUDA bit for bit under deterministic algorithms: the atomic paint sums in a
+    # varying order)
     sim = _sim(dtype=torch.float32).to(device)
     noise = sim.white_noise(seed=8).to(device)
     with torch.no_grad():

@@ -288,8 +288,13 @@ def _gradient_factors(gradient_scale):
 
 def _real_space_scale(kernels: FourierKernels, gradient_scale):
     """The 3 per-axis factors of the real-space stencil, ``gradient_scale[i] / c_i`` (the
-    Fourier kernel ``G_i`` carries ``1/c_i``), numbers or 0-d tensors keeping any graph."""
-    return [f / c for f, c in zip(_gradient_factors(gradient_scale), kernels.cell_size)]
+    Fourier kernel ``G_i`` carries ``1/c_i``), numbers or 0-d tensors keeping any graph.
+
+    Times the reciprocal, not divided: torch on CUDA divides a tensor by a number as a
+    product with its reciprocal, so a quotient would differ in the last bit between a
+    number and a CUDA tensor ``f`` (the adjoint's evaluation and the plain force, seen on
+    an H200); a product is the same for numbers and tensors on every device."""
+    return [f * (1.0 / c) for f, c in zip(_gradient_factors(gradient_scale), kernels.cell_size)]
 
 
 def _fourier_gradient(kernels: FourierKernels, gradient_scale):
