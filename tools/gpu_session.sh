@@ -5,6 +5,7 @@
 #
 #   bash tools/gpu_session.sh first       # one call for a 15-minute device budget (below)
 #   bash tools/gpu_session.sh full        # the same budget's one call, after `first` ran once (below)
+#   bash tools/gpu_session.sh suite       # every CUDA case (300 s) beside memcheck over MEMCHECK_FILES -k MEMCHECK_K
 #   bash tools/gpu_session.sh test        # build, then every CUDA case of the suite and the C++ API
 #   bash tools/gpu_session.sh memcheck    # build, then the CUDA op tests under compute-sanitizer memcheck
 #   bash tools/gpu_session.sh racecheck   # the same under racecheck
@@ -34,7 +35,7 @@
 # matplotlib, but not the test-only oracles astropy, colossus, pynbody and JaxPM: those
 # tests skip or are deselected here (they run in CI on the CPU).
 set -u -o pipefail
-phase=${1:?usage: gpu_session.sh first|full|test|memcheck|racecheck|bench|determinism|tiled|layout}
+phase=${1:?usage: gpu_session.sh first|full|suite|test|memcheck|racecheck|bench|determinism|tiled|layout}
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -172,6 +173,25 @@ tests/test_simulation.py"
     timeout 30 $python benchmarks/bench_mass_assignment.py --device cuda --sizes 256 512 --orders cic tsc \
         --layouts late late-sorted --repeats 5 2>&1 | tee -a "$out/bench.log"
     ;;
+suite)
+    # After `full`: every CUDA case again (fixes in between), beside memcheck over what
+    # the last call's memcheck did not reach.
+    build
+    (
+        timeout 300 $python -m pytest -q -ra -m "cuda and not slow" $parallel $oracle_free -p no:cacheprovider \
+            >"$out/pytest-cuda.log" 2>&1
+        echo "pytest -m cuda: exit $? (124: timed out)" | tee -a "$out/pytest-cuda.log"
+    ) &
+    (
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 280 compute-sanitizer --tool memcheck --error-exitcode 9 \
+            --print-limit 20 $python -m pytest -v -m cuda -p no:cacheprovider ${MEMCHECK_FILES:-tests/test_cic.py} \
+            -k "${MEMCHECK_K:-not gradgrad and not compile}" >"$out/sanitizer.log" 2>&1
+        echo "memcheck exit $? (9: an error found; 124: timed out)" | tee -a "$out/sanitizer.log"
+    ) &
+    wait
+    grep -hE "^(FAILED|ERROR)|passed|failed" "$out/pytest-cuda.log" | tail -40
+    grep -E "ERROR SUMMARY|passed|failed" "$out/sanitizer.log" | tail -5
+    ;;
 test)
     build
     raises
@@ -241,5 +261,5 @@ layout)
         2>&1 | tee "$out/bench_layout.log"
     ;;
 *)
-    echo "unknown phase $phase (first, full, test, memcheck, racecheck, bench, determinism, tiled, layout)"; exit 2 ;;
+    echo "unknown phase $phase (first, full, suite, test, memcheck, racecheck, bench, determinism, tiled, layout)"; exit 2 ;;
 esac
