@@ -7,8 +7,8 @@ tensor gives the same numbers. Covered: the spectra and multipoles, the two-poin
 correlation function and its linear theory, the bispectrum, the three statistics layers,
 the density painting with interlacing and the redshift-space shift, friends-of-friends,
 the halo catalogue and mass function (measured and theory), the f_nl initial conditions,
-the radial kernels, and the torch.func transforms (vmap over the ops, grad and jacrev
-through a run). Agreement is to 1e-9 relative: the CUDA paint sums with atomics in a
+the radial kernels, the torch.func transforms (vmap over the ops, grad and jacrev
+through a run), and the command line's run with every output. Agreement is to 1e-9 relative: the CUDA paint sums with atomics in a
 varying order, which changes the last bits only.
 """
 
@@ -300,3 +300,65 @@ def test_func_grad_and_jacrev_through_a_run(device):
         results[dev] = (got, jacobian)
     _close(results[device][0], results["cpu"][0], rtol=1e-9, what="func.grad, CUDA against the CPU")
     _close(results[device][1], results["cpu"][1], rtol=1e-9, what="jacrev, CUDA against the CPU")
+
+
+def _tables_and_datasets(folder):
+    """Every number a CLI run wrote: each text table's data and each HDF5 dataset."""
+    import h5py
+    import numpy as np
+
+    found = {}
+    for path in sorted(folder.iterdir()):
+        if path.suffix == ".txt":
+            found[path.name] = np.atleast_2d(np.loadtxt(path))
+        elif path.suffix == ".hdf5":
+            with h5py.File(path, "r") as handle:
+                def visit(name, item, file=path.name):
+                    if isinstance(item, h5py.Dataset):
+                        found[f"{file}:{name}"] = item[...]
+                handle.visititems(visit)
+    return found
+
+
+CLI_CONFIGS = {
+    # snapshots, a batch, halos, redshift-space multipoles, densities, xi, f_nl
+    "statistics": ('n_particles = 16\nbox_size = 32.0\nmesh_factor = 2\nsteps = 6\ndtype = "float64"\nseed = 2\n'
+                   'batch = 2\nsnapshots = [0.55]\nhalos_linking_length = 0.2\nhalos_min_members = 5\n'
+                   'redshift_space = "y"\nwrite_density = true\ncorrelation_function = true\nf_nl = 20.0\n'),
+    # the light cone, its Born maps and C_ell
+    "lensing": ('n_particles = [8, 8, 24]\nbox_size = [64.0, 64.0, 600.0]\nmesh_factor = 1\nsteps = 6\n'
+                'dtype = "float64"\nseed = 5\nlensing_planes = 4\nlensing_pixels = 16\nlensing_field = 3.0\n'
+                'lensing_sources = [0.1, 0.2]\n'),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CLI_CONFIGS))
+def test_the_command_line_run(device, name, tmp_path, monkeypatch, reproducible):
+    """`python -m torchpm run` with `device = "cuda"` writes the tables, snapshots,
+    catalogues and maps of the same run on the CPU (float64; text tables to their printed
+    digits)."""
+    import numpy as np
+
+    from torchpm.__main__ import main
+
+    monkeypatch.chdir(tmp_path)
+    outputs = []
+    for label, where in (("reference", "cpu"), ("device", device.type)):
+        config = tmp_path / f"{label}.toml"
+        config.write_text(CLI_CONFIGS[name] + f'device = "{where}"\noutput = "{tmp_path / label}"\n')
+        assert main(["run", str(config)]) == 0
+        outputs.append(_tables_and_datasets(tmp_path / label))
+    cpu, gpu = outputs
+    assert sorted(gpu) == sorted(cpu)
+    assert len(cpu) >= 5, sorted(cpu)
+    for key, expected in cpu.items():
+        got = gpu[key]
+        assert got.shape == expected.shape, key
+        if expected.dtype.kind in "iub":
+            np.testing.assert_array_equal(got, expected, err_msg=key)
+            continue
+        rtol = 1e-5 if key.endswith(".txt") else 1e-9  # (the tables print 7-10 digits)
+        scale = np.nanmax(np.abs(expected), axis=0, keepdims=True) if expected.size else 1.0
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(expected), err_msg=key)
+        error = np.nan_to_num(np.abs(got - expected))
+        assert (error <= rtol * np.maximum(np.nan_to_num(scale), 1e-300)).all(), (key, float(error.max()))
