@@ -5,7 +5,8 @@
 #
 #   bash tools/gpu_session.sh first       # one call for a 15-minute device budget (below)
 #   bash tools/gpu_session.sh full        # the same budget's one call, after `first` ran once (below)
-#   bash tools/gpu_session.sh suite       # every CUDA case (300 s) beside memcheck over MEMCHECK_FILES -k MEMCHECK_K
+#   bash tools/gpu_session.sh suite       # every CUDA case not marked slow, without the JaxPM files (300 s),
+#                                         # beside memcheck over MEMCHECK_FILES -k MEMCHECK_K
 #   bash tools/gpu_session.sh test        # build, then every CUDA case of the suite and the C++ API
 #   bash tools/gpu_session.sh memcheck    # build, then the CUDA op tests under compute-sanitizer memcheck
 #   bash tools/gpu_session.sh racecheck   # the same under racecheck
@@ -183,6 +184,8 @@ suite)
 or gradcheck_readout or gradients_match_reference or non_finite_or_absurd or opcheck or wrong_position_shapes \
 or wrong_weights_and_mesh or gradcheck_paint or distributed_ops)"
     build
+    raises | tee -a "$out/device.txt"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$out/device.txt"
     (
         timeout 300 $python -m pytest -q -ra -m "cuda and not slow" $parallel $oracle_free -p no:cacheprovider \
             >"$out/pytest-cuda.log" 2>&1

@@ -150,7 +150,9 @@ class ParticleMeshForce:
 
     Args:
         function: the plain force ``function(positions, a)`` (the forward pass);
-            :meth:`evaluate` must give bit for bit the same numbers.
+            :meth:`evaluate` must give bit for bit the same numbers (on CUDA under
+            ``torch.use_deterministic_algorithms`` only: the default paints sum with
+            atomics, in a varying order, so two evaluations differ by rounding).
         kernels: :class:`~torchpm.fourier.FourierKernels` of the force mesh.
         particle_mass: mesh cells per particle.
         force_scale: callable returning ``1.5 Omega_m`` (0-d tensor, with its graph to
@@ -305,7 +307,8 @@ class ParticleMeshForce:
         ``paint(x, [w, c_x, c_y, c_z])`` (one pass over the particles instead of two);
         channel 0 is transformed alone, by the same FFT call as :meth:`evaluate`, so the
         forces are :meth:`evaluate`'s bit for bit (the reversed trajectory relies on
-        it). The readout of the forces and the two position gradients at the same
+        it; on CUDA under deterministic algorithms only, as above: otherwise they agree
+        to rounding, and so does the reversed trajectory). The readout of the forces and the two position gradients at the same
         positions go through one helper, :func:`_readout_and_position_gradient` (one
         pass over the particles).
 

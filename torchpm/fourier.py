@@ -293,7 +293,7 @@ def _real_space_scale(kernels: FourierKernels, gradient_scale):
     Times the reciprocal, not divided: torch on CUDA divides a tensor by a number as a
     product with its reciprocal, so a quotient would differ in the last bit between a
     number and a CUDA tensor ``f`` (the adjoint's evaluation and the plain force, seen on
-    an H200); a product is the same for numbers and tensors on every device."""
+    an H200); a product is the same for numbers and float64 tensors on every device."""
     return [f * (1.0 / c) for f, c in zip(_gradient_factors(gradient_scale), kernels.cell_size)]
 
 
