@@ -287,6 +287,9 @@ def _aligned(*cells):
 
 
 SMOKE = {
+    "bench_anchors": (["--sizes", "8", "--mesh-factors", "1", "2", "--run-steps", "2", "--repeats", "1"],
+                      ["| particles | mesh | step [ms] | pmwd step | 2LPT [ms] | pmwd 2LPT | run, 2 steps [s] |",
+                       "| 8^3 | 16^3 | "]),
     "bench_pm": (["--no-jaxpm", "--sizes", "8", "--repeats", "1"],
                  ["| N^3 | torchpm step [ms] | JaxPM step [ms] | ratio |",
                   "| N^3 | particles | step unsorted | step sorted |"]),

@@ -6,7 +6,8 @@
 #   bash tools/gpu_session.sh first       # one call for a 15-minute device budget (below)
 #   bash tools/gpu_session.sh full        # the same budget's one call, after `first` ran once (below)
 #   bash tools/gpu_session.sh suite       # every CUDA case not marked slow, without the JaxPM files (300 s),
-#                                         # beside memcheck over MEMCHECK_FILES -k MEMCHECK_K
+#                                         # beside memcheck over MEMCHECK_FILES -k MEMCHECK_K; then
+#                                         # bench_anchors.py (150 s): run it with timeout_s 520
 #   bash tools/gpu_session.sh test        # build, then every CUDA case of the suite and the C++ API
 #   bash tools/gpu_session.sh memcheck    # build, then the CUDA op tests under compute-sanitizer memcheck
 #   bash tools/gpu_session.sh racecheck   # the same under racecheck
@@ -200,6 +201,8 @@ or wrong_weights_and_mesh or gradcheck_paint or distributed_ops)"
     wait
     grep -hE "^(FAILED|ERROR)|passed|failed" "$out/pytest-cuda.log" | tail -40
     grep -E "ERROR SUMMARY|passed|failed" "$out/sanitizer.log" | tail -5
+    # then alone on the GPU: pmwd's configurations (512^3 particles on a 1024^3 mesh, 63 steps)
+    timeout 150 $python benchmarks/bench_anchors.py --device cuda 2>&1 | tee "$out/bench_anchors.log"
     ;;
 test)
     build
