@@ -783,6 +783,7 @@ def test_halos_outputs_are_the_library_catalogue(tmp_path, capsys):
 
     from torchpm.__main__ import build_simulation
     from torchpm.config import load_config
+    from torchpm.halos import spherical_overdensity_masses
 
     path = tmp_path / "halos.toml"
     out = tmp_path / "out"
@@ -800,6 +801,13 @@ def test_halos_outputs_are_the_library_catalogue(tmp_path, capsys):
             for key, field in (("label", "labels"), ("members", "members"), ("mass", "masses"),
                                ("position", "positions"), ("velocity", "velocities")):
                 assert torch.equal(torch.from_numpy(handle[key][...]), getattr(expected, field)), (name, key)
+            # M_200m and M_200c about the centres: the library's, halo by halo (its own test
+            # checks it against a brute force over every particle)
+            for suffix, reference in (("200m", "mean"), ("200c", "critical")):
+                so = spherical_overdensity_masses(sim, state, expected, reference=reference)
+                assert torch.equal(torch.from_numpy(handle[f"m{suffix}"][...]), so.masses), (name, suffix)
+                assert torch.equal(torch.from_numpy(handle[f"r{suffix}"][...]), so.radii), (name, suffix)
+            assert (handle["m200c"][...] <= handle["m200m"][...]).all() and handle["m200m"][0, 0] > 0
             members, masses = handle["members"][...], handle["mass"][...]
             assert members.shape[1] > 0 and members.min() >= 5, (name, members)
             np.testing.assert_allclose(masses, members * handle.attrs["particle_mass_msun_h"], rtol=1e-12)

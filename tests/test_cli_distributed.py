@@ -74,13 +74,13 @@ def test_torchrun_four_ranks_matches_single_process(tmp_path):
             scale = np.abs(one[name][...]).max()
             assert scale > 0 and np.abs(four[name][...] - one[name][...]).max() <= 1e-10 * scale, name
     # The halo catalogue, found across the grid's blocks: the same groups (labels are their
-    # smallest particle ids), masses and centres.
+    # smallest particle ids), masses and centres, and spherical-overdensity masses about them.
     with h5py.File(tmp_path / "single" / "halos.hdf5", "r") as one, \
             h5py.File(tmp_path / "grid" / "halos.hdf5", "r") as four:
         assert one["label"].shape[1] > 0
         for name in ("label", "members"):
             np.testing.assert_array_equal(four[name][...], one[name][...])
-        for name in ("mass", "position", "velocity"):
+        for name in ("mass", "position", "velocity", "m200m", "r200m", "m200c", "r200c"):
             scale = np.abs(one[name][...]).max()
             assert np.abs(four[name][...] - one[name][...]).max() <= 1e-10 * scale, name
     # Only rank 0 prints the summary and writes the outputs.

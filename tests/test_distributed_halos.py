@@ -29,7 +29,7 @@ def case_ids(world_size):
     for p0, p1 in GRIDS[world_size]:
         grid = f"{p0}x{p1}"
         ids += [f"owned-{grid}", f"scattered-{grid}", f"catalog-{grid}", f"simulation-{grid}",
-                f"bad_input-{grid}"]
+                f"bad_input-{grid}", f"spherical_overdensity-{grid}"]
         if (p0, p1) in ((2, 1), (3, 1)):
             ids.append(f"thin_blocks-{grid}")
     return ids
@@ -287,10 +287,12 @@ def case_simulation(grid, ctx):
                   dtype=torch.float64)
     serial = torchpm.Simulation(**config)
     distributed = torchpm.Simulation(**config, mesh=ctx["groups"][grid])
-    results = []
+    results, states = [], []
     for sim in (serial, distributed):
         state = sim(sim.white_noise(batch=2, seed=3))
+        states.append(state)
         results.append((torchpm.find_halos(sim, state, min_members=5, return_labels=True), state.ids))
+    serial_state, grid_state = states
     ((serial_catalog, serial_labels), _), ((catalog, labels), ids) = results
     assert int((serial_catalog.labels >= 0).sum()) > 2, "too few halos for a test"
     assert torch.equal(catalog.labels, serial_catalog.labels)
@@ -301,6 +303,48 @@ def case_simulation(grid, ctx):
     valid = ids >= 0
     for m in range(2):
         assert torch.equal(labels[m][valid[m]], serial_labels[m][ids[m][valid[m]]])
+    # M_200m and M_500c about the FoF centres: the one-device values
+    from torchpm.halos import spherical_overdensity_masses
+
+    for delta, reference in ((200.0, "mean"), (500.0, "critical")):
+        one, on_grid = (spherical_overdensity_masses(sim, state, halos, delta=delta, reference=reference)
+                        for sim, state, halos in ((serial, serial_state, serial_catalog),
+                                                  (distributed, grid_state, catalog)))
+        assert torch.equal(on_grid.members, one.members), (reference, on_grid.members, one.members)
+        assert torch.allclose(on_grid.masses, one.masses, rtol=1e-12, atol=0)
+        assert int(one.members.max()) > 0
+
+
+def case_spherical_overdensity(grid, ctx):
+    """Spherical-overdensity masses on the grid (each rank its particles, every rank the
+    same centres: the blob centres, on block faces and a box corner, one masked) equal
+    the one-device ones, which test_spherical_overdensity.py checks against a brute
+    force; the search starts small, so it doubles (collectively) several times. A bad
+    threshold on one rank raises on every rank."""
+    from torchpm.halos import spherical_overdensity
+
+    mesh = mesh_of(grid, ctx)
+    points = clustered(7)
+    centres = torch.tensor([[[0.2, 0.1, BOX[2] - 0.3], [16.0, 12.0, 9.0], [10.0, 5.0, 3.0], [20.0, 20.0, 15.0],
+                             [5.0, 18.0, 9.0]]] * 2, dtype=torch.float64)
+    valid = torch.ones(2, 5, dtype=torch.bool)
+    valid[1, 2] = False
+    density = 50.0 * N / (BOX[0] * BOX[1] * BOX[2])
+    positions, ids = owned_share(mesh, points)
+    got = spherical_overdensity(positions, centres, BOX, density, particle_mass=2.0, ids=ids, valid=valid,
+                                radius=0.05, mesh=mesh)
+    serial = spherical_overdensity(points, centres, BOX, density, particle_mass=2.0, valid=valid)
+    assert torch.equal(got.members, serial.members), (got.members, serial.members)
+    assert int(serial.members.max()) > 50, "the blobs must hold spheres"
+    assert torch.equal(got.masses, serial.masses) and torch.equal(got.radii, serial.radii)
+    first = mesh.grid.rank == 0
+    expect_error_everywhere(lambda: spherical_overdensity(positions, centres, BOX, -1.0 if first else density,
+                                                          ids=ids, mesh=mesh), "`density`", "rank 0")
+    moved = centres.clone()
+    if not first:
+        moved[0, 0, 0] += 1.0
+    expect_error_everywhere(lambda: spherical_overdensity(positions, moved, BOX, density, ids=ids, mesh=mesh),
+                            "the same on every rank")
 
 
 def case_bad_input(grid, ctx):

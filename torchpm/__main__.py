@@ -32,7 +32,8 @@ progress bar over the steps, and writes into the run's output folder (default ``
 * ``halos.hdf5`` and ``halos_000.hdf5``, ... (with ``halos_linking_length`` > 0): the
   friends-of-friends halo catalogue of the final state and of each snapshot's
   (:func:`torchpm.find_halos`: mass in Msun/h, centre of mass in Mpc/h, mean
-  velocity in km/s, heaviest first).
+  velocity in km/s, heaviest first), with M_200m, R_200m, M_200c and R_200c about
+  each centre (:func:`torchpm.halos.spherical_overdensity_masses`).
 
 The folder is created and tested for writing before the run; a folder that
 already holds outputs is refused unless ``--overwrite``. ``--resume snap.hdf5``
@@ -779,10 +780,12 @@ def _halos(simulation, state, config, output, suffix, main_rank):
     """The friends-of-friends halos of ``state`` (collective on a grid: every rank finds
     the whole catalogue), written by rank 0 to ``halos{suffix}.hdf5``. Returns the path
     (None on the other ranks) and a line for the run's report."""
-    from torchpm.halos import find_halos, simulation_particle_mass
+    from torchpm.halos import find_halos, simulation_particle_mass, spherical_overdensity_masses
 
     length, least = config["halos_linking_length"], config["halos_min_members"]
     catalog = find_halos(simulation, state, linking_length=length, min_members=least)
+    overdensity = {name: spherical_overdensity_masses(simulation, state, catalog, delta=200.0, reference=reference)
+                   for name, reference in (("200m", "mean"), ("200c", "critical"))}
     found = (catalog.labels >= 0).sum(1).tolist()
     heaviest = catalog.masses[:, 0].tolist() if catalog.masses.shape[1] else [0.0] * len(found)
     particle_mass = float(simulation_particle_mass(simulation))
@@ -793,15 +796,16 @@ def _halos(simulation, state, config, output, suffix, main_rank):
     if main_rank:
         path = os.path.join(output, f"halos{suffix}.hdf5")
         try:
-            _write_halos(path, catalog, simulation, config, state.a, particle_mass)
+            _write_halos(path, catalog, overdensity, simulation, config, state.a, particle_mass)
         except OSError as error:  # (disk full, quota, permissions: the other ranks must not wait)
             problem = _cannot_write(path, error)
     simulation.force_mesh.raise_together(problem, UserError, operation="torchpm run: the halo catalogue")
     return path, line
 
 
-def _write_halos(path, catalog, simulation, config, a, particle_mass):
-    """The catalogue of :func:`_halos` as HDF5 (rank 0)."""
+def _write_halos(path, catalog, overdensity, simulation, config, a, particle_mass):
+    """The catalogue of :func:`_halos` as HDF5 (rank 0), with the spherical-overdensity
+    masses and radii ``overdensity`` (``{"200m": ..., "200c": ...}``) about its centres."""
     import h5py
     import numpy as np
 
@@ -813,9 +817,15 @@ def _write_halos(path, catalog, simulation, config, a, particle_mass):
             "friends-of-friends halos (torchpm.find_halos) of each batch member, heaviest first; rows past a "
             "member's last halo are padding (label -1, members 0); label: the smallest particle id of the halo, "
             "members: particles, mass [Msun/h], position: centre of mass [Mpc/h] in [0, box), velocity: mean "
-            "peculiar velocity [km/s]")
-        for name, values in (("label", catalog.labels), ("members", catalog.members), ("mass", catalog.masses),
-                             ("position", catalog.positions), ("velocity", catalog.velocities)):
+            "peculiar velocity [km/s]; m200m, r200m and m200c, r200c: the spherical-overdensity mass [Msun/h] and "
+            "comoving radius [Mpc/h] about the centre of mass, 200 times the mean matter density and the critical "
+            "density at a (torchpm.halos.spherical_overdensity_masses; 0 where the nearest particle already "
+            "leaves the sphere below it)")
+        fields = [("label", catalog.labels), ("members", catalog.members), ("mass", catalog.masses),
+                  ("position", catalog.positions), ("velocity", catalog.velocities)]
+        for name, values in overdensity.items():
+            fields += [(f"m{name}", values.masses), (f"r{name}", values.radii)]
+        for name, values in fields:
             handle.create_dataset(name, data=values.detach().cpu().numpy())
         handle.attrs["a"] = float(a)
         handle.attrs["linking_length"] = length

@@ -76,7 +76,8 @@ import torch
 from .mesh import as_box_size
 
 __all__ = ["HaloCatalog", "friends_of_friends", "halo_catalog", "find_halos", "linking_distance", "MassFunction",
-           "mass_function", "mass_function_theory", "MASS_FUNCTION_MODELS"]
+           "mass_function", "mass_function_theory", "MASS_FUNCTION_MODELS", "SphericalOverdensity",
+           "spherical_overdensity", "spherical_overdensity_masses"]
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 # Hubble units: the critical density today is 27.7536627e10 (Msun/h) / (Mpc/h)^3.
@@ -935,6 +936,279 @@ def find_halos(sim, state, *, linking_length: float = 0.2, min_members: int = 20
     catalog = halo_catalog(state.positions, labels, sim.box_size, particle_mass=particle_mass, velocities=velocities,
                            ids=ids, min_members=min_members, mesh=mesh)
     return (catalog, labels) if return_labels else catalog
+
+
+# ----------------------------------------------------------------------------
+# Spherical-overdensity masses about given centres.
+
+
+class SphericalOverdensity(NamedTuple):
+    """Spherical-overdensity masses (:func:`spherical_overdensity`), one per centre.
+
+    Attributes:
+        masses: ``(B, H)`` ``M = n m`` (the unit of ``particle_mass``): the mass of the
+            largest sphere, grown from the centre, whose mean density is at least the
+            threshold; 0 for a masked centre or where the nearest particle already
+            leaves the sphere below it.
+        radii: ``(B, H)`` in Mpc/h, ``(3 M / (4 pi density))^(1/3)``: the radius at
+            which the ``n`` enclosed particles' mean density equals the threshold.
+        members: ``(B, H)`` int64, ``n``: the particles inside ``radii``.
+    """
+
+    masses: torch.Tensor
+    radii: torch.Tensor
+    members: torch.Tensor
+
+
+def _sphere_candidates(points, centres, box, radius, order, starts, counts, cells, chunk):
+    """``(centre, distance)`` of every particle of ``points[order]`` within ``radius`` of
+    each of ``centres`` (periodic), from a cell table with cells at least ``radius`` wide
+    (``cells`` per axis; ``starts``/``counts`` per cell of the sorted ``order``)."""
+    device = points.device
+    lengths = torch.tensor(box, dtype=torch.float64, device=device)
+    n = torch.tensor(cells, device=device)
+    home = torch.minimum((centres / lengths * n).floor().long(), n - 1)
+    offsets = [torch.tensor((-1, 0, 1) if c >= 3 else tuple(range(c)), device=device) for c in cells]
+    ox, oy, oz = torch.meshgrid(*offsets, indexing="ij")
+    near = []
+    for axis, o in enumerate((ox, oy, oz)):
+        base = home[:, axis:axis + 1] if cells[axis] >= 3 else torch.zeros_like(home[:, axis:axis + 1])
+        near.append(torch.remainder(base + o.reshape(1, -1), cells[axis]))
+    keys = (near[0] * cells[1] + near[1]) * cells[2] + near[2]  # (H, M)
+    per_pair = counts[keys].reshape(-1)
+    pair_of = torch.repeat_interleave(torch.arange(per_pair.numel(), device=device), per_pair)
+    first = torch.cumsum(per_pair, 0) - per_pair
+    within = torch.arange(pair_of.numel(), device=device) - first[pair_of]
+    particle = order[starts[keys.reshape(-1)][pair_of] + within]
+    centre = pair_of // keys.shape[1]
+    out_centre, out_distance = [], []
+    for begin in range(0, particle.numel(), chunk):
+        c, p = centre[begin:begin + chunk], particle[begin:begin + chunk]
+        offset = points[p] - centres[c]
+        offset = offset - lengths * torch.round(offset / lengths)
+        distance = torch.linalg.vector_norm(offset, dim=1)
+        keep = distance <= radius
+        out_centre.append(c[keep])
+        out_distance.append(distance[keep])
+    if not out_centre:
+        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.cat(out_centre), torch.cat(out_distance)
+
+
+def spherical_overdensity(
+    positions: torch.Tensor,
+    centres: torch.Tensor,
+    box_size,
+    density,
+    *,
+    particle_mass=1.0,
+    ids: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    radius: float | None = None,
+    mesh=None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> SphericalOverdensity:
+    """Spherical-overdensity masses about ``centres``: a sphere grown from each centre
+    until the mean density of the particles inside first falls below ``density``.
+
+    With the particles at distances ``r_1 <= r_2 <= ...`` from a centre, the first ``k``
+    with ``k m < density * 4/3 pi r_k^3`` ends the sphere: it holds ``n = k - 1``
+    particles, mass ``M = n m`` and radius ``R = (3 M / (4 pi density))^(1/3)``
+    (``r_n <= R < r_k``), the usual ``M_Delta`` of ``density = Delta rho_ref``
+    (:func:`spherical_overdensity_masses` takes Delta and the reference for a run).
+    Exact for the particles as given: distances in float64, every particle within the
+    search radius found through a cell table. The search starts at ``radius`` (default:
+    the radius of a 100-particle sphere at the threshold) and doubles for the centres
+    whose sphere is not closed inside it; a sphere that does not close within half the
+    box's shortest side is an error.
+
+    Args:
+        positions: ``(B, N, 3)`` or ``(N, 3)`` in Mpc/h (periodic box).
+        centres: ``(B, H, 3)`` or ``(H, 3)`` in Mpc/h, e.g. ``HaloCatalog.positions``
+            (FoF centres of mass); the same on every rank of a grid.
+        box_size: the box (Mpc/h), a number or 3 sides.
+        density: the threshold, in the unit of ``particle_mass`` per (Mpc/h)^3
+            (comoving), a positive number or scalar tensor (gradients flow into the radii).
+        particle_mass: a positive number or scalar tensor (the masses' unit).
+        ids: ``(B, N)`` int64, ``-1`` for an empty slot (default: every slot a particle;
+            required on a grid).
+        valid: optional ``(B, H)`` bool, the centres to measure (e.g.
+            ``catalog.labels >= 0``); the others get 0.
+        radius: the first search radius in Mpc/h.
+        mesh: a process grid's mesh: each rank passes its particles and the same
+            centres and gets every centre's result. Collective.
+        chunk_size: candidate pairs handled at a time.
+
+    Returns:
+        :class:`SphericalOverdensity` (without the batch axis when the centres had none).
+        Not differentiable in the positions (a count); the radii are in ``density`` and
+        ``particle_mass``.
+    """
+    function = "spherical_overdensity"
+    distributed = _is_grid(mesh)
+    error, values = None, []
+    try:
+        box = as_box_size(box_size)
+        positions, ids, _ = _particles(function, positions, ids, distributed)
+        batch = positions.shape[0]
+        if not isinstance(centres, torch.Tensor) or not centres.is_floating_point() \
+                or centres.dim() not in (2, 3) or centres.shape[-1] != 3:
+            raise ValueError(f"{function}: `centres` must be a floating-point tensor of shape (B, H, 3) or (H, 3) in "
+                             f"Mpc/h, got {_describe(centres)}")
+        unbatched = centres.dim() == 2
+        centres = centres.unsqueeze(0) if unbatched else centres
+        if centres.shape[0] != batch:
+            raise ValueError(f"{function}: `centres` must have the positions' batch size {batch}, got "
+                             f"{centres.shape[0]}")
+        if centres.device != positions.device:
+            raise ValueError(f"{function}: `centres` must be on the positions' device {positions.device}, got "
+                             f"{centres.device}")
+        if valid is None:
+            valid = torch.ones(centres.shape[:2], dtype=torch.bool, device=centres.device)
+        elif not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool \
+                or tuple(valid.shape) != tuple(centres.shape[:2])[unbatched:]:
+            raise ValueError(f"{function}: `valid` must be a bool tensor of shape "
+                             f"{tuple(centres.shape[:2])[unbatched:]} (one per centre), got {_describe(valid)}")
+        else:
+            valid = (valid.unsqueeze(0) if unbatched else valid).to(centres.device)
+        if not bool(torch.isfinite(centres.detach())[valid].all()):
+            raise ValueError(f"{function}: `centres` must be finite")
+        for name, value in (("density", density), ("particle_mass", particle_mass)):
+            if isinstance(value, torch.Tensor):
+                if value.dim() != 0 or not value.is_floating_point() or not (
+                        float(value.detach()) > 0 and math.isfinite(float(value.detach()))):
+                    raise ValueError(f"{function}: `{name}` must be a positive finite number or scalar tensor, got "
+                                     f"{_describe(value)}")
+            elif isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+                    math.isfinite(value) and value > 0):
+                raise ValueError(f"{function}: `{name}` must be a positive finite number or scalar tensor, got "
+                                 f"{value!r}")
+        threshold = float(density.detach()) if isinstance(density, torch.Tensor) else float(density)
+        mass = float(particle_mass.detach()) if isinstance(particle_mass, torch.Tensor) else float(particle_mass)
+        if radius is None:
+            radius = (3.0 * 100.0 * mass / (4.0 * math.pi * threshold)) ** (1.0 / 3.0)
+        elif isinstance(radius, bool) or not isinstance(radius, numbers.Real) or not (
+                math.isfinite(radius) and radius > 0):
+            raise ValueError(f"{function}: `radius` must be a positive number of Mpc/h, got {radius!r}")
+        chunk_size = _positive_int(chunk_size, "chunk_size", function)
+        values = [("`box_size`", box), ("`density`", threshold), ("`particle_mass`", mass),
+                  ("`radius`", float(radius)), ("batch size", batch), ("`centres`", tuple(centres.shape))]
+    except ValueError as exc:
+        if not distributed:
+            raise
+        error = str(exc)
+    if distributed:
+        mesh.agree(function, values, error)
+        # (the centres themselves must agree too: every rank measures every centre)
+        mesh.agree(function, [("`centres` (the same on every rank)",
+                               float(centres.detach().double()[valid].sum()))], None)
+    device = positions.device
+    limit = 0.5 * min(box)
+    lengths = torch.tensor(box, dtype=torch.float64, device=device)
+    volume = 4.0 / 3.0 * math.pi
+    counts_out = torch.zeros(centres.shape[:2], dtype=torch.int64, device=device)
+    for b in range(batch):
+        points = positions[b].detach().double()[ids[b] >= 0]
+        points = points - lengths * torch.floor(points / lengths)
+        rows = torch.nonzero(valid[b]).reshape(-1)
+        middle = centres[b].detach().double()[rows]
+        middle = middle - lengths * torch.floor(middle / lengths)
+        pending = torch.arange(rows.numel(), device=device)
+        search = float(radius)
+        while True:
+            pending_count = torch.tensor([pending.numel()], device=device)
+            if distributed:
+                pending_count = mesh.all_reduce(pending_count, "max")
+            if int(pending_count) == 0:
+                break
+            if search > limit:
+                raise ValueError(
+                    f"{function}: {pending.numel()} sphere(s) of batch member {b} do not close within half the "
+                    f"box's shortest side ({limit:g} Mpc/h): the mean density about their centres stays above "
+                    f"`density` = {threshold:g} out to there (a threshold below the box's mean density?)")
+            # cells at least the search radius wide (the 27 about a centre's hold its sphere),
+            # and no more cells than particles
+            width = max(search, (math.prod(box) / max(points.shape[0], 1)) ** (1.0 / 3.0))
+            cells = [max(1, int(length // width)) for length in box]
+            cell = torch.minimum((points / lengths * torch.tensor(cells, device=device)).floor().long(),
+                                 torch.tensor(cells, device=device) - 1)
+            key = (cell[:, 0] * cells[1] + cell[:, 1]) * cells[2] + cell[:, 2]
+            order = torch.argsort(key)
+            per_cell = torch.bincount(key, minlength=math.prod(cells))
+            starts = torch.cumsum(per_cell, 0) - per_cell
+            centre, distance = _sphere_candidates(points, middle[pending], box, search, order, starts, per_cell,
+                                                  cells, chunk_size)
+            if distributed:
+                rows_local = torch.stack([centre, distance.view(torch.int64)], 1)
+                gathered = _all_gather_rows(rows_local, mesh)
+                centre, distance = gathered[:, 0], gathered[:, 1].contiguous().view(torch.float64)
+            # sorted by centre, then distance
+            by_distance = torch.argsort(distance)
+            by_centre = by_distance[torch.argsort(centre[by_distance], stable=True)]
+            centre, distance = centre[by_centre], distance[by_centre]
+            total = torch.bincount(centre, minlength=pending.numel())
+            start = torch.cumsum(total, 0) - total
+            rank = torch.arange(centre.numel(), device=device) - start[centre] + 1
+            below = rank.double() * mass < threshold * volume * distance**3
+            first = torch.full((pending.numel(),), _NO_LABEL, dtype=torch.int64, device=device)
+            first.scatter_reduce_(0, centre[below], rank[below], reduce="amin")
+            found = first != _NO_LABEL
+            # none below yet: the next particle, beyond the search radius, would be below
+            # (and so every later one) when even at the radius it would be
+            closed = found | ((total + 1).double() * mass < threshold * volume * search**3)
+            inside = torch.where(found, first - 1, total)
+            counts_out[b, rows[pending[closed]]] = inside[closed]
+            pending = pending[~closed]
+            search *= 2.0
+    masses = counts_out.to(positions.dtype) * torch.as_tensor(particle_mass, dtype=positions.dtype, device=device)
+    volume_at = 3.0 * masses / (4.0 * math.pi * torch.as_tensor(density, dtype=positions.dtype, device=device))
+    empty = counts_out == 0  # (no infinite slope of the cube root at 0 in the gradients)
+    radii = torch.where(empty, 0.0, torch.where(empty, 1.0, volume_at) ** (1.0 / 3.0))
+    result = SphericalOverdensity(masses, radii, counts_out)
+    return SphericalOverdensity(*(t[0] for t in result)) if unbatched else result
+
+
+def spherical_overdensity_masses(sim, state, catalog: HaloCatalog, *, delta: float = 200.0,
+                                 reference: str = "mean", chunk_size: int = DEFAULT_CHUNK_SIZE) -> SphericalOverdensity:
+    """``M_Delta`` and ``R_Delta`` about each halo of ``catalog`` (e.g. :func:`find_halos`'
+    of the same state): :func:`spherical_overdensity` with ``density = delta *
+    rho_ref`` for the run's particles, masses in Msun/h and radii in comoving Mpc/h.
+
+    ``reference="mean"``: the mean matter density, ``Omega_m rho_crit,0`` (comoving,
+    the same at every ``a``: ``M_200m`` for ``delta=200``); ``"critical"``: the critical
+    density at the state's ``a``, ``rho_crit,0 E(a)^2 a^3`` in comoving units
+    (``M_200c``). Centres are the catalogue's (FoF centres of mass); padded entries get
+    0. On a process grid every rank passes its own state and the (replicated)
+    catalogue and gets every halo's values; collective.
+    """
+    from .simulation import MeshUnitsState, Simulation, SimulationState
+
+    function = "spherical_overdensity_masses"
+    if not isinstance(sim, Simulation):
+        raise ValueError(f"{function}: `sim` must be a torchpm.Simulation, got {type(sim).__name__}")
+    if not isinstance(state, SimulationState):
+        raise ValueError(f"{function}: `state` must be a torchpm.SimulationState, got {type(state).__name__}")
+    if not isinstance(catalog, HaloCatalog):
+        raise ValueError(f"{function}: `catalog` must be a HaloCatalog (find_halos), got {type(catalog).__name__}")
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not (math.isfinite(delta) and delta > 0):
+        raise ValueError(f"{function}: `delta` must be a positive number, got {delta!r}")
+    if reference not in ("mean", "critical"):
+        raise ValueError(f"{function}: `reference` must be 'mean' or 'critical', got {reference!r}")
+    if isinstance(state, MeshUnitsState):
+        state = sim.to_physical(state.positions, state.momenta, state.a, state.ids)
+    cosmology = sim.cosmology
+    if reference == "mean":
+        rho = cosmology.Omega_m * CRITICAL_DENSITY_MSUN
+    else:
+        a = torch.as_tensor(float(state.a), dtype=torch.float64, device=cosmology.Omega_m.device)
+        rho = CRITICAL_DENSITY_MSUN * cosmology.E(a) ** 2 * a**3
+    unbatched = catalog.positions.dim() == 2
+    centres = catalog.positions.to(state.positions.dtype)
+    valid = catalog.labels >= 0
+    return spherical_overdensity(
+        state.positions, centres.unsqueeze(0) if unbatched else centres, sim.box_size,
+        (delta * rho).to(state.positions.dtype), particle_mass=simulation_particle_mass(sim).to(state.positions.dtype),
+        ids=state.ids, valid=valid.unsqueeze(0) if unbatched else valid, mesh=sim.force_mesh, chunk_size=chunk_size)
 
 
 # ----------------------------------------------------------------------------
