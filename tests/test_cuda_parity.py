@@ -223,9 +223,9 @@ def test_friends_of_friends_catalogue_and_mass_function(device):
     for reference in (catalog, gpu_catalog):
         assert bool((reference.labels >= 0).any())
     so = halos.spherical_overdensity(positions, catalog.positions, box, 200.0 * 24**3 / box**3,
-                                     valid=catalog.labels >= 0, radius=0.1)
+                                     valid=catalog.labels >= 0, radius=0.5)
     gpu_so = halos.spherical_overdensity(positions.to(device), gpu_catalog.positions, box, 200.0 * 24**3 / box**3,
-                                         valid=gpu_catalog.labels >= 0, radius=0.1)
+                                         valid=gpu_catalog.labels >= 0, radius=0.5)
     assert int(so.members.max()) > 0
     _close(tuple(gpu_so), tuple(so), what="spherical_overdensity")
     measured = halos.mass_function(catalog.masses, box)

@@ -320,7 +320,7 @@ def case_spherical_overdensity(grid, ctx):
     same centres: the blob centres, on block faces and a box corner, one masked) equal
     the one-device ones, which test_spherical_overdensity.py checks against a brute
     force; the search starts small, so it doubles (collectively) several times. A bad
-    threshold on one rank raises on every rank."""
+    threshold, or other centres or mask on one rank, raises on every rank."""
     from torchpm.halos import spherical_overdensity
 
     mesh = mesh_of(grid, ctx)
@@ -332,19 +332,23 @@ def case_spherical_overdensity(grid, ctx):
     density = 50.0 * N / (BOX[0] * BOX[1] * BOX[2])
     positions, ids = owned_share(mesh, points)
     got = spherical_overdensity(positions, centres, BOX, density, particle_mass=2.0, ids=ids, valid=valid,
-                                radius=0.05, mesh=mesh)
-    serial = spherical_overdensity(points, centres, BOX, density, particle_mass=2.0, valid=valid)
+                                radius=0.05, mesh=mesh, chunk_size=500)
+    serial = spherical_overdensity(points, centres, BOX, density, particle_mass=2.0, valid=valid, radius=0.05)
     assert torch.equal(got.members, serial.members), (got.members, serial.members)
     assert int(serial.members.max()) > 50, "the blobs must hold spheres"
     assert torch.equal(got.masses, serial.masses) and torch.equal(got.radii, serial.radii)
     first = mesh.grid.rank == 0
     expect_error_everywhere(lambda: spherical_overdensity(positions, centres, BOX, -1.0 if first else density,
-                                                          ids=ids, mesh=mesh), "`density`", "rank 0")
-    moved = centres.clone()
+                                                          radius=1.0, ids=ids, mesh=mesh), "`density`", "rank 0")
+    moved, other_mask = centres.clone(), valid.clone()
     if not first:
         moved[0, 0, 0] += 1.0
-    expect_error_everywhere(lambda: spherical_overdensity(positions, moved, BOX, density, ids=ids, mesh=mesh),
-                            "the same on every rank")
+        other_mask[0, 1] = False
+    for changed in (dict(centres=moved), dict(valid=other_mask)):
+        arguments = {"centres": centres, "valid": valid, **changed}
+        expect_error_everywhere(lambda: spherical_overdensity(positions, arguments["centres"], BOX, density,
+                                                              radius=1.0, ids=ids, valid=arguments["valid"],
+                                                              mesh=mesh), "the same on every rank")
 
 
 def case_bad_input(grid, ctx):

@@ -819,8 +819,9 @@ def _write_halos(path, catalog, overdensity, simulation, config, a, particle_mas
             "members: particles, mass [Msun/h], position: centre of mass [Mpc/h] in [0, box), velocity: mean "
             "peculiar velocity [km/s]; m200m, r200m and m200c, r200c: the spherical-overdensity mass [Msun/h] and "
             "comoving radius [Mpc/h] about the centre of mass, 200 times the mean matter density and the critical "
-            "density at a (torchpm.halos.spherical_overdensity_masses; 0 where the nearest particle already "
-            "leaves the sphere below it)")
+            "density at a (torchpm.halos.spherical_overdensity_masses: the outermost sphere about the centre, within "
+            "twice the radius of the FoF mass at the threshold, whose mean density is at least the threshold; 0 "
+            "where none is)")
         fields = [("label", catalog.labels), ("members", catalog.members), ("mass", catalog.masses),
                   ("position", catalog.positions), ("velocity", catalog.velocities)]
         for name, values in overdensity.items():

@@ -63,6 +63,10 @@ per-halo sums are all-reduced so every rank holds the whole catalogue (the repli
 convention of :func:`torchpm.analysis.power_spectrum`: a catalogue is a few numbers per
 halo, small next to the particles, and every rank can then sort and use it alike).
 :func:`find_halos` does both for a :class:`~torchpm.Simulation`'s state.
+:func:`spherical_overdensity` (and :func:`spherical_overdensity_masses` for a run's
+catalogue) gives ``M_Delta`` and ``R_Delta`` about given centres, and
+:func:`mass_function` / :func:`mass_function_theory` the measured and fitted mass
+functions.
 """
 
 from __future__ import annotations
@@ -947,9 +951,9 @@ class SphericalOverdensity(NamedTuple):
 
     Attributes:
         masses: ``(B, H)`` ``M = n m`` (the unit of ``particle_mass``): the mass of the
-            largest sphere, grown from the centre, whose mean density is at least the
-            threshold; 0 for a masked centre or where the nearest particle already
-            leaves the sphere below it.
+            largest sphere about the centre, inside its search radius, whose mean
+            density is at least the threshold; 0 for a masked centre or where no
+            sphere about it reaches the threshold.
         radii: ``(B, H)`` in Mpc/h, ``(3 M / (4 pi density))^(1/3)``: the radius at
             which the ``n`` enclosed particles' mean density equals the threshold.
         members: ``(B, H)`` int64, ``n``: the particles inside ``radii``.
@@ -960,39 +964,83 @@ class SphericalOverdensity(NamedTuple):
     members: torch.Tensor
 
 
-def _sphere_candidates(points, centres, box, radius, order, starts, counts, cells, chunk):
-    """``(centre, distance)`` of every particle of ``points[order]`` within ``radius`` of
-    each of ``centres`` (periodic), from a cell table with cells at least ``radius`` wide
-    (``cells`` per axis; ``starts``/``counts`` per cell of the sorted ``order``)."""
+def _cell_table(points, box, width):
+    """``(order, starts, counts, cells)``: ``points`` sorted by cells at least ``width``
+    wide (and no more cells than points)."""
     device = points.device
+    width = max(width, (math.prod(box) / max(points.shape[0], 1)) ** (1.0 / 3.0))
+    cells = [max(1, int(length // width)) for length in box]
+    lengths = torch.tensor(box, dtype=torch.float64, device=device)
+    n = torch.tensor(cells, device=device)
+    cell = torch.minimum((points / lengths * n).floor().long(), n - 1)
+    key = (cell[:, 0] * cells[1] + cell[:, 1]) * cells[2] + cell[:, 2]
+    counts = torch.bincount(key, minlength=math.prod(cells))
+    return torch.argsort(key), torch.cumsum(counts, 0) - counts, counts, cells
+
+
+def _neighbour_cells(centres, box, cells):
+    """``(H, M)`` the cells about each centre's (27, or every cell along an axis of fewer
+    than 3): with cells at least ``r`` wide they hold every point within ``r``."""
+    device = centres.device
     lengths = torch.tensor(box, dtype=torch.float64, device=device)
     n = torch.tensor(cells, device=device)
     home = torch.minimum((centres / lengths * n).floor().long(), n - 1)
     offsets = [torch.tensor((-1, 0, 1) if c >= 3 else tuple(range(c)), device=device) for c in cells]
-    ox, oy, oz = torch.meshgrid(*offsets, indexing="ij")
+    grid = torch.meshgrid(*offsets, indexing="ij")
     near = []
-    for axis, o in enumerate((ox, oy, oz)):
+    for axis, o in enumerate(grid):
         base = home[:, axis:axis + 1] if cells[axis] >= 3 else torch.zeros_like(home[:, axis:axis + 1])
         near.append(torch.remainder(base + o.reshape(1, -1), cells[axis]))
-    keys = (near[0] * cells[1] + near[1]) * cells[2] + near[2]  # (H, M)
+    return (near[0] * cells[1] + near[1]) * cells[2] + near[2]
+
+
+def _sphere_candidates(points, centres, search, box, table, keys):
+    """``(centre, distance)`` of every point within ``search[c]`` of centre ``c``
+    (periodic; ``keys`` the centres' neighbour cells in ``table``)."""
+    order, starts, counts, _ = table
+    device = points.device
+    lengths = torch.tensor(box, dtype=torch.float64, device=device)
     per_pair = counts[keys].reshape(-1)
     pair_of = torch.repeat_interleave(torch.arange(per_pair.numel(), device=device), per_pair)
-    first = torch.cumsum(per_pair, 0) - per_pair
-    within = torch.arange(pair_of.numel(), device=device) - first[pair_of]
+    within = torch.arange(pair_of.numel(), device=device) - (torch.cumsum(per_pair, 0) - per_pair)[pair_of]
     particle = order[starts[keys.reshape(-1)][pair_of] + within]
     centre = pair_of // keys.shape[1]
-    out_centre, out_distance = [], []
-    for begin in range(0, particle.numel(), chunk):
-        c, p = centre[begin:begin + chunk], particle[begin:begin + chunk]
-        offset = points[p] - centres[c]
-        offset = offset - lengths * torch.round(offset / lengths)
-        distance = torch.linalg.vector_norm(offset, dim=1)
-        keep = distance <= radius
-        out_centre.append(c[keep])
-        out_distance.append(distance[keep])
-    if not out_centre:
-        return torch.zeros(0, dtype=torch.int64, device=device), torch.zeros(0, dtype=torch.float64, device=device)
-    return torch.cat(out_centre), torch.cat(out_distance)
+    offset = points[particle] - centres[centre]
+    offset = offset - lengths * torch.round(offset / lengths)
+    distance = torch.linalg.vector_norm(offset, dim=1)
+    keep = distance <= search[centre]
+    return centre[keep], distance[keep]
+
+
+def _radius_argument(radius, shape, device, function):
+    """``radius`` (a positive number, or a tensor of ``shape`` or broadcastable to it) as a
+    float64 ``shape`` tensor."""
+    if isinstance(radius, torch.Tensor):
+        try:
+            values = torch.broadcast_to(radius.detach().to(device=device, dtype=torch.float64), shape)
+        except RuntimeError:
+            raise ValueError(f"{function}: `radius` must be a positive number or a tensor broadcastable to "
+                             f"{tuple(shape)} (one per centre), got {_describe(radius)}") from None
+    elif isinstance(radius, bool) or not isinstance(radius, numbers.Real):
+        raise ValueError(f"{function}: `radius` must be a positive number of Mpc/h or a tensor, got {radius!r}")
+    else:
+        values = torch.full(shape, float(radius), dtype=torch.float64, device=device)
+    if not bool((torch.isfinite(values) & (values > 0)).all()):
+        raise ValueError(f"{function}: `radius` must be positive and finite (Mpc/h)")
+    return values
+
+
+def _replicated_check(function, mesh, centres, valid):
+    """Every rank of the grid has the same centres and mask (else every rank raises:
+    different masks would make the ranks run different collectives)."""
+    weights = torch.arange(1, centres.numel() + 1, dtype=torch.float64, device=centres.device)
+    masked = torch.where(valid.unsqueeze(-1), centres.detach().double(), 0.0)
+    check = torch.stack([(masked.reshape(-1) * weights).sum(), masked.sum(),
+                         (valid.reshape(-1).double() * weights[: valid.numel()]).sum(), valid.sum().double()])
+    low, high = mesh.all_reduce(check.clone(), "min"), mesh.all_reduce(check.clone(), "max")
+    if not torch.equal(low, high):
+        raise ValueError(f"{function}: `centres` and `valid` must be the same on every rank of the grid (every rank "
+                         "measures every centre)")
 
 
 def spherical_overdensity(
@@ -1001,26 +1049,28 @@ def spherical_overdensity(
     box_size,
     density,
     *,
+    radius,
     particle_mass=1.0,
     ids: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-    radius: float | None = None,
     mesh=None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> SphericalOverdensity:
-    """Spherical-overdensity masses about ``centres``: a sphere grown from each centre
-    until the mean density of the particles inside first falls below ``density``.
+    """Spherical-overdensity masses about ``centres``: the largest sphere about each
+    centre, inside its search radius, whose mean density is at least ``density``.
 
-    With the particles at distances ``r_1 <= r_2 <= ...`` from a centre, the first ``k``
-    with ``k m < density * 4/3 pi r_k^3`` ends the sphere: it holds ``n = k - 1``
-    particles, mass ``M = n m`` and radius ``R = (3 M / (4 pi density))^(1/3)``
-    (``r_n <= R < r_k``), the usual ``M_Delta`` of ``density = Delta rho_ref``
-    (:func:`spherical_overdensity_masses` takes Delta and the reference for a run).
-    Exact for the particles as given: distances in float64, every particle within the
-    search radius found through a cell table. The search starts at ``radius`` (default:
-    the radius of a 100-particle sphere at the threshold) and doubles for the centres
-    whose sphere is not closed inside it; a sphere that does not close within half the
-    box's shortest side is an error.
+    With the particles at distances ``r_1 <= r_2 <= ...`` from a centre, ``n`` is the
+    last ``k`` with ``k m >= density * 4/3 pi r_k^3`` (0 if none) among the particles
+    within the search radius: mass ``M = n m``, radius ``R = (3 M / (4 pi
+    density))^(1/3)`` (``r_n <= R < r_{n+1}``), the usual ``M_Delta`` of ``density =
+    Delta rho_ref`` (:func:`spherical_overdensity_masses` takes Delta and the reference
+    for a run). The outermost such sphere, not the first one grown from the centre: the
+    few particles nearest a centre (a centre of mass, a softened core) decide nothing.
+    The search radius is ``radius``, doubled for a centre while its sphere is still open
+    there (the next particle beyond it would still be above the threshold), up to half
+    the box's shortest side, where an open sphere is an error. Exact for the particles
+    as given: distances in float64, every particle within the search radius found
+    through a cell table.
 
     Args:
         positions: ``(B, N, 3)`` or ``(N, 3)`` in Mpc/h (periodic box).
@@ -1029,15 +1079,19 @@ def spherical_overdensity(
         box_size: the box (Mpc/h), a number or 3 sides.
         density: the threshold, in the unit of ``particle_mass`` per (Mpc/h)^3
             (comoving), a positive number or scalar tensor (gradients flow into the radii).
+        radius: the search radius in Mpc/h, a number or a tensor with one per centre
+            (``spherical_overdensity_masses`` takes twice the radius of a sphere of the
+            FoF mass at the threshold).
         particle_mass: a positive number or scalar tensor (the masses' unit).
         ids: ``(B, N)`` int64, ``-1`` for an empty slot (default: every slot a particle;
             required on a grid).
         valid: optional ``(B, H)`` bool, the centres to measure (e.g.
             ``catalog.labels >= 0``); the others get 0.
-        radius: the first search radius in Mpc/h.
         mesh: a process grid's mesh: each rank passes its particles and the same
-            centres and gets every centre's result. Collective.
-        chunk_size: candidate pairs handled at a time.
+            centres and gets every centre's result. Collective. Every rank receives
+            every centre's candidate distances (``chunk_size`` at a time): memory is
+            bounded, the work per rank is that of the whole box's spheres.
+        chunk_size: candidate pairs handled at a time (over all ranks).
 
     Returns:
         :class:`SphericalOverdensity` (without the batch axis when the centres had none).
@@ -1063,12 +1117,13 @@ def spherical_overdensity(
         if centres.device != positions.device:
             raise ValueError(f"{function}: `centres` must be on the positions' device {positions.device}, got "
                              f"{centres.device}")
+        shape = tuple(centres.shape[:2])
         if valid is None:
-            valid = torch.ones(centres.shape[:2], dtype=torch.bool, device=centres.device)
+            valid = torch.ones(shape, dtype=torch.bool, device=centres.device)
         elif not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool \
-                or tuple(valid.shape) != tuple(centres.shape[:2])[unbatched:]:
-            raise ValueError(f"{function}: `valid` must be a bool tensor of shape "
-                             f"{tuple(centres.shape[:2])[unbatched:]} (one per centre), got {_describe(valid)}")
+                or tuple(valid.shape) != shape[unbatched:]:
+            raise ValueError(f"{function}: `valid` must be a bool tensor of shape {shape[unbatched:]} (one per "
+                             f"centre), got {_describe(valid)}")
         else:
             valid = (valid.unsqueeze(0) if unbatched else valid).to(centres.device)
         if not bool(torch.isfinite(centres.detach())[valid].all()):
@@ -1085,81 +1140,72 @@ def spherical_overdensity(
                                  f"{value!r}")
         threshold = float(density.detach()) if isinstance(density, torch.Tensor) else float(density)
         mass = float(particle_mass.detach()) if isinstance(particle_mass, torch.Tensor) else float(particle_mass)
-        if radius is None:
-            radius = (3.0 * 100.0 * mass / (4.0 * math.pi * threshold)) ** (1.0 / 3.0)
-        elif isinstance(radius, bool) or not isinstance(radius, numbers.Real) or not (
-                math.isfinite(radius) and radius > 0):
-            raise ValueError(f"{function}: `radius` must be a positive number of Mpc/h, got {radius!r}")
+        if isinstance(radius, torch.Tensor) and unbatched and radius.dim() >= 1:
+            radius = radius.unsqueeze(0)
+        search_radii = _radius_argument(radius, shape, centres.device, function)
         chunk_size = _positive_int(chunk_size, "chunk_size", function)
         values = [("`box_size`", box), ("`density`", threshold), ("`particle_mass`", mass),
-                  ("`radius`", float(radius)), ("batch size", batch), ("`centres`", tuple(centres.shape))]
+                  ("batch size", batch), ("`centres` shape", shape), ("dtype of `positions`", str(positions.dtype))]
     except ValueError as exc:
         if not distributed:
             raise
         error = str(exc)
     if distributed:
         mesh.agree(function, values, error)
-        # (the centres themselves must agree too: every rank measures every centre)
-        mesh.agree(function, [("`centres` (the same on every rank)",
-                               float(centres.detach().double()[valid].sum()))], None)
+        _replicated_check(function, mesh, torch.cat([centres.detach().double(), search_radii.unsqueeze(-1)], -1),
+                          valid)
     device = positions.device
     limit = 0.5 * min(box)
     lengths = torch.tensor(box, dtype=torch.float64, device=device)
     volume = 4.0 / 3.0 * math.pi
-    counts_out = torch.zeros(centres.shape[:2], dtype=torch.int64, device=device)
+    counts_out = torch.zeros(shape, dtype=torch.int64, device=device)
     for b in range(batch):
         points = positions[b].detach().double()[ids[b] >= 0]
         points = points - lengths * torch.floor(points / lengths)
         rows = torch.nonzero(valid[b]).reshape(-1)
         middle = centres[b].detach().double()[rows]
         middle = middle - lengths * torch.floor(middle / lengths)
+        search = search_radii[b][rows].clamp(max=limit)
         pending = torch.arange(rows.numel(), device=device)
-        search = float(radius)
-        while True:
-            pending_count = torch.tensor([pending.numel()], device=device)
+        while pending.numel():  # (the same on every rank: decided by the gathered candidates)
+            table = _cell_table(points, box, float(search[pending].max()))
+            keys = _neighbour_cells(middle[pending], box, table[3])
+            per_centre = table[2][keys].sum(1)
             if distributed:
-                pending_count = mesh.all_reduce(pending_count, "max")
-            if int(pending_count) == 0:
-                break
-            if search > limit:
+                per_centre = mesh.all_reduce(per_centre, "sum")
+            # centres in groups of about ``chunk_size`` candidates over all ranks (at least one)
+            ends = torch.searchsorted(torch.cumsum(per_centre, 0), torch.arange(
+                chunk_size, int(per_centre.sum()) + chunk_size, chunk_size, device=device), right=True)
+            bounds = sorted({0, pending.numel(), *(min(max(int(e), 1), pending.numel()) for e in ends.tolist())})
+            closed_all = torch.zeros(pending.numel(), dtype=torch.bool, device=device)
+            for low, high in zip(bounds[:-1], bounds[1:]):
+                group = pending[low:high]
+                centre, distance = _sphere_candidates(points, middle[group], search[group], box, table,
+                                                      keys[low:high])
+                if distributed:
+                    gathered = _all_gather_rows(torch.stack([centre, distance.view(torch.int64)], 1), mesh)
+                    centre, distance = gathered[:, 0], gathered[:, 1].contiguous().view(torch.float64)
+                # by centre, then distance
+                by_distance = torch.argsort(distance)
+                by_centre = by_distance[torch.argsort(centre[by_distance], stable=True)]
+                centre, distance = centre[by_centre], distance[by_centre]
+                total = torch.bincount(centre, minlength=group.numel())
+                rank = torch.arange(centre.numel(), device=device) - (torch.cumsum(total, 0) - total)[centre] + 1
+                above = rank.double() * mass >= threshold * volume * distance**3
+                last = torch.zeros(group.numel(), dtype=torch.int64, device=device)
+                last.scatter_reduce_(0, centre[above], rank[above], reduce="amax")
+                # open: the next particle, beyond the search radius, could still be above
+                closed = (total + 1).double() * mass < threshold * volume * search[group] ** 3
+                counts_out[b, rows[group[closed]]] = last[closed]
+                closed_all[low:high] = closed
+            pending = pending[~closed_all]
+            if pending.numel() and bool((search[pending] >= limit).any()):
                 raise ValueError(
-                    f"{function}: {pending.numel()} sphere(s) of batch member {b} do not close within half the "
-                    f"box's shortest side ({limit:g} Mpc/h): the mean density about their centres stays above "
-                    f"`density` = {threshold:g} out to there (a threshold below the box's mean density?)")
-            # cells at least the search radius wide (the 27 about a centre's hold its sphere),
-            # and no more cells than particles
-            width = max(search, (math.prod(box) / max(points.shape[0], 1)) ** (1.0 / 3.0))
-            cells = [max(1, int(length // width)) for length in box]
-            cell = torch.minimum((points / lengths * torch.tensor(cells, device=device)).floor().long(),
-                                 torch.tensor(cells, device=device) - 1)
-            key = (cell[:, 0] * cells[1] + cell[:, 1]) * cells[2] + cell[:, 2]
-            order = torch.argsort(key)
-            per_cell = torch.bincount(key, minlength=math.prod(cells))
-            starts = torch.cumsum(per_cell, 0) - per_cell
-            centre, distance = _sphere_candidates(points, middle[pending], box, search, order, starts, per_cell,
-                                                  cells, chunk_size)
-            if distributed:
-                rows_local = torch.stack([centre, distance.view(torch.int64)], 1)
-                gathered = _all_gather_rows(rows_local, mesh)
-                centre, distance = gathered[:, 0], gathered[:, 1].contiguous().view(torch.float64)
-            # sorted by centre, then distance
-            by_distance = torch.argsort(distance)
-            by_centre = by_distance[torch.argsort(centre[by_distance], stable=True)]
-            centre, distance = centre[by_centre], distance[by_centre]
-            total = torch.bincount(centre, minlength=pending.numel())
-            start = torch.cumsum(total, 0) - total
-            rank = torch.arange(centre.numel(), device=device) - start[centre] + 1
-            below = rank.double() * mass < threshold * volume * distance**3
-            first = torch.full((pending.numel(),), _NO_LABEL, dtype=torch.int64, device=device)
-            first.scatter_reduce_(0, centre[below], rank[below], reduce="amin")
-            found = first != _NO_LABEL
-            # none below yet: the next particle, beyond the search radius, would be below
-            # (and so every later one) when even at the radius it would be
-            closed = found | ((total + 1).double() * mass < threshold * volume * search**3)
-            inside = torch.where(found, first - 1, total)
-            counts_out[b, rows[pending[closed]]] = inside[closed]
-            pending = pending[~closed]
-            search *= 2.0
+                    f"{function}: {int((search[pending] >= limit).sum())} sphere(s) of batch member {b} are still "
+                    f"open at half the box's shortest side ({limit:g} Mpc/h): the mean density about their "
+                    f"centres stays above `density` = {threshold:g} out to there (a threshold below the box's "
+                    "mean density?)")
+            search[pending] = (2.0 * search[pending]).clamp(max=limit)
     masses = counts_out.to(positions.dtype) * torch.as_tensor(particle_mass, dtype=positions.dtype, device=device)
     volume_at = 3.0 * masses / (4.0 * math.pi * torch.as_tensor(density, dtype=positions.dtype, device=device))
     empty = counts_out == 0  # (no infinite slope of the cube root at 0 in the gradients)
@@ -1177,8 +1223,9 @@ def spherical_overdensity_masses(sim, state, catalog: HaloCatalog, *, delta: flo
     ``reference="mean"``: the mean matter density, ``Omega_m rho_crit,0`` (comoving,
     the same at every ``a``: ``M_200m`` for ``delta=200``); ``"critical"``: the critical
     density at the state's ``a``, ``rho_crit,0 E(a)^2 a^3`` in comoving units
-    (``M_200c``). Centres are the catalogue's (FoF centres of mass); padded entries get
-    0. On a process grid every rank passes its own state and the (replicated)
+    (``M_200c``). Centres are the catalogue's (FoF centres of mass), each searched out to
+    twice the radius of a sphere of its FoF mass at the threshold (further while its
+    sphere is open there); padded entries get 0. On a process grid every rank passes its own state and the (replicated)
     catalogue and gets every halo's values; collective.
     """
     from .simulation import MeshUnitsState, Simulation, SimulationState
@@ -1205,10 +1252,16 @@ def spherical_overdensity_masses(sim, state, catalog: HaloCatalog, *, delta: flo
     unbatched = catalog.positions.dim() == 2
     centres = catalog.positions.to(state.positions.dtype)
     valid = catalog.labels >= 0
-    return spherical_overdensity(
-        state.positions, centres.unsqueeze(0) if unbatched else centres, sim.box_size,
-        (delta * rho).to(state.positions.dtype), particle_mass=simulation_particle_mass(sim).to(state.positions.dtype),
-        ids=state.ids, valid=valid.unsqueeze(0) if unbatched else valid, mesh=sim.force_mesh, chunk_size=chunk_size)
+    threshold = (delta * rho).to(state.positions.dtype)
+    particle_mass = simulation_particle_mass(sim).to(state.positions.dtype)
+    # twice the radius of a sphere of the FoF mass at the threshold (at least one particle's)
+    fof = torch.where(valid, catalog.masses.detach().double(), 0.0).clamp_min(float(particle_mass))
+    radius = 2.0 * (3.0 * fof / (4.0 * math.pi * float(threshold))) ** (1.0 / 3.0)
+    result = spherical_overdensity(
+        state.positions, centres.unsqueeze(0) if unbatched else centres, sim.box_size, threshold,
+        radius=radius.unsqueeze(0) if unbatched else radius, particle_mass=particle_mass, ids=state.ids,
+        valid=valid.unsqueeze(0) if unbatched else valid, mesh=sim.force_mesh, chunk_size=chunk_size)
+    return SphericalOverdensity(*(t[0] for t in result)) if unbatched else result
 
 
 # ----------------------------------------------------------------------------
