@@ -308,8 +308,8 @@ class ParticleMeshForce:
         channel 0 is transformed alone, by the same FFT call as :meth:`evaluate`, so the
         forces are :meth:`evaluate`'s bit for bit (the reversed trajectory relies on
         it; on CUDA under deterministic algorithms only, as above: otherwise they agree
-        to rounding, and so does the reversed trajectory). The readout of the forces and the two position gradients at the same
-        positions go through one helper, :func:`_readout_and_position_gradient` (one
+        to rounding, and so does the reversed trajectory). The readout of the forces and
+        the two position gradients at the same positions go through one helper, :func:`_readout_and_position_gradient` (one
         pass over the particles).
 
         Args:

@@ -228,15 +228,15 @@ def _union(parent: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> Non
         parent.scatter_reduce_(0, high, low, reduce="amin")
 
 
-def _cell_grid(box, b: float, count: int) -> list[int]:
+def _cell_grid(box, b: float, count: int, per_point: float = _CELLS_PER_POINT, least: int = 3) -> list[int]:
     """Cells per axis: at least ``b`` wide (so friends are in the same or neighbouring
-    cells), at least 3 (so a cell's 26 neighbours are distinct), and at most about
-    ``_CELLS_PER_POINT`` per point in all (wider cells when ``b`` is tiny next to the
+    cells), at least ``least`` (FoF's 3: a cell's 26 neighbours are distinct), and at
+    most about ``per_point`` per point in all (wider cells when ``b`` is tiny next to the
     mean separation: more candidate pairs, but no table of mostly empty cells)."""
-    width = max(float(b), (math.prod(box) / (_CELLS_PER_POINT * count)) ** (1.0 / 3.0))
+    width = max(float(b), (math.prod(box) / (per_point * max(count, 1))) ** (1.0 / 3.0))
     # floor(L / b) >= 3 up to rounding (b <= L / 3 is checked); 3 cells per axis are
     # all neighbours of each other, so a cell a hair narrower than b is still safe.
-    return [max(3, int(math.floor(length / width))) for length in box]
+    return [max(least, int(math.floor(length / width))) for length in box]
 
 
 def _wrap_index(index: torch.Tensor, step: int, size: int) -> torch.Tensor:
@@ -964,25 +964,21 @@ class SphericalOverdensity(NamedTuple):
     members: torch.Tensor
 
 
-def _cell_table(points, box, width):
+def _cell_table(points, box, lengths, width):
     """``(order, starts, counts, cells)``: ``points`` sorted by cells at least ``width``
-    wide (and no more cells than points)."""
-    device = points.device
-    width = max(width, (math.prod(box) / max(points.shape[0], 1)) ** (1.0 / 3.0))
-    cells = [max(1, int(length // width)) for length in box]
-    lengths = torch.tensor(box, dtype=torch.float64, device=device)
-    n = torch.tensor(cells, device=device)
+    wide (and no more cells than points; 1 or 2 along an axis shorter than 3 widths)."""
+    cells = _cell_grid(box, width, points.shape[0], per_point=1.0, least=1)
+    n = torch.tensor(cells, device=points.device)
     cell = torch.minimum((points / lengths * n).floor().long(), n - 1)
     key = (cell[:, 0] * cells[1] + cell[:, 1]) * cells[2] + cell[:, 2]
     counts = torch.bincount(key, minlength=math.prod(cells))
     return torch.argsort(key), torch.cumsum(counts, 0) - counts, counts, cells
 
 
-def _neighbour_cells(centres, box, cells):
+def _neighbour_cells(centres, lengths, cells):
     """``(H, M)`` the cells about each centre's (27, or every cell along an axis of fewer
     than 3): with cells at least ``r`` wide they hold every point within ``r``."""
     device = centres.device
-    lengths = torch.tensor(box, dtype=torch.float64, device=device)
     n = torch.tensor(cells, device=device)
     home = torch.minimum((centres / lengths * n).floor().long(), n - 1)
     offsets = [torch.tensor((-1, 0, 1) if c >= 3 else tuple(range(c)), device=device) for c in cells]
@@ -994,12 +990,11 @@ def _neighbour_cells(centres, box, cells):
     return (near[0] * cells[1] + near[1]) * cells[2] + near[2]
 
 
-def _sphere_candidates(points, centres, search, box, table, keys):
+def _sphere_candidates(points, centres, search, lengths, table, keys):
     """``(centre, distance)`` of every point within ``search[c]`` of centre ``c``
-    (periodic; ``keys`` the centres' neighbour cells in ``table``)."""
+    (periodic in the box ``lengths``; ``keys`` the centres' neighbour cells in ``table``)."""
     order, starts, counts, _ = table
     device = points.device
-    lengths = torch.tensor(box, dtype=torch.float64, device=device)
     per_pair = counts[keys].reshape(-1)
     pair_of = torch.repeat_interleave(torch.arange(per_pair.numel(), device=device), per_pair)
     within = torch.arange(pair_of.numel(), device=device) - (torch.cumsum(per_pair, 0) - per_pair)[pair_of]
@@ -1140,8 +1135,6 @@ def spherical_overdensity(
                                  f"{value!r}")
         threshold = float(density.detach()) if isinstance(density, torch.Tensor) else float(density)
         mass = float(particle_mass.detach()) if isinstance(particle_mass, torch.Tensor) else float(particle_mass)
-        if isinstance(radius, torch.Tensor) and unbatched and radius.dim() >= 1:
-            radius = radius.unsqueeze(0)
         search_radii = _radius_argument(radius, shape, centres.device, function)
         chunk_size = _positive_int(chunk_size, "chunk_size", function)
         values = [("`box_size`", box), ("`density`", threshold), ("`particle_mass`", mass),
@@ -1168,8 +1161,8 @@ def spherical_overdensity(
         search = search_radii[b][rows].clamp(max=limit)
         pending = torch.arange(rows.numel(), device=device)
         while pending.numel():  # (the same on every rank: decided by the gathered candidates)
-            table = _cell_table(points, box, float(search[pending].max()))
-            keys = _neighbour_cells(middle[pending], box, table[3])
+            table = _cell_table(points, box, lengths, float(search[pending].max()))
+            keys = _neighbour_cells(middle[pending], lengths, table[3])
             per_centre = table[2][keys].sum(1)
             if distributed:
                 per_centre = mesh.all_reduce(per_centre, "sum")
@@ -1180,7 +1173,7 @@ def spherical_overdensity(
             closed_all = torch.zeros(pending.numel(), dtype=torch.bool, device=device)
             for low, high in zip(bounds[:-1], bounds[1:]):
                 group = pending[low:high]
-                centre, distance = _sphere_candidates(points, middle[group], search[group], box, table,
+                centre, distance = _sphere_candidates(points, middle[group], search[group], lengths, table,
                                                       keys[low:high])
                 if distributed:
                     gathered = _all_gather_rows(torch.stack([centre, distance.view(torch.int64)], 1), mesh)
@@ -1225,8 +1218,8 @@ def spherical_overdensity_masses(sim, state, catalog: HaloCatalog, *, delta: flo
     density at the state's ``a``, ``rho_crit,0 E(a)^2 a^3`` in comoving units
     (``M_200c``). Centres are the catalogue's (FoF centres of mass), each searched out to
     twice the radius of a sphere of its FoF mass at the threshold (further while its
-    sphere is open there); padded entries get 0. On a process grid every rank passes its own state and the (replicated)
-    catalogue and gets every halo's values; collective.
+    sphere is open there); padded entries get 0. On a process grid every rank passes its
+    own state and the (replicated) catalogue and gets every halo's values; collective.
     """
     from .simulation import MeshUnitsState, Simulation, SimulationState
 
