@@ -8,6 +8,7 @@ Usage::
     python benchmarks/bench_distributed.py --ranks 1 2 --sizes 128 --repeats 7
     python benchmarks/bench_distributed.py --adjoint --sizes 64 --ranks 2 4   # forward + backward, adjoint method
     python benchmarks/bench_distributed.py --sizes 128 --ranks 2 4 --repeats 10 --sort-every 4   # with sorting
+    python benchmarks/bench_distributed.py --halos --sizes 64 --ranks 1 2 4   # FoF and SO masses on a grid
 
 Each configuration runs in ``R`` freshly spawned processes joined in one gloo process
 group (a FileStore), one thread each unless ``--threads-per-rank`` says otherwise, on
@@ -21,6 +22,11 @@ slowest rank. The breakdown times the pieces inside the steps (summed per step, 
 rank, median over steps): "FFT local" is the FFT time without its transposes, "halo"
 every halo exchange (the paint's add, the potential's fill before the 4-point gradient,
 a readout's fill), "stencil" the 4-point gradient kernel itself.
+
+``--halos``: a run of ``n^3`` particles in ``2 n`` Mpc/h (force mesh ``(2 n)^3``, 2LPT at
+a = 0.05, 20 steps to a = 1), then ``find_halos`` (b = 0.2, at least 20 members) and
+``spherical_overdensity_masses`` (200 times the mean density) of its catalogue, each
+timed as the median over ``--repeats`` calls after a warm-up (the slowest rank's).
 
 Peak memory per rank: the largest resident-set growth of any rank over the 2LPT and
 one step, above its baseline after start-up (torch imported, process group made),
@@ -192,6 +198,54 @@ def _adjoint_worker(rank, world, size, repeats, threads, store, result_path, ste
     dist.destroy_process_group()
 
 
+def _halo_worker(rank, world, size, repeats, threads, store, result_path, steps):
+    """Seconds per ``find_halos`` and per ``spherical_overdensity_masses`` call on an evolved
+    state, each repeat's slowest rank, and the catalogue's size."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    import torchpm
+    from torchpm.distributed import balanced_grid
+    from torchpm.halos import spherical_overdensity_masses
+
+    grid = balanced_grid(world)
+    sim = torchpm.Simulation(n_particles=size, box_size=size * 2.0, mesh_factor=2, a_start=0.05, steps=steps,
+                             grid=grid if world > 1 else None)
+    with torch.no_grad():
+        state = sim(sim.white_noise(seed=0))
+    rows = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        dist.barrier()
+        fof, catalog = time_call(lambda: torchpm.find_halos(sim, state, min_members=20))
+        dist.barrier()
+        so, masses = time_call(lambda: spherical_overdensity_masses(sim, state, catalog))
+        rows.append([fof, so])
+    report = {"rank": rank, "rows": rows[1:], "grid": list(grid), "halos": int((catalog.labels >= 0).sum()),
+              "so_members": int(masses.members.sum())}
+    with open(result_path.format(rank=rank), "w") as handle:
+        json.dump(report, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_halos(size, world, repeats, threads, steps):
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "rank{rank}.json")
+        mp.start_processes(_halo_worker,
+                           args=(world, size, repeats, threads, os.path.join(tmp, "store"), result_path, steps),
+                           nprocs=world, join=True, start_method="spawn")
+        reports = []
+        for rank in range(world):
+            with open(result_path.format(rank=rank)) as handle:
+                reports.append(json.load(handle))
+    columns = [statistics.median(max(r["rows"][i][k] for r in reports) for i in range(repeats)) for k in range(2)]
+    return reports[0], columns
+
+
 def run_adjoint(size, world, repeats, threads, steps):
     import torch.multiprocessing as mp
 
@@ -257,14 +311,30 @@ def main():
     parser.add_argument("--threads-per-rank", type=int, default=1)
     parser.add_argument("--adjoint", action="store_true",
                         help="time forward and backward of a whole run with the adjoint method instead")
-    parser.add_argument("--steps", type=int, default=5, help="steps of the run (--adjoint)")
+    parser.add_argument("--steps", type=int, default=None, help="steps of the run (--adjoint: 5, --halos: 20)")
+    parser.add_argument("--halos", action="store_true",
+                        help="time find_halos and spherical_overdensity_masses on an evolved state instead")
     parser.add_argument("--sort-every", type=int, default=0,
                         help="sort the particles into spatial order after every k-th migration "
                              "(Simulation's sort_every; 0: never)")
     arguments = parser.parse_args()
+    if arguments.halos:
+        steps = arguments.steps or 20
+        print_header("distributed halo finding", "cpu", [
+            "gloo", f"{steps} steps to a = 1", f"{arguments.threads_per_rank} thread(s) per rank",
+            f"median of {arguments.repeats} calls (slowest rank)"])
+        table = Table(["size", "ranks", "grid", "halos", ("find_halos s", ".3f"), ("SO 200m s", ".3f"),
+                       "SO members"])
+        table.print_header()
+        for size in arguments.sizes:
+            for world in arguments.ranks:
+                report, (fof, so) = run_halos(size, world, arguments.repeats, arguments.threads_per_rank, steps)
+                table.print_row(f"{size}^3", world, "x".join(map(str, report["grid"])), report["halos"], fof, so,
+                                report["so_members"])
+        return
     if arguments.adjoint:
         print_header("distributed adjoint", "cpu", [
-            "gloo", f"{arguments.steps} steps", f"{arguments.threads_per_rank} thread(s) per rank",
+            "gloo", f"{arguments.steps or 5} steps", f"{arguments.threads_per_rank} thread(s) per rank",
             f"median of {arguments.repeats} runs (slowest rank)"])
         table = Table(["size", "ranks", "grid", ("forward s", ".3f"), ("backward s", ".3f"),
                        ("halo in forward s", ".3f"), ("halo in backward s", ".3f")])
@@ -272,7 +342,7 @@ def main():
         for size in arguments.sizes:
             for world in arguments.ranks:
                 grid, (forward, backward, halo_f, halo_b) = run_adjoint(
-                    size, world, arguments.repeats, arguments.threads_per_rank, arguments.steps)
+                    size, world, arguments.repeats, arguments.threads_per_rank, arguments.steps or 5)
                 table.print_row(f"{size}^3", world, "x".join(map(str, grid)), forward, backward, halo_f, halo_b)
         return
     print_header("distributed PM step", "cpu", ["gloo", f"CPU kernels {torchpm.cpu_kernels()}"])

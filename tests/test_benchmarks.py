@@ -342,3 +342,16 @@ def test_script_runs_small(script):
     assert f"# command: python {os.path.join(BENCHMARKS, script + '.py')}" in result.stdout
     for text in expected:
         assert text in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+def test_distributed_halo_benchmark_runs_small():
+    environment = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    script = os.path.join(BENCHMARKS, "bench_distributed.py")
+    result = subprocess.run([sys.executable, script, "--halos", "--sizes", "16", "--ranks", "1", "2", "--repeats", "1",
+                             "--steps", "5"], cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| 16^3 |")]
+    assert [row[2].strip() for row in rows] == ["1x1", "2x1"], result.stdout
+    # the same catalogue and the same SO members on one process and on the grid
+    assert rows[0][3] == rows[1][3] and rows[0][6] == rows[1][6] and int(rows[0][6]) > 0, result.stdout

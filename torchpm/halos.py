@@ -1038,6 +1038,27 @@ def _replicated_check(function, mesh, centres, valid):
                          "measures every centre)")
 
 
+def _to_measuring_rank(centre, distance, mesh):
+    """The ``(centre, distance)`` candidates of every rank, each sent to the rank that
+    measures its centre (centre index modulo the grid's ranks), through one all-to-all
+    per split grid axis: what a rank holds afterwards is every candidate of its centres."""
+    from .distributed._ops import all_to_all
+
+    grid = mesh.grid
+    rows = torch.stack([centre, distance.view(torch.int64), centre % grid.size], 1)  # (.., .., destination)
+    for axis, grid_axis in enumerate(grid.axes):
+        if grid_axis.size == 1:
+            continue
+        peer = rows[:, 2] // grid.shape[1] if axis == 0 else rows[:, 2] % grid.shape[1]
+        rows = rows[torch.argsort(peer, stable=True)]
+        sent = torch.bincount(peer, minlength=grid_axis.size)
+        received = all_to_all(sent, [1] * grid_axis.size, [1] * grid_axis.size, grid_axis.name)
+        sent, received = sent.tolist(), received.tolist()
+        rows = all_to_all(rows.reshape(-1), [3 * c for c in sent], [3 * c for c in received],
+                          grid_axis.name).view(-1, 3)
+    return rows[:, 0], rows[:, 1].contiguous().view(torch.float64)
+
+
 def spherical_overdensity(
     positions: torch.Tensor,
     centres: torch.Tensor,
@@ -1083,9 +1104,10 @@ def spherical_overdensity(
         valid: optional ``(B, H)`` bool, the centres to measure (e.g.
             ``catalog.labels >= 0``); the others get 0.
         mesh: a process grid's mesh: each rank passes its particles and the same
-            centres and gets every centre's result. Collective. Every rank receives
-            every centre's candidate distances (``chunk_size`` at a time): memory is
-            bounded, the work per rank is that of the whole box's spheres.
+            centres and gets every centre's result. Collective. Each rank finds the
+            candidates among its own particles and sends them to the rank that measures
+            their centre (centres are dealt out round robin), which sorts them: a rank
+            holds and sorts about ``1/ranks`` of the candidates.
         chunk_size: candidate pairs handled at a time (over all ranks).
 
     Returns:
@@ -1175,9 +1197,8 @@ def spherical_overdensity(
                 group = pending[low:high]
                 centre, distance = _sphere_candidates(points, middle[group], search[group], lengths, table,
                                                       keys[low:high])
-                if distributed:
-                    gathered = _all_gather_rows(torch.stack([centre, distance.view(torch.int64)], 1), mesh)
-                    centre, distance = gathered[:, 0], gathered[:, 1].contiguous().view(torch.float64)
+                if distributed:  # each centre's candidates to the one rank that measures it
+                    centre, distance = _to_measuring_rank(centre, distance, mesh)
                 # by centre, then distance
                 by_distance = torch.argsort(distance)
                 by_centre = by_distance[torch.argsort(centre[by_distance], stable=True)]
@@ -1187,6 +1208,8 @@ def spherical_overdensity(
                 above = rank.double() * mass >= threshold * volume * distance**3
                 last = torch.zeros(group.numel(), dtype=torch.int64, device=device)
                 last.scatter_reduce_(0, centre[above], rank[above], reduce="amax")
+                if distributed:  # (zero where another rank measured the centre)
+                    total, last = mesh.all_reduce(torch.stack([total, last]), "sum").unbind(0)
                 # open: the next particle, beyond the search radius, could still be above
                 closed = (total + 1).double() * mass < threshold * volume * search[group] ** 3
                 counts_out[b, rows[group[closed]]] = last[closed]
