@@ -2,7 +2,6 @@
 reference, conservation and adjoint identities, gradcheck, opcheck and
 torch.compile. Every test runs on cpu and (when available) cuda."""
 
-import itertools
 import os
 
 import pytest

@@ -29,6 +29,7 @@ def _worker(rank, tmp):
 
     torch.set_num_threads(1)
     report = {}
+    report_groups = None
     try:
         for world in range(2):  # a second world after destroy_process_group makes new groups
             dist.init_process_group("gloo", init_method=f"file://{tmp}/store{world}", rank=rank, world_size=2,

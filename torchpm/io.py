@@ -669,7 +669,7 @@ def read_snapshot(path, *, share: tuple[int, int] | None = None, file_index: int
             which keeps the particles in the order the run held them: what a bit-exact
             restart on the same process grid needs).
     """
-    h5py = _h5py()
+    _h5py()  # (a clear error now if h5py is missing)
     try:
         import tomllib
     except ImportError:  # Python 3.10

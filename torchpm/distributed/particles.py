@@ -632,7 +632,6 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         ``(plan, positions, ids, *attributes)`` ``(B, count_out, ...)``: positions are
         wrapped into ``[0, n)`` along split axes. Collective over the grid.
     """
-    batch = ids.shape[0]
     bad = None  # occupied slots with a non-finite position, counted by the first stage's pass
     # Only a grid migrates: on one device nothing here touches the host (a CUDA graph
     # may capture the step).
