@@ -332,3 +332,27 @@ def test_parameters_are_the_callers_tensors():
     assert cosmology.h.shape == () and cosmology.h.dtype == torch.float64
     cosmology.Omega_c.sum().backward()  # (any function of the parameter)
     assert cosmology.Omega_c.grad is omega_c.grad and float(omega_c.grad) == 1.0
+
+
+def test_vmap_over_parameters_is_refused_by_name_and_func_derivatives_work():
+    """vmap over a parameter gets an error naming it (not torch's data-dependent control
+    flow error); torch.func.grad and jacrev over the parameters equal central
+    differences."""
+    a = torch.tensor(0.5, dtype=torch.float64)
+
+    def expansion(omega_c):
+        return torchpm.Planck15(Omega_c=omega_c).E(a)
+
+    values = torch.tensor([0.25, 0.3], dtype=torch.float64)
+    for transform in (torch.func.vmap(expansion), torch.func.vmap(torch.func.grad(expansion))):
+        with pytest.raises(NotImplementedError, match="`Omega_c` is batched by torch.func.vmap"):
+            transform(values)
+
+    def both(omega_c):
+        cosmology = torchpm.Planck15(Omega_c=omega_c)
+        return torch.stack([cosmology.E(a), cosmology.growth_factor(a)])
+
+    eps = 1e-6
+    central = (both(values[0] + eps) - both(values[0] - eps)) / (2 * eps)
+    torch.testing.assert_close(torch.func.grad(expansion)(values[0]), central[0], rtol=1e-7, atol=0)
+    torch.testing.assert_close(torch.func.jacrev(both)(values[0]), central, rtol=1e-6, atol=0)

@@ -55,6 +55,15 @@ def active_transforms() -> set[str]:
     return {interpreter.key().name.lower() for interpreter in retrieve_all_functorch_interpreters()}
 
 
+def is_vmapped(tensor) -> bool:
+    """Whether ``tensor`` carries a ``torch.func.vmap`` batch dimension (at any level)."""
+    while is_transformed(tensor):
+        if _functorch.is_batchedtensor(tensor):
+            return True
+        tensor = _functorch.get_unwrapped(tensor)
+    return False
+
+
 def plain(tensor):
     """``tensor`` without its ``torch.func`` wrappers (its values; for control values,
     such as flags and counts, that carry no derivative)."""

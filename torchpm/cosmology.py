@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .config import DARK_ENERGY_TOLERANCE
+from ._transforms import is_vmapped
 
 __all__ = [
     "Cosmology",
@@ -97,6 +98,12 @@ class Cosmology:
             # A Python number goes straight to float64: a float32 default would round
             # 0.2589 to 0.25889998674 and spoil finite differences in the parameters.
             tensor = value if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
+            if is_vmapped(tensor):
+                raise NotImplementedError(
+                    f"Cosmology: `{key}` is batched by torch.func.vmap, which a Cosmology does not support (its "
+                    "parameters are checked, and its growth table built, value by value). Build one Cosmology per "
+                    "value in a loop; torch.func.grad, vjp and jacrev over the parameters work"
+                )
             if tensor.numel() != 1:
                 raise ValueError(f"Cosmology: `{key}` must be a scalar, got shape {tuple(tensor.shape)}")
             if tensor.dim() or tensor.dtype != torch.float64:  # (the caller's 0-d float64 tensor is kept:
