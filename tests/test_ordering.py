@@ -271,3 +271,29 @@ def run_case(case_id, ctx):
 def test_two_ranks(tmp_path):
     errors = rank_errors(run_world(2, __name__, ["grid-2x1"], tmp_path, timeout_s=240)["grid-2x1"])
     assert not errors, errors
+
+
+@pytest.mark.parametrize("case", ["dense", "sparse_ids", "negative_ids", "overflowing_ids", "empty"])
+def test_one_key_sort_of_the_cuda_kernel_equals_the_two_sorts(case):
+    """The CUDA kernel sorts once by a composite (row, id) key: the same order as the two
+    stable sorts of the reference, run here on CPU tensors; ids whose span would overflow
+    the key fall back to the two sorts."""
+    generator = torch.Generator().manual_seed(11)
+    batch, n = 3, 0 if case == "empty" else 4000
+    positions = torch.rand(batch, n, 3, generator=generator, dtype=torch.float64) * 40 - 12
+    ids = torch.stack([torch.randperm(n, generator=generator) for _ in range(batch)])
+    if n:
+        ids[0, :70] = -1
+        positions[1, 5] = float("nan")
+        positions[2, 9, 1] = 1e30
+    if case == "sparse_ids":
+        ids = torch.where(ids >= 0, ids * 1_000_003 + 7, ids)
+    elif case == "negative_ids":
+        ids[1, 100:140] = -5  # several empty markers: by id, then slot, as the reference
+    elif case == "overflowing_ids":
+        ids[2, 0] = 2**62
+    shape, offset, period = [5, 7], [3, -2], [16, 12]
+    order = ordering._spatial_order_one_key(positions, ids, shape, offset, period)
+    assert torch.equal(order, spatial_order_reference(positions, ids, shape, offset, period))
+    if n and case != "negative_ids":  # (and the CPU op's order)
+        assert torch.equal(order, _op(positions, ids, shape, offset, period))

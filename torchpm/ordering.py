@@ -59,9 +59,9 @@ def spatial_order(positions: torch.Tensor, ids: torch.Tensor, mesh) -> torch.Ten
     return torch.ops.torchpm._spatial_order(positions.detach(), ids, shape, offset, period)
 
 
-def spatial_order_reference(positions, ids, shape, offset, period) -> torch.Tensor:
-    """Pure-torch twin of ``torch.ops.torchpm._spatial_order`` (the test oracle, and the
-    kernel on devices without a native one): two stable sorts, by id, then by row."""
+def _rows(positions, ids, shape, offset, period) -> torch.Tensor:
+    """``(B, N)`` int64: each particle's (x, y) row of the block, ``shape[0] * shape[1]``
+    (the last) for empty slots and non-finite or huge positions."""
     shape_t = torch.tensor(shape, dtype=torch.int64, device=positions.device)
     offset_t = torch.tensor(offset, dtype=torch.int64, device=positions.device)
     period_t = torch.tensor(period, dtype=torch.int64, device=positions.device)
@@ -69,9 +69,31 @@ def spatial_order_reference(positions, ids, shape, offset, period) -> torch.Tens
     usable = (x.abs() < _MAX_KEY_COORDINATE).all(-1) & (ids >= 0)
     cell = torch.where(usable.unsqueeze(-1), x, 0.0).floor().to(torch.int64) - offset_t
     cell = torch.minimum(cell.remainder(period_t), shape_t - 1)
-    row = torch.where(usable, cell[..., 0] * shape_t[1] + cell[..., 1], shape[0] * shape[1])
+    return torch.where(usable, cell[..., 0] * shape_t[1] + cell[..., 1], shape[0] * shape[1])
+
+
+def spatial_order_reference(positions, ids, shape, offset, period) -> torch.Tensor:
+    """Pure-torch twin of ``torch.ops.torchpm._spatial_order`` (the test oracle): two
+    stable sorts, by id, then by row."""
+    row = _rows(positions, ids, shape, offset, period)
     by_id = torch.argsort(ids, dim=1, stable=True)
     return by_id.gather(1, torch.argsort(row.gather(1, by_id), dim=1, stable=True))
+
+
+def _spatial_order_one_key(positions, ids, shape, offset, period) -> torch.Tensor:
+    """The order of :func:`spatial_order_reference` with one stable sort of the int64 key
+    ``row * span + id - low`` (``low``, ``low + span - 1`` the smallest and largest id: one
+    host sync) where the key fits in int64; else, and while a CUDA graph is captured (no
+    sync allowed), the two sorts. Equal keys are empty slots of one id only, kept in slot
+    order by the stable sort as the two sorts keep them."""
+    if ids.numel() == 0 or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return spatial_order_reference(positions, ids, shape, offset, period)
+    low, top = torch.stack([ids.min(), ids.max()]).tolist()
+    span = top - low + 1
+    if span > torch.iinfo(torch.int64).max // (shape[0] * shape[1] + 1):
+        return spatial_order_reference(positions, ids, shape, offset, period)
+    key = _rows(positions, ids, shape, offset, period) * span + (ids - low)
+    return torch.argsort(key, dim=1, stable=True)
 
 
 def _spatial_order_fake(positions, ids, shape, offset, period):
@@ -90,7 +112,7 @@ def _spatial_order_device(positions, ids, shape, offset, period):
         raise ValueError(f"{op}: `shape` and `period` must be positive mesh sizes, got {format_list(shape)} and "
                          f"{format_list(period)}.")
     particle_ids(op, ids, positions)
-    return spatial_order_reference(positions, ids, shape, offset, period)
+    return _spatial_order_one_key(positions, ids, shape, offset, period)
 
 
 torch.library.register_fake("torchpm::_spatial_order")(_spatial_order_fake)
