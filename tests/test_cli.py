@@ -110,6 +110,11 @@ BAD_VALUES = [
     ("n_particle = 8", "unknown keys"),
     ("n_particles = [8, 8", "not valid TOML"),
     ("n_particles = 512\nmesh_factor = 2", "needs about"),
+    # cosmologies the settings' checks pass but the physics refuses: before the run too
+    ("cosmology = {Omega_c = 0.25, Omega_b = 0.05, h = 0.7, n_s = 0.96, sigma8 = 0.8, w0 = -0.5, wa = 0.6}",
+     "`cosmology`: growth_table: needs w0 + wa < 0"),
+    ("cosmology = {Omega_c = 0.25, Omega_b = 0.05, h = 0.7, n_s = 0.96, sigma8 = 0.8, Omega_k = -5.0}",
+     "this closed universe has no expanding history"),
 ]
 
 
@@ -1023,3 +1028,24 @@ def test_a_final_output_that_cannot_be_written_is_one_line(tmp_path, capsys, mon
     assert not (out / f".{output}.partial").exists()
     if output == "config.toml":  # (before the run: nothing ran)
         assert not (out / "power_spectrum.txt").exists()
+
+
+def test_a_run_that_fails_is_one_line_and_leaves_no_earlier_table(tmp_path, capsys, monkeypatch):
+    """What the run itself refuses (initial conditions that overflow: sigma8 = 1e20) is
+    one line and status 2, not a traceback; an --overwrite run that fails leaves no
+    table of the earlier run beside its own config.toml."""
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.toml"
+    config.write_text(SMALL + 'output = "out"\n')
+    assert main(["run", str(config)]) == 0
+    assert (tmp_path / "out" / "power_spectrum.txt").exists()
+    capsys.readouterr()
+    config.write_text(SMALL + 'output = "out"\n'
+                      "cosmology = {Omega_c = 0.25, Omega_b = 0.05, h = 0.7, n_s = 0.96, sigma8 = 1e20}\n")
+    assert main(["run", str(config), "--check"]) == 0  # (a setting like any other: only the run can tell)
+    capsys.readouterr()
+    assert main(["run", str(config), "--overwrite"]) == 2
+    error = capsys.readouterr().err
+    assert "the LPT initial conditions are not finite" in error and "Traceback" not in error, error
+    assert _line_count(error.split("torchpm run:")[-1]) == 1, error
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.toml"]

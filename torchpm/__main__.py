@@ -68,7 +68,8 @@ from .config import SETTINGS, SettingError, defaults, load_config, markdown_tabl
 
 DEFAULTS = defaults()
 OUTPUT_NAMES = ("config.toml", "power_spectrum.txt", "power_spectrum.png")
-# Written by some runs only: with --overwrite removed first, so none is left from another run.
+# Written by some runs only. With --overwrite these and OUTPUT_NAMES are removed first, so
+# none is left from another run.
 OPTIONAL_OUTPUTS = ("power_multipoles.txt", "correlation_function.txt", "density.hdf5", "lensing.hdf5", "halos.hdf5")
 
 
@@ -115,11 +116,13 @@ def build_simulation(config: dict):
     elif config["grid"] not in ([], [1, 1]):
         raise UserError(f"`grid` = {config['grid']} needs a distributed run, which this build does not have")
     # `collective_timeout` is for torch.distributed.init_process_group, by whoever launches the ranks.
-    cosmology = make_cosmology(config["cosmology"], config["f_nl"])
-    steps = config["steps"]
-    if config["lensing_planes"]:
-        steps = lensing_steps(config, lens_planes(config, cosmology))
     try:
+        # A closed universe that recollapses, a dark energy that does not vanish early
+        # (w0 + wa >= 0): refused here, by --check too, rather than in the run.
+        cosmology = make_cosmology(config["cosmology"], config["f_nl"])
+        steps = config["steps"]
+        if config["lensing_planes"]:
+            steps = lensing_steps(config, lens_planes(config, cosmology))
         simulation = torchpm.Simulation(
             n_particles=config["n_particles"],
             box_size=config["box_size"],
@@ -142,8 +145,9 @@ def build_simulation(config: dict):
             memory_check="off",
             **options,
         )
+        simulation.growth_table()  # (cached for the run)
     except (ValueError, TypeError, MemoryError) as error:
-        raise UserError(str(error)) from None
+        raise UserError(f"`cosmology`: {error}" if "growth_table" in str(error) else str(error)) from None
     device = torch.device(config["device"])
     simulation.memory_check = config["memory_check"]
     try:
@@ -223,7 +227,9 @@ def prepare_output(folder: str, overwrite: bool, keep: frozenset = frozenset()) 
             "(--output) or pass --overwrite to replace them"
         )
     if overwrite:
-        for name in OPTIONAL_OUTPUTS:
+        # Every earlier output, the tables this run writes at its end too: a run that fails
+        # must not leave the earlier run's P(k) beside its own config.toml.
+        for name in OUTPUT_NAMES + OPTIONAL_OUTPUTS:
             try:
                 os.remove(os.path.join(folder, name))
             except FileNotFoundError:
@@ -583,6 +589,11 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
             if isinstance(error.__cause__, UserError):
                 raise error.__cause__ from None
             raise
+        except ValueError as error:
+            # What the run itself refuses (raised on every rank together), e.g. initial
+            # conditions that are not finite (a power table in the wrong units, sigma8 =
+            # 1e20): one line and status 2, as a wrong setting found before the run.
+            raise UserError(str(error)) from None
         finally:
             bar.close()  # (the error's line below the bar, not after it)
         if device.type == "cuda":
