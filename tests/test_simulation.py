@@ -1,6 +1,9 @@
 """The whole simulation: gradients, batches, linear growth, devices, bad inputs."""
 
 
+import re
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -374,3 +377,40 @@ def test_resume_refuses_non_finite_particles_without_steps_too(name):
         with pytest.raises(ValueError, match=f"resume: the state's {name} are not finite"):
             sim.resume(bad, until=until)
     assert torch.isfinite(sim.resume(state, until=state.a).momenta).all()
+
+
+def test_resume_and_forward_name_bad_run_arguments():
+    """A state without a scale factor is refused (None meant the last step: the state came
+    back relabelled a = 1 with no step run), and so are truthy non-bool unit flags (a
+    state in Mpc/h read as cells), a callback that cannot be called (found before the
+    initial conditions), a string scale factor and particle arrays of other shapes."""
+    sim = _tiny()
+    noise = sim.white_noise(seed=3)
+    with torch.no_grad():
+        state = sim(noise, until=sim.scale_factors[1])
+    physical = torchpm.SimulationState
+    cases = [
+        (lambda: sim.resume(physical(state.positions, state.momenta, None, state.ids)), "`state.a` must be"),
+        (lambda: sim.trajectory(state=physical(state.positions, state.momenta, None, state.ids), at=[1.0]),
+         "`state.a` must be"),
+        (lambda: sim.resume(state, mesh_units="false"), "`mesh_units` must be True or False, got 'false'"),
+        (lambda: sim.resume(state, return_mesh_units=1), "`return_mesh_units` must be True or False"),
+        (lambda: sim(noise, return_mesh_units="yes"), "`return_mesh_units` must be True or False"),
+        (lambda: sim(noise, callback=3), "`callback` must be callable or None, got int"),
+        (lambda: sim.resume(state, callback="bar"), "`callback` must be callable"),
+        (lambda: sim(noise, until="1"), "`until` must be a scale factor (a number), got '1'"),
+        (lambda: sim.resume(state, until=True), "`until` must be a scale factor"),
+        (lambda: sim.resume(physical(state.positions[..., :2], state.momenta[..., :2], state.a, state.ids)),
+         r"`state.positions` must be a floating-point tensor of shape \(B, N, 3\), got \(1, 64, 2\)"),
+        (lambda: sim.resume(physical(state.positions, state.momenta[:, :10], state.a, state.ids)),
+         "`state.momenta` must have the shape of `state.positions`"),
+        (lambda: sim.resume(physical(state.positions, state.momenta, state.a, state.ids.double())),
+         "`state.ids` must be None or an integer tensor"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message if message.startswith("`state.positions`") else re.escape(message)):
+            call()
+    # the checks pass what they should: a 0-d tensor scale factor, numpy floats, ids None
+    torch.testing.assert_close(sim.resume(physical(state.positions, state.momenta, torch.tensor(state.a, dtype=torch.float64), None),
+                                          until=np.float64(sim.scale_factors[-1])).positions,
+                               sim.resume(state).positions, rtol=0, atol=0)

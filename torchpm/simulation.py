@@ -42,6 +42,37 @@ from .ops._arguments import ORDER_NAMES, order_number
 __all__ = ["Simulation", "SimulationState"]
 
 
+
+def _check_run_arguments(callback, **flags) -> None:
+    """A run's ``callback`` (callable or None) and boolean ``flags`` (``mesh_units``,
+    ``return_mesh_units``: a string such as "false" would be truthy)."""
+    if callback is not None and not callable(callback):
+        raise ValueError(f"`callback` must be callable or None, got {type(callback).__name__}")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"`{name}` must be True or False, got {value!r}")
+
+
+def _check_state_tensors(state) -> None:
+    """``state.positions`` and ``state.momenta`` floating ``(B, N, 3)`` of one shape, and
+    ``state.ids`` None or an integer ``(B, N)`` tensor."""
+    positions, momenta, ids = state.positions, state.momenta, state.ids
+    for name, value in (("positions", positions), ("momenta", momenta)):
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dim() != 3 \
+                or value.shape[-1] != 3:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"`state.{name}` must be a floating-point tensor of shape (B, N, 3), got {shape}")
+    if momenta.shape != positions.shape:
+        raise ValueError(f"`state.momenta` must have the shape of `state.positions` {tuple(positions.shape)}, got "
+                         f"{tuple(momenta.shape)}")
+    if ids is not None and (not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex()
+                            or ids.dtype == torch.bool
+                            or tuple(ids.shape) != tuple(positions.shape[:2])):
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"`state.ids` must be None or an integer tensor of shape {tuple(positions.shape[:2])}, "
+                         f"got {shape}")
+
+
 class SimulationState(NamedTuple):
     """Particles of a batch of simulations at scale factor ``a``.
 
@@ -780,6 +811,7 @@ class Simulation(nn.Module):
                 raise ValueError(problem)
             if (white_noise is None) == (linear_field is None):
                 raise ValueError("pass exactly one of `white_noise` and `linear_field`")
+            _check_run_arguments(callback, return_mesh_units=return_mesh_units)
             if at is not None:
                 emit_at = self._at_indices(at, 0)
                 until = self.scale_factors[emit_at[-1]]
@@ -975,6 +1007,11 @@ class Simulation(nn.Module):
                 raise ValueError(problem)
             if not isinstance(state, SimulationState):
                 raise ValueError(f"`state` must be a SimulationState, got {type(state).__name__}")
+            _check_run_arguments(callback, mesh_units=mesh_units, return_mesh_units=return_mesh_units)
+            _check_state_tensors(state)
+            if state.a is None:
+                raise ValueError(f"`state.a` must be the state's scale factor (one of the simulation's scale "
+                                 f"factors {self.scale_factors}), got None")
             start = self._step_index(state.a, "state.a")
             if at is not None:
                 emit_at = self._at_indices(at, start)
@@ -1123,6 +1160,9 @@ class Simulation(nn.Module):
         """Index of scale factor ``a`` in :attr:`scale_factors` (None: the last)."""
         if a is None:
             return len(self.scale_factors) - 1
+        if isinstance(a, (str, bytes, bool)) or not (isinstance(a, numbers.Real) or (
+                isinstance(a, torch.Tensor) and a.numel() == 1 and a.is_floating_point())):
+            raise ValueError(f"`{name}` must be a scale factor (a number), got {a!r}")
         a = float(a)
         for index, value in enumerate(self.scale_factors):
             if abs(value - a) <= 1e-12 * max(1.0, abs(value)):
