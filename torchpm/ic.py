@@ -165,7 +165,7 @@ def fixed_amplitude(noise: torch.Tensor, mesh=None) -> torch.Tensor:
     ``IDFT( sqrt(N) DFT(noise) / |DFT(noise)| )`` with ``N`` the cells of the global
     grid: ``<|DFT(omega)|^2> = N`` for standard normal white noise ``omega``, so the
     result has the unfixed noise's power in every mode and none of its scatter, and
-    :func:`linear_field` of it has ``|delta(k)|^2 = P(k) N / V`` exactly. Every mode is
+    :func:`linear_field` of it has ``|delta(k)|^2 = P(k) N^2 / V`` (unnormalised DFT) exactly. Every mode is
     fixed, ``k = 0`` included. A self-conjugate mode (``k = -k``: each component 0 or,
     on an even axis, the Nyquist frequency) is real and becomes ``+-sqrt(N)`` with its
     sign kept. A mode whose amplitude is exactly zero has no phase and becomes

@@ -563,7 +563,7 @@ class Simulation(nn.Module):
             seed: integer seed (:func:`torchpm.ic.white_noise`).
             fixed_amplitude: set every Fourier amplitude of each member to its expectation,
                 phases kept (:func:`torchpm.ic.fixed_amplitude`): the linear field's
-                ``|delta(k)|^2`` is then ``P(k) N / V`` mode by mode, with no cosmic
+                ``|delta(k)|^2`` is then ``P(k) N^2 / V`` (unnormalised DFT) mode by mode, with no cosmic
                 variance (Angulo & Pontzen 2016).
             paired: return the partner of the field ``seed`` makes: its negative, every
                 Fourier phase shifted by pi (with ``fixed_amplitude``, the negative of
