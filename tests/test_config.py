@@ -80,6 +80,17 @@ def test_steps_grid_is_the_documented_one():
     assert config.as_steps(0, 0.5, 0.1) == [0.5]
 
 
+def test_an_empty_steps_list_is_no_step_in_the_config_as_in_the_api(tmp_path):
+    """`steps = []` is a run with no step (the LPT only) in a config file, as it is for
+    `Simulation(steps=[])` and as `steps = 0` is: both check against one declaration."""
+    path = tmp_path / "run.toml"
+    path.write_text("n_particles = 4\nbox_size = 40.0\nsteps = []\na_start = 0.3\n")
+    loaded = config.load_config(str(path))
+    assert loaded["steps"] == []
+    assert torchpm.Simulation(n_particles=4, box_size=40.0, steps=loaded["steps"], a_start=0.3).scale_factors == [0.3]
+    assert config.as_steps([], 0.3, 1.0) == config.as_steps(0, 0.3, 1.0) == [0.3]
+
+
 @pytest.mark.parametrize(
     "check,value,ok",
     [

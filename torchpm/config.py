@@ -380,7 +380,7 @@ def _float(low=None, high=None, low_open=False):
 def _steps(name, value):
     if _is_number(value):
         return as_int(name, value, 0, MAX_STEPS)
-    return as_scale_factors(name, value, allow_empty=False)
+    return as_scale_factors(name, value)  # ([]: no step, as 0 and as Simulation(steps=[]))
 
 
 SETTINGS: tuple[Setting, ...] = (
