@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import torchpm
-from torchpm.halos import HaloCatalog, find_halos, friends_of_friends, halo_catalog, linking_distance
+from torchpm.halos import (HaloCatalog, find_halos, friends_of_friends, halo_catalog, linking_distance,
+                           spherical_overdensity)
 
 spatial = pytest.importorskip("scipy.spatial")
 csgraph = pytest.importorskip("scipy.sparse.csgraph")
@@ -173,6 +174,21 @@ def test_arguments_are_checked():
     broken[1, 3, 2] = float("inf")
     with pytest.raises(ValueError, match="`positions` must be finite, got 1 particles"):
         friends_of_friends(broken, 10.0)
+    # far beyond the box: wrapping 1e31 keeps no digit of the position (every particle
+    # was put in one group); an empty slot's position is not read
+    broken[1, 3, 2] = 1e31
+    for call in (lambda p: friends_of_friends(p, 10.0), lambda p: halo_catalog(p, torch.zeros(2, 50).long(), 10.0),
+                 lambda p: spherical_overdensity(p, p[:, :2].clamp(0, 9), 10.0, 1.0, radius=1.0)):
+        with pytest.raises(ValueError, match="`positions` must lie within 1e\\+06 box lengths of the box .* got 1 "
+                                             "particles beyond"):
+            call(broken)
+    ids = torch.arange(50).expand(2, 50).clone()
+    ids[1, 3] = -1
+    assert friends_of_friends(broken, 10.0, ids=ids, n_particles=50)[1, 3] == -1
+    broken[1, 3, 2] = 0.999e7  # (within the limit: wrapped)
+    wrapped = positions.clone()
+    wrapped[1, 3, 2] = float(torch.remainder(torch.tensor(0.999e7, dtype=torch.float64), 10.0))
+    assert torch.equal(friends_of_friends(broken, 10.0), friends_of_friends(wrapped, 10.0))
     for length in (0.0, -0.2, float("nan"), True, "0.2"):
         with pytest.raises(ValueError, match="`linking_length` must be a positive number"):
             friends_of_friends(positions, 10.0, length)

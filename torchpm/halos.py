@@ -84,6 +84,9 @@ __all__ = ["HaloCatalog", "friends_of_friends", "halo_catalog", "find_halos", "l
            "spherical_overdensity", "spherical_overdensity_masses"]
 
 DEFAULT_CHUNK_SIZE = 1 << 20
+# Positions may be this many box lengths from the box (wrapped into it in float64, a
+# coordinate then keeps about 1e-10 of a box length).
+_IMAGES = 1e6
 # Hubble units: the critical density today is 27.7536627e10 (Msun/h) / (Mpc/h)^3.
 CRITICAL_DENSITY_MSUN = 27.7536627e10
 _NO_LABEL = torch.iinfo(torch.int64).max
@@ -148,9 +151,11 @@ def _describe(value) -> str:
     return type(value).__name__
 
 
-def _particles(function, positions, ids, distributed):
+def _particles(function, positions, ids, distributed, box):
     """``positions`` as ``(B, N, 3)``, ``ids`` as ``(B, N)`` int64 (default ``arange``),
-    whether the input had no batch axis; ValueError naming the bad argument."""
+    whether the input had no batch axis; ValueError naming the bad argument. Positions
+    may lie outside the box (they are wrapped), but within ``_IMAGES`` boxes of it: far
+    beyond, wrapping them in float64 loses the digits that decide a link."""
     if not isinstance(positions, torch.Tensor) or not positions.is_floating_point() \
             or positions.dim() not in (2, 3) or positions.shape[-1] != 3:
         raise ValueError(f"{function}: `positions` must be a floating-point tensor of shape (B, N, 3) or (N, 3) "
@@ -177,6 +182,12 @@ def _particles(function, positions, ids, distributed):
     if not bool(finite.all()):
         raise ValueError(f"{function}: `positions` must be finite, got {int((~finite).sum())} particles with NaN or "
                          "inf coordinates")
+    reach = torch.tensor(box, dtype=torch.float64, device=positions.device) * _IMAGES
+    far = (positions.detach().double().abs() > reach).any(-1) & valid
+    if bool(far.any()):
+        raise ValueError(f"{function}: `positions` must lie within {_IMAGES:g} box lengths of the box (Mpc/h; they "
+                         f"are wrapped into it), got {int(far.sum())} particles beyond, e.g. "
+                         f"{positions.detach()[far][0].tolist()}")
     return positions, ids, unbatched
 
 
@@ -709,7 +720,7 @@ def friends_of_friends(
             n_particles = _positive_int(n_particles, "n_particles", function)
         min_members = _positive_int(min_members, "min_members", function)
         chunk_size = _positive_int(chunk_size, "chunk_size", function)
-        positions, ids, unbatched = _particles(function, positions, ids, distributed)
+        positions, ids, unbatched = _particles(function, positions, ids, distributed, box)
         _check_unique_ids(function, ids)
         values = [("`box_size`", box), ("`linking_length`", float(linking_length)),
                   ("`n_particles`", n_particles), ("`min_members`", min_members),
@@ -790,7 +801,7 @@ def halo_catalog(
     try:
         box = as_box_size(box_size)
         min_members = _positive_int(min_members, "min_members", function)
-        positions, ids, unbatched = _particles(function, positions, ids, distributed)
+        positions, ids, unbatched = _particles(function, positions, ids, distributed, box)
         shape = tuple(positions.shape[:2])
         if not isinstance(labels, torch.Tensor) or labels.dtype != torch.int64 \
                 or tuple(labels.shape) != shape[unbatched:]:
@@ -1120,7 +1131,7 @@ def spherical_overdensity(
     error, values = None, []
     try:
         box = as_box_size(box_size)
-        positions, ids, _ = _particles(function, positions, ids, distributed)
+        positions, ids, _ = _particles(function, positions, ids, distributed, box)
         batch = positions.shape[0]
         if not isinstance(centres, torch.Tensor) or not centres.is_floating_point() \
                 or centres.dim() not in (2, 3) or centres.shape[-1] != 3:
