@@ -351,6 +351,11 @@ def test_convergence_errors():
         lensing.convergence_born(planes, geometry, 100.0, angles, 1.0, None)
     with pytest.raises(ValueError, match="`field_of_view`"):
         lensing.angular_grid(-1.0, 8)
+    for call in (lambda: lensing.angular_grid(200.0, 8), lambda: lensing.angular_grid((5.0, 90.5), 8),
+                 lambda: lensing.angular_power_spectrum(torch.zeros(8, 8), 200.0)):
+        with pytest.raises(ValueError, match=r"`field_of_view` must be at most 90 \(flat sky\)"):  # (the config's)
+            call()
+    assert lensing.angular_grid((90.0, 5.0), 8).shape == (8, 8, 2)
     with pytest.raises(ValueError, match="at least one plane"):
         lensing.convergence_born(planes[:0], lensing.LensPlanes((), (), (), 2), 100.0, angles, 1.0, c)
     with pytest.raises(ValueError, match="scale factors in \\(0, 1\\]"):

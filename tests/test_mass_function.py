@@ -57,6 +57,8 @@ def test_errors_name_the_argument():
         mass_function_theory([1e13], cosmology, model="tinker")
     with pytest.raises(ValueError, match="`mass`"):
         mass_function_theory([0.0], cosmology)
+    with pytest.raises(ValueError, match="`mass` must hold at least one mass"):
+        mass_function_theory([], cosmology)
     with pytest.raises(ValueError, match="`a`"):
         mass_function_theory([1e13], cosmology, a=0.0)
     with pytest.raises(ValueError, match="one finite value per wavenumber"):

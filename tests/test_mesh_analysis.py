@@ -162,3 +162,16 @@ def test_ratios_to_a_field_without_power_raise_and_errors_name_the_argument():
         transfer_function(a, bad, 100.0)
     with pytest.raises(ValueError, match=r"^`field_b` contains NaN"):
         cross_power(a, bad, 100.0)
+
+
+def test_empty_fields_are_refused_by_name():
+    """A batch of no field, or an axis of no cell, gets an error naming the argument (the
+    FFT library's "Inconsistent configuration" before)."""
+    from torchpm.analysis import correlation_function
+
+    for shape in ((0, 8, 8, 8), (8, 0, 8), (1, 8, 8, 0)):
+        empty = torch.zeros(shape, dtype=torch.float64)
+        for call in (lambda: power_spectrum(empty, 100.0), lambda: correlation_function(empty, 100.0),
+                     lambda: cross_power(empty, empty, 100.0)):
+            with pytest.raises(ValueError, match=r"at least one batch member and one cell per axis, got shape"):
+                call()

@@ -89,6 +89,8 @@ def _field_error(field, name, mesh):
             f"`{name}` must be a real tensor of shape (nx, ny, nz) or (B, nx, ny, nz), got "
             f"{getattr(field, 'shape', type(field).__name__)}"
         )
+    if (field.dim() == 4 and field.shape[0] == 0) or (mesh is None and 0 in field.shape[-3:]):
+        return f"`{name}` must hold at least one batch member and one cell per axis, got shape {tuple(field.shape)}"
     if mesh is not None and tuple(field.shape[-3:]) != tuple(mesh.local_real_shape):
         return (
             f"`{name}` of shape {tuple(field.shape)} does not match this rank's block "

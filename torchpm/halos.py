@@ -1434,6 +1434,8 @@ def mass_function_theory(mass, cosmology, a: float = 1.0, *, model: str = "watso
     if not callable(getattr(cosmology, "growth", None)):
         raise TypeError(f"{function}: `cosmology` must be a torchpm.Cosmology, got {type(cosmology).__name__}")
     mass = torch.as_tensor(mass, dtype=torch.float64)
+    if mass.numel() == 0:
+        raise ValueError(f"{function}: `mass` must hold at least one mass (Msun/h), got shape {tuple(mass.shape)}")
     if not bool(torch.isfinite(mass).all()) or bool((mass <= 0).any()):
         raise ValueError(f"{function}: `mass` must hold finite masses > 0 (Msun/h)")
     if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 < a <= 1:

@@ -75,8 +75,8 @@ def _positive_int(value, name, function) -> int:
     return int(value)
 
 
-def _pair(value, name, function, kind) -> tuple:
-    """``value`` (one or two ``kind`` values) as a pair."""
+def _pair(value, name, function, kind, limit=None) -> tuple:
+    """``value`` (one or two ``kind`` values, at most ``limit``) as a pair."""
     values = (value, value) if not isinstance(value, (tuple, list)) else tuple(value)
     if len(values) != 2:
         raise ValueError(f"{function}: `{name}` must be one or two values, got {value!r}")
@@ -85,6 +85,8 @@ def _pair(value, name, function, kind) -> tuple:
     if any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not (math.isfinite(v) and v > 0)
            for v in values):
         raise ValueError(f"{function}: `{name}` must be one or two positive numbers, got {value!r}")
+    if limit is not None and any(v > limit for v in values):
+        raise ValueError(f"{function}: `{name}` must be at most {limit:g} (flat sky), got {value!r}")
     return tuple(float(v) for v in values)
 
 
@@ -310,7 +312,7 @@ def angular_grid(field_of_view, pixels, *, dtype=torch.float64, device=None) -> 
     degrees (one or two numbers) with ``pixels`` pixels (one or two integers):
     ``(P0, P1, 2)``, ``theta_j = (j + 1/2) field / P`` per axis."""
     function = "angular_grid"
-    field = _pair(field_of_view, "field_of_view", function, float)
+    field = _pair(field_of_view, "field_of_view", function, float, limit=90.0)
     pixels = _pair(pixels, "pixels", function, int)
     axes = [(torch.arange(p, dtype=torch.float64) + 0.5) * math.radians(f) / p for f, p in zip(field, pixels)]
     grid = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1)
@@ -429,7 +431,7 @@ def angular_power_spectrum(maps: torch.Tensor, field_of_view) -> AngularPowerSpe
     if not isinstance(maps, torch.Tensor) or not maps.is_floating_point() or maps.dim() not in (2, 3):
         raise ValueError(f"{function}: `maps` must be a (P0, P1) or (B, P0, P1) floating-point tensor, got "
                          f"{getattr(maps, 'shape', type(maps).__name__)}")
-    field = [math.radians(f) for f in _pair(field_of_view, "field_of_view", function, float)]
+    field = [math.radians(f) for f in _pair(field_of_view, "field_of_view", function, float, limit=90.0)]
     single = maps.dim() == 2
     batch = maps.unsqueeze(0) if single else maps
     p0, p1 = batch.shape[-2:]
