@@ -129,6 +129,23 @@ def test_torchrun_resume_refused_by_one_rank_is_one_error_on_every_rank(tmp_path
     assert not (tmp_path / "second" / "config.toml").exists()
 
 
+def test_torchrun_initial_conditions_that_overflow_are_one_line_on_every_rank(tmp_path):
+    """sigma8 = 1e20 (or a power table in the wrong units): the LPT particles are not
+    finite. Every rank prints the one line naming them, not the migration's refusal of
+    non-finite particles as a traceback."""
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG.replace("seed = 4", "seed = 4\ncosmology = {Omega_c = 0.25, Omega_b = 0.05, h = 0.7, "
+                                                "n_s = 0.96, sigma8 = 1e20}"))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "torchpm"]
+    result = subprocess.run([*launch, "run", str(config), "--output", str(tmp_path / "out")], cwd=tmp_path,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    lines = [line for line in output.splitlines() if line.startswith("torchpm run: ")]
+    assert len(lines) == 2 and all("the LPT initial conditions are not finite" in line for line in lines), output[-3000:]
+    assert "[rank0]: Traceback" not in output and "[rank1]: Traceback" not in output, output[-3000:]
+
+
 def test_torchrun_ranks_with_different_configs_stop_with_one_error(tmp_path):
     """Each rank reads its own config file: a rank whose seed differs (it would make its
     block of another field: the run mixed two, exit 0) stops every rank with one line

@@ -29,6 +29,7 @@ from .ic import (
 from .distributed.decomposition import PencilDecomposition
 from .distributed.groups import all_gather_grid, eager, unsummed_leaves
 from .distributed.layout import balanced_grid
+from .distributed.particles import MAX_ABS_POSITION
 from .mesh import LocalMesh
 from ._transforms import active_transforms, is_transformed, outside_transforms, plain, transforms_active
 from .fourier import FourierKernels
@@ -837,13 +838,6 @@ class Simulation(nn.Module):
         else:
             delta = self._check_field(linear_field, "linear_field")
         positions, momenta, ids = self.lpt(delta, table)
-        finite = bool(torch.isfinite(positions).all() & torch.isfinite(momenta).all())
-        self.force_mesh.raise_together(
-            None if finite else
-            "the LPT initial conditions are not finite: the linear power (`power_spectrum`, "
-            f"`box_size` = {self.box_size}) is too large for {self.dtype}; check the power table's units "
-            "((Mpc/h)^3) and the box size (Mpc/h)", operation="Simulation.forward (initial conditions)"
-        )
         if callback is not None:
             callback(0, self.a_start)
         if stop:
@@ -1186,6 +1180,15 @@ class Simulation(nn.Module):
         block, offset = self.particle_mesh.local_real_shape, self.particle_mesh.local_real_offset
         q = grid_positions(block, self.mesh_factor, dtype=self.dtype, device=self.device, offset=offset)
         positions, momenta = lpt_initial_state(psi1, psi2, growth, q, self.cell_size, self.lpt_normalisation)
+        # Before the migration, which would refuse the particles without saying why: not
+        # finite, or beyond the ops' reach (+-2^40 cells; float64 overflows later).
+        usable = bool((positions.detach().abs() < MAX_ABS_POSITION).all() & torch.isfinite(momenta.detach()).all())
+        self.force_mesh.raise_together(
+            None if usable else
+            "the LPT initial conditions are not finite (or beyond +-2^40 cells): the linear power "
+            f"(`power_spectrum`, `box_size` = {self.box_size}) is too large; check the power table's units "
+            "((Mpc/h)^3), `sigma8` and the box size (Mpc/h)", operation="Simulation.lpt (initial conditions)"
+        )
         ids = self._lagrangian_ids(block, offset).expand(positions.shape[0], -1)
         _, positions, ids, momenta = self.force_mesh.migrate(
             positions, ids, momenta, capacity=self.particle_capacity
