@@ -230,36 +230,35 @@ def _halo_worker(rank, world, size, repeats, threads, store, result_path, steps)
     dist.destroy_process_group()
 
 
-def run_halos(size, world, repeats, threads, steps):
+def _reports(worker, world, size, repeats, threads, steps):
+    """The ranks' reports of ``worker`` (``_halo_worker``, ``_adjoint_worker``) in ``world``
+    fresh processes."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "rank{rank}.json")
-        mp.start_processes(_halo_worker,
-                           args=(world, size, repeats, threads, os.path.join(tmp, "store"), result_path, steps),
+        mp.start_processes(worker, args=(world, size, repeats, threads, os.path.join(tmp, "store"), result_path, steps),
                            nprocs=world, join=True, start_method="spawn")
         reports = []
         for rank in range(world):
             with open(result_path.format(rank=rank)) as handle:
                 reports.append(json.load(handle))
-    columns = [statistics.median(max(r["rows"][i][k] for r in reports) for i in range(repeats)) for k in range(2)]
-    return reports[0], columns
+    return reports
+
+
+def _slowest_medians(reports, repeats, columns):
+    """Per column, the median over the repeats of the slowest rank's value."""
+    return [statistics.median(max(r["rows"][i][k] for r in reports) for i in range(repeats)) for k in range(columns)]
+
+
+def run_halos(size, world, repeats, threads, steps):
+    reports = _reports(_halo_worker, world, size, repeats, threads, steps)
+    return reports[0], _slowest_medians(reports, repeats, 2)
 
 
 def run_adjoint(size, world, repeats, threads, steps):
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = os.path.join(tmp, "rank{rank}.json")
-        mp.start_processes(_adjoint_worker,
-                           args=(world, size, repeats, threads, os.path.join(tmp, "store"), result_path, steps),
-                           nprocs=world, join=True, start_method="spawn")
-        reports = []
-        for rank in range(world):
-            with open(result_path.format(rank=rank)) as handle:
-                reports.append(json.load(handle))
-    columns = [statistics.median(max(r["rows"][i][k] for r in reports) for i in range(repeats)) for k in range(4)]
-    return reports[0]["grid"], columns
+    reports = _reports(_adjoint_worker, world, size, repeats, threads, steps)
+    return reports[0]["grid"], _slowest_medians(reports, repeats, 4)
 
 
 def _spawn(world, size, repeats, threads, sort_every, memory_only):
