@@ -318,7 +318,7 @@ def main():
                              "(Simulation's sort_every; 0: never)")
     arguments = parser.parse_args()
     if arguments.halos:
-        steps = arguments.steps or 20
+        steps = 20 if arguments.steps is None else arguments.steps
         print_header("distributed halo finding", "cpu", [
             "gloo", f"{steps} steps to a = 1", f"{arguments.threads_per_rank} thread(s) per rank",
             f"median of {arguments.repeats} calls (slowest rank)"])
@@ -333,7 +333,8 @@ def main():
         return
     if arguments.adjoint:
         print_header("distributed adjoint", "cpu", [
-            "gloo", f"{arguments.steps or 5} steps", f"{arguments.threads_per_rank} thread(s) per rank",
+            "gloo", f"{5 if arguments.steps is None else arguments.steps} steps",
+            f"{arguments.threads_per_rank} thread(s) per rank",
             f"median of {arguments.repeats} runs (slowest rank)"])
         table = Table(["size", "ranks", "grid", ("forward s", ".3f"), ("backward s", ".3f"),
                        ("halo in forward s", ".3f"), ("halo in backward s", ".3f")])
@@ -341,7 +342,8 @@ def main():
         for size in arguments.sizes:
             for world in arguments.ranks:
                 grid, (forward, backward, halo_f, halo_b) = run_adjoint(
-                    size, world, arguments.repeats, arguments.threads_per_rank, arguments.steps or 5)
+                    size, world, arguments.repeats, arguments.threads_per_rank,
+                    5 if arguments.steps is None else arguments.steps)
                 table.print_row(f"{size}^3", world, "x".join(map(str, grid)), forward, backward, halo_f, halo_b)
         return
     print_header("distributed PM step", "cpu", ["gloo", f"CPU kernels {torchpm.cpu_kernels()}"])

@@ -1049,3 +1049,21 @@ def test_a_run_that_fails_is_one_line_and_leaves_no_earlier_table(tmp_path, caps
     assert "the LPT initial conditions are not finite" in error and "Traceback" not in error, error
     assert _line_count(error.split("torchpm run:")[-1]) == 1, error
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.toml"]
+
+
+def test_a_defect_in_the_command_lines_own_code_during_the_run_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only what the simulation refuses becomes the one-line error: a ValueError raised by
+    the command line's own code at a snapshot (here a failed unpack in the P(k) tables)
+    propagates as it is, not as a configuration mistake with status 2."""
+    import torchpm.__main__ as cli
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.toml"
+    config.write_text(SMALL + 'output = "out"\nsnapshots = [1.0]\n')
+
+    def broken(self, state):
+        _, _ = [1, 2, 3]
+
+    monkeypatch.setattr(cli._Tables, "measure", broken)
+    with pytest.raises(ValueError, match="too many values to unpack"):
+        main(["run", str(config)])

@@ -410,7 +410,10 @@ def test_resume_and_forward_name_bad_run_arguments():
     for call, message in cases:
         with pytest.raises(ValueError, match=message if message.startswith("`state.positions`") else re.escape(message)):
             call()
-    # the checks pass what they should: a 0-d tensor scale factor, numpy floats, ids None
-    torch.testing.assert_close(sim.resume(physical(state.positions, state.momenta, torch.tensor(state.a, dtype=torch.float64), None),
-                                          until=np.float64(sim.scale_factors[-1])).positions,
-                               sim.resume(state).positions, rtol=0, atol=0)
+    # the checks pass what they should: a 0-d tensor scale factor, numpy floats and 0-d
+    # arrays (np.load of a saved scalar), an integer tensor, ids None
+    reference = sim.resume(state).positions
+    for a, until in ((torch.tensor(state.a, dtype=torch.float64), np.float64(sim.scale_factors[-1])),
+                     (np.array(state.a), np.array(1.0)), (state.a, torch.tensor(1)), (state.a, 1)):
+        torch.testing.assert_close(sim.resume(physical(state.positions, state.momenta, a, None), until=until).positions,
+                                   reference, rtol=0, atol=0)

@@ -571,6 +571,20 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
                     written_tables.append(_halos(simulation, state, config, output, f"_{index:03d}", main_rank)[0])
             return state if state.a == final else None
 
+        # A ValueError from the CLI's own code in the run (the observer, the progress
+        # callback) is a defect, shown with its traceback; not a setting the run refused.
+        failed_in = []
+
+        def guarded(function):
+            def call(*args):
+                try:
+                    return function(*args)
+                except ValueError:
+                    failed_in.append(function.__name__)
+                    raise
+            return call
+
+        observe, callback = guarded(observe), guarded(callback)
         try:
             if start_state is None:
                 noise = simulation.white_noise(batch=batch, seed=config["seed"],
@@ -593,6 +607,8 @@ def _run(config, context, overwrite, resume, check, torchpm, power_spectrum, gat
             # What the run itself refuses (raised on every rank together), e.g. initial
             # conditions that are not finite (a power table in the wrong units, sigma8 =
             # 1e20): one line and status 2, as a wrong setting found before the run.
+            if failed_in:
+                raise
             raise UserError(str(error)) from None
         finally:
             bar.close()  # (the error's line below the bar, not after it)

@@ -1154,10 +1154,12 @@ class Simulation(nn.Module):
         """Index of scale factor ``a`` in :attr:`scale_factors` (None: the last)."""
         if a is None:
             return len(self.scale_factors) - 1
-        if isinstance(a, (str, bytes, bool)) or not (isinstance(a, numbers.Real) or (
-                isinstance(a, torch.Tensor) and a.numel() == 1 and a.is_floating_point())):
-            raise ValueError(f"`{name}` must be a scale factor (a number), got {a!r}")
-        a = float(a)
+        try:
+            if isinstance(a, (str, bytes, bool)):  # (float() reads "1" and True)
+                raise TypeError
+            a = float(a)  # (a number, a numpy scalar or 0-d array, a one-element tensor)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"`{name}` must be a scale factor (a number), got {a!r}") from None
         for index, value in enumerate(self.scale_factors):
             if abs(value - a) <= 1e-12 * max(1.0, abs(value)):
                 return index
