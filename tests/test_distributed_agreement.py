@@ -322,6 +322,15 @@ def case_run_agreement(grid, ctx):
     sim.force_correction = PGDCorrection(k_long=0.1, k_short=0.8, alpha=0.2, dtype=torch.float64)
     sim.force_correction.requires_grad_(not ctx["odd"])
     expect_error(lambda: sim(noise), ctx, "gradients needed")
+    # conditions without gradients (set as plain values) are weights too: different ones
+    # ran a mixed correction without a word
+    from torchpm.nn import NeuralSplineCorrection
+
+    torch.manual_seed(0)
+    spline = NeuralSplineCorrection(k_max=2.0, conditions=1, dtype=torch.float64)
+    spline.set_conditions([0.8 if ctx["odd"] else 0.3])
+    sim.force_correction = spline
+    expect_error(lambda: sim(noise), ctx, "`force_correction` weights (now)")
     sim.force_correction = None
     if ctx["odd"]:
         sim.float()

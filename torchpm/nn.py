@@ -759,6 +759,9 @@ class NeuralSplineCorrection(nn.Module):
             "condition_values", torch.zeros(conditions, dtype=reference.dtype, device=reference.device), persistent=False
         )
 
+    # Checked equal on every rank of a grid run (Simulation), as the parameters are.
+    replicated_buffers = ("condition_values",)
+
     def set_conditions(self, values) -> None:
         """Set the ``conditions`` extra MLP inputs (a sequence or 1-d tensor; may require grad)."""
         values = torch.as_tensor(values, dtype=self.condition_values.dtype, device=self.condition_values.device)

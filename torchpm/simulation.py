@@ -1064,11 +1064,14 @@ class Simulation(nn.Module):
         correction's and the spectrum's weights) and which tensors need gradients (the
         backward pass runs collectives only where they do)."""
         def learned(module):
-            # parameters and the buffers that need gradients (conditions): the same on every
+            # parameters, the buffers that need gradients and those a module names in its
+            # `replicated_buffers` (NeuralSplineCorrection's conditions): the same on every
             # rank; other buffers may be per-rank by design (e.g. a filter on the rank's k block)
             if not isinstance(module, nn.Module):
                 return []
-            return [*module.parameters(), *(b for b in module.buffers() if b.requires_grad)]
+            named = {id(getattr(m, name)) for m in module.modules()
+                     for name in getattr(m, "replicated_buffers", ()) if isinstance(getattr(m, name, None), torch.Tensor)}
+            return [*module.parameters(), *(b for b in module.buffers() if b.requires_grad or id(b) in named)]
 
         def weights(module):
             if not isinstance(module, nn.Module):
