@@ -313,6 +313,10 @@ def case_run_agreement(grid, ctx):
     expect_error(lambda: sim(noise, until=0.55 if ctx["odd"] else None), ctx, "Simulation.forward",
                  "`until` = 0.55 is not one of the simulation's scale factors")
     expect_error(lambda: sim(noise.clone().requires_grad_(ctx["odd"])), ctx, "gradients needed")
+    # another batch size on one rank: one ValueError naming it (was a MemoryError on one
+    # rank and a ValueError on the others, neither naming the batch)
+    expect_error(lambda: sim(noise.expand(2, *noise.shape[1:]) if ctx["odd"] else noise), ctx,
+                 "the batch size of the input")
     omega_c = torch.tensor(0.2589, dtype=torch.float64, requires_grad=ctx["odd"])
     sim.cosmology = torchpm.Planck15(Omega_c=omega_c)
     expect_error(lambda: sim(noise), ctx, "gradients needed")

@@ -825,8 +825,9 @@ class Simulation(nn.Module):
         if not self.force_mesh.is_local:
             # One rank's bad argument raises on every rank; so do settings changed on one
             # rank since construction, and other gradient needs (other backward collectives).
+            batch = (field.shape[0] if field.dim() == 4 else 1) if isinstance(field, torch.Tensor) else None
             self.force_mesh.agree(operation, [("the last step (`until`)", stop), ("the steps of `at`", emit_at),
-                                              *self._run_values(field)],
+                                              ("the batch size of the input", batch), *self._run_values(field)],
                                   None if error is None else str(error))
         if isinstance(field, torch.Tensor):
             self._check_memory(self.device, field.shape[0] if field.dim() == 4 else 1)
