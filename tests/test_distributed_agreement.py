@@ -28,7 +28,7 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
             "simulation_integrator", "simulation_cosmology", "simulation_power_alias", "gather_batch", "gather_no_ids", "density_ids",
             "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks",
-            "different_labels", "noise_agreement"]
+            "different_labels", "noise_agreement", "hand_written_loop"]
 PER_WORLD = ["grid_axis"]
 
 
@@ -414,6 +414,35 @@ def case_resume_step(grid, ctx):
     until = sim.scale_factors[1] if ctx["odd"] else None
     expect_error(lambda: sim.resume(state, until=until), ctx, "disagree", "the last step (`until`)",
                  "Simulation.resume")
+
+
+def case_hand_written_loop(grid, ctx):
+    """A hand-written loop's evolve and forces: ranks asking for other steps, another
+    cosmology or table, or another `a`, raise together naming it (one rank returned while
+    the other waited in a migration until the timeout; two cosmologies were mixed without
+    a word; a correction read two scale factors). Bad step numbers are named."""
+    import torchpm
+
+    sim = simulation(grid, ctx, steps=2)
+    state = sim(sim.white_noise(seed=3), until=sim.scale_factors[0], return_mesh_units=True)
+    table = sim.growth_table()
+    x, p, ids = state.positions, state.momenta, state.ids
+    expect_error(lambda: sim.evolve(x, p, table, ids=ids, stop=1 if ctx["odd"] else 2), ctx, "`stop`",
+                 "Simulation.evolve")
+    expect_error(lambda: sim.evolve(x, p, table, ids=ids, start=1 if ctx["odd"] else 0), ctx, "`start`")
+    other = torchpm.Planck15(Omega_c=0.3) if ctx["odd"] else None
+    expect_error(lambda: sim.evolve(x, p, table, ids=ids, cosmology=other), ctx, "`cosmology` (its parameters)")
+    other_table = torchpm.cosmology.growth_table(torchpm.Planck15(Omega_c=0.3)) if ctx["odd"] else table
+    expect_error(lambda: sim.evolve(x, p, other_table, ids=ids), ctx, "`table` (a CRC of its values)")
+    expect_error(lambda: sim.evolve(x, p, table, ids=ids, stop=5 if ctx["odd"] else 2), ctx,
+                 "`stop` must be a step number from 0 to 2", ranks=[ctx["world"] - 1])
+    expect_error(lambda: sim.forces(x, 0.2 if ctx["odd"] else 1.0, ids), ctx, "`a`", "Simulation.forces")
+    expect_error(lambda: sim.forces(x, 1.0, ids, cosmology=other), ctx, "`cosmology` (its parameters)")
+    # agreed: both run, as before
+    forces = sim.forces(x, 1.0, ids)
+    assert forces.shape == x.shape
+    x2, _, _ = sim.evolve(x, p, table, ids=ids)
+    assert x2.shape[0] == 1
 
 
 def case_thin_blocks(grid, ctx):

@@ -1260,12 +1260,14 @@ class Simulation(nn.Module):
         )
 
     def _check_correction(self, error: str | None = None, *, operation: str = "Simulation.check_correction",
-                          always: bool = False) -> None:
+                          always: bool = False, values=None) -> None:
         """On a grid, before a run: one evaluation of the force correction, refused on every
         rank when a gradient through it would reach tensors not summed over the ranks
         (a plain callable's or a module's unregistered tensors). ``error``: the caller's
         own argument error, raised with it in one all-reduce; ``always`` makes that
-        all-reduce even without a correction (the public methods' checks)."""
+        all-reduce even without a correction (the public methods' checks). ``values``: a
+        callable giving ``(name, value)`` pairs the ranks must agree on too (called on a
+        grid only: values read from the device sync the host), in the same all-reduce."""
         if self.force_mesh.is_local:
             if error:
                 raise ValueError(error)
@@ -1277,7 +1279,14 @@ class Simulation(nn.Module):
                 error = self._unsummed_error(self._probe_correction(), "`force_correction`")
             except Exception as exc:  # noqa: BLE001 - raised on every rank below
                 error = f"`force_correction` failed on its first evaluation: {type(exc).__name__}: {exc}"
-        self.force_mesh.raise_together(error, operation=operation)
+        if values is None:
+            self.force_mesh.raise_together(error, operation=operation)
+            return
+        try:
+            agreed = values()
+        except (TypeError, ValueError, RuntimeError) as exc:
+            agreed, error = [], error or str(exc)
+        self.force_mesh.agree(operation, agreed, error)
 
     def _probe_correction(self, stand_ins: dict | None = None) -> torch.Tensor:
         """The force correction (as a run calls it: replicated on a grid, with ``stand_ins``)
@@ -1301,7 +1310,12 @@ class Simulation(nn.Module):
         error = self._arrays_error("forces", positions, ids=ids)
         if error is None and ids is None and not self.force_mesh.is_local:
             error = "forces: `ids` is required on a process grid (the state's empty slots have id -1 and no mass)"
-        self._check_correction(error, operation="Simulation.forces", always=True)
+        if error is None and cosmology is not None and not isinstance(cosmology, Cosmology):
+            error = f"forces: `cosmology` must be a torchpm.Cosmology or None, got {type(cosmology).__name__}"
+        # (on a grid the ranks agree on `a` and the cosmology: the correction reads `a`)
+        self._check_correction(error, operation="Simulation.forces", always=True, values=lambda: [
+            ("`a`", float(a)), ("`cosmology` (its parameters)", _parameters_repr(cosmology or self.cosmology)),
+            *self._run_values(positions)])
         # (a run's own particles are owned and inside [0, n) already: only here)
         positions = self.force_mesh.wrap(positions)
         weights = False
@@ -1406,7 +1420,26 @@ class Simulation(nn.Module):
             error = "evolve: `ids` is required on a process grid (the state's empty slots have id -1)"
         elif error is None and ids is not None and self.force_mesh.is_local and bool((ids < 0).any()):
             error = "evolve: `ids` holds empty slots (id -1), which one device would give mass: pass the particles alone"
-        self._check_correction(error, operation="Simulation.evolve", always=True)
+        for name, value, low in (("start", start, 0), ("stop", stop, start)):
+            if error is None and value is not None and (
+                    isinstance(value, bool) or not isinstance(value, numbers.Integral) or
+                    not (isinstance(low, numbers.Integral) and low <= value <= self.steps)):
+                error = (f"evolve: `{name}` must be a step number from {low if name == 'stop' else 0} to "
+                         f"{self.steps} (the steps of `scale_factors`), got {value!r}")
+        if error is None and cosmology is not None and not isinstance(cosmology, Cosmology):
+            error = f"evolve: `cosmology` must be a torchpm.Cosmology or None, got {type(cosmology).__name__}"
+
+        def agreed():
+            # the steps, the cosmology and its growth table: mixed, the ranks integrated
+            # two runs (or one waited in a migration the others never reached)
+            values = getattr(table, "values", None)
+            crc = (zlib.crc32(values.detach().to("cpu", torch.float64).numpy().tobytes())
+                   if isinstance(values, torch.Tensor) else type(table).__name__)
+            return [("`start`", int(start)), ("`stop`", self.steps if stop is None else int(stop)),
+                    ("`cosmology` (its parameters)", _parameters_repr(cosmology or self.cosmology)),
+                    ("`table` (a CRC of its values)", crc), *self._run_values(positions)]
+
+        self._check_correction(error, operation="Simulation.evolve", always=True, values=agreed)
         positions = self.force_mesh.wrap(positions)  # (a new tensor where it wraps: the caller's is not written)
         return self._evolve(positions, momenta, table, callback, ids=ids, start=start, stop=stop, cosmology=cosmology)
 
