@@ -400,6 +400,8 @@ def test_resume_and_forward_name_bad_run_arguments():
         (lambda: sim.resume(state, callback="bar"), "`callback` must be callable"),
         (lambda: sim(noise, until="1"), "`until` must be a scale factor (a number), got '1'"),
         (lambda: sim.resume(state, until=True), "`until` must be a scale factor"),
+        (lambda: sim.resume(state, until=np.True_), "`until` must be a scale factor"),
+        (lambda: sim(noise, until=torch.tensor(True)), "`until` must be a scale factor"),
         (lambda: sim.resume(physical(state.positions[..., :2], state.momenta[..., :2], state.a, state.ids)),
          r"`state.positions` must be a floating-point tensor of shape \(B, N, 3\), got \(1, 64, 2\)"),
         (lambda: sim.resume(physical(state.positions, state.momenta[:, :10], state.a, state.ids)),
@@ -408,11 +410,21 @@ def test_resume_and_forward_name_bad_run_arguments():
          "`state.ids` must be None or an integer tensor"),
     ]
     for call, message in cases:
-        with pytest.raises(ValueError, match=message if message.startswith("`state.positions`") else re.escape(message)):
+        pattern = message if message.startswith("`state.positions`") else re.escape(message)
+        with pytest.raises(ValueError, match=pattern):
             call()
     # the checks pass what they should: a 0-d tensor scale factor, numpy floats and 0-d
     # arrays (np.load of a saved scalar), an integer tensor, ids None
     reference = sim.resume(state).positions
+    # evolve's step numbers: ints, numpy and integer tensors; not booleans nor out of range
+    mesh_state = sim(noise, until=sim.scale_factors[0], return_mesh_units=True)
+    table = sim.growth_table()
+    stepped = sim.evolve(mesh_state.positions, mesh_state.momenta, table, start=torch.tensor(0), stop=np.int64(1))
+    assert torch.equal(stepped[0], sim.evolve(mesh_state.positions, mesh_state.momenta, table, stop=1)[0])
+    for start, stop, message in ((True, 1, "`start`"), (0, torch.tensor(3), "`stop` must be a step number from 0 to 2"),
+                                 (2, 1, "`stop` must be a step number from 2 to 2"), (0.5, 1, "`start`")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            sim.evolve(mesh_state.positions, mesh_state.momenta, table, start=start, stop=stop)
     for a, until in ((torch.tensor(state.a, dtype=torch.float64), np.float64(sim.scale_factors[-1])),
                      (np.array(state.a), np.array(1.0)), (state.a, torch.tensor(1)), (state.a, 1)):
         torch.testing.assert_close(sim.resume(physical(state.positions, state.momenta, a, None), until=until).positions,

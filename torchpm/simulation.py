@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import warnings
 import zlib
 from typing import Callable, NamedTuple, Sequence
@@ -42,6 +43,40 @@ from .ops._arguments import ORDER_NAMES, order_number
 
 __all__ = ["Simulation", "SimulationState"]
 
+
+
+def _is_boolean(value) -> bool:
+    """A Python, numpy or torch boolean (which float() and index() would read as 0 or 1)."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def _step_number(value) -> int | None:
+    """An integer step number (int, numpy integer, integer 0-d tensor), or None."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _values_key(value) -> str:
+    """A number or tensor's values as text to 10 digits (a scale factor the ranks of a grid
+    must agree on; plain values under torch.func transforms)."""
+    if value is None:
+        return "None"
+    with outside_transforms():
+        values = plain(value).detach() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        return repr(tuple(f"{v:.10g}" for v in values.reshape(-1).double().tolist()))
+
+
+def _table_key(table) -> str:
+    """A growth table's values to 10 digits, as two sums (equal tables built with other
+    thread counts, or devices, differ in the last bits)."""
+    values = getattr(table, "values", None)
+    if not isinstance(values, torch.Tensor):
+        return type(table).__name__
+    with outside_transforms():
+        values = plain(values).detach().double()
+        return f"{tuple(values.shape)} {float(values.sum()):.10g} {float((values * values).sum()):.10g}"
 
 
 def _check_run_arguments(callback, **flags) -> None:
@@ -1159,7 +1194,7 @@ class Simulation(nn.Module):
         if a is None:
             return len(self.scale_factors) - 1
         try:
-            if isinstance(a, (str, bytes, bool)):  # (float() reads "1" and True)
+            if isinstance(a, (str, bytes)) or _is_boolean(a):  # (float() reads "1" and True)
                 raise TypeError
             a = float(a)  # (a number, a numpy scalar or 0-d array, a one-element tensor)
         except (TypeError, ValueError, RuntimeError):
@@ -1314,7 +1349,7 @@ class Simulation(nn.Module):
             error = f"forces: `cosmology` must be a torchpm.Cosmology or None, got {type(cosmology).__name__}"
         # (on a grid the ranks agree on `a` and the cosmology: the correction reads `a`)
         self._check_correction(error, operation="Simulation.forces", always=True, values=lambda: [
-            ("`a`", float(a)), ("`cosmology` (its parameters)", _parameters_repr(cosmology or self.cosmology)),
+            ("`a`", _values_key(a)), ("`cosmology` (its parameters)", _parameters_repr(cosmology or self.cosmology)),
             *self._run_values(positions)])
         # (a run's own particles are owned and inside [0, n) already: only here)
         positions = self.force_mesh.wrap(positions)
@@ -1420,24 +1455,27 @@ class Simulation(nn.Module):
             error = "evolve: `ids` is required on a process grid (the state's empty slots have id -1)"
         elif error is None and ids is not None and self.force_mesh.is_local and bool((ids < 0).any()):
             error = "evolve: `ids` holds empty slots (id -1), which one device would give mass: pass the particles alone"
-        for name, value, low in (("start", start, 0), ("stop", stop, start)):
-            if error is None and value is not None and (
-                    isinstance(value, bool) or not isinstance(value, numbers.Integral) or
-                    not (isinstance(low, numbers.Integral) and low <= value <= self.steps)):
-                error = (f"evolve: `{name}` must be a step number from {low if name == 'stop' else 0} to "
-                         f"{self.steps} (the steps of `scale_factors`), got {value!r}")
+        if error is None:
+            first = None if _is_boolean(start) else _step_number(start)
+            if first is None or not 0 <= first <= self.steps:
+                error = (f"evolve: `start` must be a step number from 0 to {self.steps} (the steps of "
+                         f"`scale_factors`), got {start!r}")
+            elif stop is not None:
+                last = None if _is_boolean(stop) else _step_number(stop)
+                if last is None or not first <= last <= self.steps:
+                    error = (f"evolve: `stop` must be a step number from {first} to {self.steps} (the steps of "
+                             f"`scale_factors`), got {stop!r}")
+                stop = last
+            start = first
         if error is None and cosmology is not None and not isinstance(cosmology, Cosmology):
             error = f"evolve: `cosmology` must be a torchpm.Cosmology or None, got {type(cosmology).__name__}"
 
         def agreed():
             # the steps, the cosmology and its growth table: mixed, the ranks integrated
             # two runs (or one waited in a migration the others never reached)
-            values = getattr(table, "values", None)
-            crc = (zlib.crc32(values.detach().to("cpu", torch.float64).numpy().tobytes())
-                   if isinstance(values, torch.Tensor) else type(table).__name__)
             return [("`start`", int(start)), ("`stop`", self.steps if stop is None else int(stop)),
                     ("`cosmology` (its parameters)", _parameters_repr(cosmology or self.cosmology)),
-                    ("`table` (a CRC of its values)", crc), *self._run_values(positions)]
+                    ("`table` (its values, to 10 digits)", _table_key(table)), *self._run_values(positions)]
 
         self._check_correction(error, operation="Simulation.evolve", always=True, values=agreed)
         positions = self.force_mesh.wrap(positions)  # (a new tensor where it wraps: the caller's is not written)
