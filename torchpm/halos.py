@@ -178,12 +178,15 @@ def _particles(function, positions, ids, distributed, box):
         if unbatched:
             ids = ids.unsqueeze(0)
     valid = ids >= 0
+    # one pass settles the usual case (NaN compares false, inf is beyond reach)
+    reach = torch.tensor(box, dtype=positions.dtype, device=positions.device) * _IMAGES
+    if bool(((positions.detach().abs() <= reach).all(-1) | ~valid).all()):
+        return positions, ids, unbatched
     finite = torch.isfinite(positions.detach()).all(-1) | ~valid
     if not bool(finite.all()):
         raise ValueError(f"{function}: `positions` must be finite, got {int((~finite).sum())} particles with NaN or "
                          "inf coordinates")
-    reach = torch.tensor(box, dtype=torch.float64, device=positions.device) * _IMAGES
-    far = (positions.detach().double().abs() > reach).any(-1) & valid
+    far = (positions.detach().abs() > reach).any(-1) & valid
     if bool(far.any()):
         raise ValueError(f"{function}: `positions` must lie within {_IMAGES:g} box lengths of the box (Mpc/h; they "
                          f"are wrapped into it), got {int(far.sum())} particles beyond, e.g. "
@@ -1054,6 +1057,7 @@ def _to_measuring_rank(centre, distance, mesh):
     measures its centre (centre index modulo the grid's ranks), through one all-to-all
     per split grid axis: what a rank holds afterwards is every candidate of its centres."""
     from .distributed._ops import all_to_all
+    from .distributed.particles import _exchange_rows
 
     grid = mesh.grid
     rows = torch.stack([centre, distance.view(torch.int64), centre % grid.size], 1)  # (.., .., destination)
@@ -1064,9 +1068,7 @@ def _to_measuring_rank(centre, distance, mesh):
         rows = rows[torch.argsort(peer, stable=True)]
         sent = torch.bincount(peer, minlength=grid_axis.size)
         received = all_to_all(sent, [1] * grid_axis.size, [1] * grid_axis.size, grid_axis.name)
-        sent, received = sent.tolist(), received.tolist()
-        rows = all_to_all(rows.reshape(-1), [3 * c for c in sent], [3 * c for c in received],
-                          grid_axis.name).view(-1, 3)
+        rows = _exchange_rows([rows], sent.tolist(), received.tolist(), grid_axis.name)[0]
     return rows[:, 0], rows[:, 1].contiguous().view(torch.float64)
 
 

@@ -30,7 +30,7 @@ from .ic import (
 from .distributed.decomposition import PencilDecomposition
 from .distributed.groups import all_gather_grid, eager, unsummed_leaves
 from .distributed.layout import balanced_grid
-from .distributed.particles import MAX_ABS_POSITION
+from .distributed.particles import _within_reach
 from .mesh import LocalMesh
 from ._transforms import active_transforms, is_transformed, outside_transforms, plain, transforms_active
 from .fourier import FourierKernels
@@ -44,14 +44,16 @@ from .ops._arguments import ORDER_NAMES, order_number
 __all__ = ["Simulation", "SimulationState"]
 
 
-
 def _is_boolean(value) -> bool:
     """A Python, numpy or torch boolean (which float() and index() would read as 0 or 1)."""
     return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
 
 
 def _step_number(value) -> int | None:
-    """An integer step number (int, numpy integer, integer 0-d tensor), or None."""
+    """An integer step number (int, numpy integer, integer 0-d tensor), or None (a boolean
+    too)."""
+    if _is_boolean(value):
+        return None
     try:
         return operator.index(value)
     except TypeError:
@@ -1223,7 +1225,7 @@ class Simulation(nn.Module):
         positions, momenta = lpt_initial_state(psi1, psi2, growth, q, self.cell_size, self.lpt_normalisation)
         # Before the migration, which would refuse the particles without saying why: not
         # finite, or beyond the ops' reach (+-2^40 cells; float64 overflows later).
-        usable = bool((positions.detach().abs() < MAX_ABS_POSITION).all() & torch.isfinite(momenta.detach()).all())
+        usable = bool(_within_reach(positions.detach()).all() & torch.isfinite(momenta.detach()).all())
         self.force_mesh.raise_together(
             None if usable else
             "the LPT initial conditions are not finite (or beyond +-2^40 cells): the linear power "
@@ -1456,12 +1458,12 @@ class Simulation(nn.Module):
         elif error is None and ids is not None and self.force_mesh.is_local and bool((ids < 0).any()):
             error = "evolve: `ids` holds empty slots (id -1), which one device would give mass: pass the particles alone"
         if error is None:
-            first = None if _is_boolean(start) else _step_number(start)
+            first = _step_number(start)
             if first is None or not 0 <= first <= self.steps:
                 error = (f"evolve: `start` must be a step number from 0 to {self.steps} (the steps of "
                          f"`scale_factors`), got {start!r}")
             elif stop is not None:
-                last = None if _is_boolean(stop) else _step_number(stop)
+                last = _step_number(stop)
                 if last is None or not first <= last <= self.steps:
                     error = (f"evolve: `stop` must be a step number from {first} to {self.steps} (the steps of "
                              f"`scale_factors`), got {stop!r}")
