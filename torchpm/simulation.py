@@ -28,7 +28,7 @@ from .ic import (
     white_noise as make_white_noise,
 )
 from .distributed.decomposition import PencilDecomposition
-from .distributed.groups import all_gather_grid, eager, unsummed_leaves
+from .distributed.groups import GridGroups, WorldGroup, all_gather_grid, eager, unsummed_leaves
 from .distributed.layout import balanced_grid
 from .distributed.particles import _within_reach
 from .mesh import LocalMesh
@@ -143,38 +143,79 @@ def _parameters_repr(cosmology: Cosmology) -> str:
     return repr({key: float(value.detach()) for key, value in cosmology.parameters().items()})
 
 
-def _resolve_groups(grid, mesh, shapes=(), reach=0):
+def _resolve_groups(grid, mesh, shapes=(), reach=0, argument_error=None):
     """The ``(group_axis0, group_axis1)`` of a ``grid`` or ``mesh`` argument (``"auto"``:
-    the most square grid that can split the meshes ``shapes``, see ``balanced_grid``)."""
+    the most square grid that can split the meshes ``shapes``, see ``balanced_grid``).
+
+    ``argument_error``: this rank's error in the Simulation's other arguments (``shapes``
+    are then unknown). On a process grid the ranks exchange their errors first, before
+    any group is made, so that one rank's bad argument raises on every rank together
+    rather than on that rank alone while the others wait in the first collective; with
+    ``grid`` they then agree on the grid itself over the world, as ``new_group`` needs.
+    """
     if grid is not None and mesh is not None:
         raise ValueError("pass at most one of `grid` and `mesh`")
     if mesh is not None:
-        if isinstance(mesh, PencilDecomposition):
-            return tuple(mesh.groups)
-        if isinstance(mesh, (tuple, list)):
-            import torch.distributed as dist
-
-            if len(mesh) != 2 or not all(g is None or isinstance(g, dist.ProcessGroup) for g in mesh):
-                raise ValueError(
-                    f"`mesh` as process groups must be a pair (group_axis0, group_axis1) of ProcessGroups or None, "
-                    f"got {mesh!r}"
-                )
-            return tuple(mesh)
-        if hasattr(mesh, "get_group") and hasattr(mesh, "ndim"):
-            if mesh.ndim not in (1, 2):
-                raise ValueError(f"`mesh` must be a 1-D or 2-D DeviceMesh, got {mesh.ndim}-D")
-            groups = [mesh.get_group(i) for i in range(mesh.ndim)]
-            groups = [g if mesh.size(i) > 1 else None for i, g in enumerate(groups)]
-            return (groups[0], groups[1] if len(groups) > 1 else None)
-        raise ValueError(
-            "`mesh` must be a DeviceMesh, a PencilDecomposition or a pair of process groups, "
-            f"got {type(mesh).__name__}"
-        )
-    if grid is None:
+        groups = _mesh_groups(mesh)
+        GridGroups(groups).raise_together(argument_error, operation="Simulation's arguments")
+        return groups
+    world = _world_size()
+    if grid is None or world == 1:
+        if argument_error is not None:
+            raise argument_error
+        if grid is not None:
+            _grid_shape(grid, world, shapes, reach)  # (1, 1), or an error saying why not
         return (None, None)
+    # Several processes: each checks the grid, then the world exchanges the errors and
+    # agrees on the grid before the collective new_group calls.
+    shape, grid_error = None, None
+    if argument_error is None:
+        try:
+            shape = _grid_shape(grid, world, shapes, reach)
+        except ValueError as error:
+            grid_error = error
+    everyone = WorldGroup()
+    everyone.raise_together(argument_error or grid_error, operation="Simulation's arguments")
+    everyone.agree("Simulation's process grid", [
+        ("`grid` as (P0, P1)", shape), ("`n_particles`", shapes[0]), ("the force mesh", shapes[1])])
+    from .distributed.groups import process_grid_groups
+
+    return process_grid_groups(shape)
+
+
+def _world_size() -> int:
     import torch.distributed as dist
 
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _mesh_groups(mesh):
+    """The ``(group_axis0, group_axis1)`` of a ``mesh`` argument (no collective)."""
+    if isinstance(mesh, PencilDecomposition):
+        return tuple(mesh.groups)
+    if isinstance(mesh, (tuple, list)):
+        import torch.distributed as dist
+
+        if len(mesh) != 2 or not all(g is None or isinstance(g, dist.ProcessGroup) for g in mesh):
+            raise ValueError(
+                f"`mesh` as process groups must be a pair (group_axis0, group_axis1) of ProcessGroups or None, "
+                f"got {mesh!r}"
+            )
+        return tuple(mesh)
+    if hasattr(mesh, "get_group") and hasattr(mesh, "ndim"):
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"`mesh` must be a 1-D or 2-D DeviceMesh, got {mesh.ndim}-D")
+        groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+        groups = [g if mesh.size(i) > 1 else None for i, g in enumerate(groups)]
+        return (groups[0], groups[1] if len(groups) > 1 else None)
+    raise ValueError(
+        "`mesh` must be a DeviceMesh, a PencilDecomposition or a pair of process groups, "
+        f"got {type(mesh).__name__}"
+    )
+
+
+def _grid_shape(grid, world, shapes, reach) -> tuple[int, int]:
+    """``(P0, P1)`` of a ``grid`` argument on a world of ``world`` processes (no collective)."""
     if isinstance(grid, str):
         if grid != "auto":
             raise ValueError(f"`grid` must be (P0, P1) or 'auto', got {grid!r}")
@@ -195,11 +236,7 @@ def _resolve_groups(grid, mesh, shapes=(), reach=0):
                "a DeviceMesh dimension (init_device_mesh(..., mesh_dim_names=('dp', 'sp'))['sp']) or a pair of "
                "process groups" if world > p0 * p1 else "")
         )
-    if p0 * p1 == 1:
-        return (None, None)
-    from .distributed.groups import process_grid_groups
-
-    return process_grid_groups((p0, p1))
+    return p0, p1
 
 
 def _field_checksum(field: torch.Tensor) -> str:
@@ -360,6 +397,92 @@ class Simulation(nn.Module):
         primordial_kmax: float = 0.0,
     ):
         super().__init__()
+        # On a process grid, one rank's invalid argument raises on every rank together (the
+        # others would otherwise wait in the first collective): the error travels with the
+        # exchange that comes before the grid's groups are made.
+        argument_error = None
+        try:
+            self._take_arguments(
+                n_particles=n_particles, box_size=box_size, mesh_factor=mesh_factor, a_start=a_start, steps=steps,
+                a_end=a_end, cosmology=cosmology, power_spectrum=power_spectrum, lpt_order=lpt_order,
+                lpt_normalisation=lpt_normalisation, integrator=integrator, gradient=gradient, laplacian=laplacian,
+                cic_compensation=cic_compensation, force_correction=force_correction, paint_order=paint_order,
+                window_compensation=window_compensation, dtype=dtype, checkpoint=checkpoint, adjoint=adjoint,
+                particle_capacity=particle_capacity, memory_check=memory_check, sort_every=sort_every,
+                primordial_kmax=primordial_kmax,
+            )
+        except (ValueError, TypeError) as error:
+            if grid is None and mesh is None:
+                raise
+            argument_error = error
+        cosmology = self.cosmology if argument_error is None else cosmology
+        # ("auto": the particle grid needs a plane per rank, the force mesh the paint's reach)
+        shapes, reach = ((), 0) if argument_error else (
+            (self.particle_shape, self.mesh_shape), (1, max(halo_widths(self.paint_order))))
+        groups = _resolve_groups(grid, mesh, shapes, reach, argument_error)
+        if groups == (None, None):
+            self.particle_mesh = LocalMesh(self.particle_shape)
+            self.force_mesh = LocalMesh(self.mesh_shape)
+        else:
+            for name, shape in (("particle_mesh", self.particle_shape), ("force_mesh", self.mesh_shape)):
+                try:
+                    setattr(self, name, PencilDecomposition(shape, groups))
+                except ValueError as error:
+                    if "is too small" not in str(error):
+                        raise
+                    what = ("the particle grid `n_particles`" if name == "particle_mesh" else
+                            "the force mesh (`n_particles` x `mesh_factor`)")
+                    raise ValueError(f"Simulation: {what} {shape}: {error}") from None
+            # The decompositions agreed on the shapes; the ranks must also run the same
+            # physics (one rank's other box, cosmology or integrator would mix two runs).
+            self.force_mesh.grid.agree("Simulation", [
+                ("`box_size`", repr(self.box_size)),
+                ("the scale factors (`a_start`, `steps`, `a_end`)", repr(tuple(self.scale_factors))),
+                ("`cosmology`", repr({key: float(value.detach()) for key, value in cosmology.parameters().items()})),
+                ("`power_spectrum`", _power_setting(power_spectrum, self.power)),
+                ("`lpt_order`", self.lpt_order),
+                ("`lpt_normalisation`", self.lpt_normalisation),
+                ("`integrator`", self.integrator),
+                ("`gradient`", self.kernel_options["gradient"]),
+                ("`laplacian`", self.kernel_options["laplacian"]),
+                ("`paint_order`", self.paint_order),
+                ("`window_compensation`", self.window_compensation),
+                ("`cic_compensation`", self.cic_compensation),
+                ("`dtype`", str(dtype)),
+                ("`checkpoint`", self.checkpoint),
+                ("`adjoint`", self.adjoint),
+                ("`particle_capacity`", repr(self.particle_capacity)),
+                ("`sort_every`", self.sort_every),
+                ("`primordial_kmax`", repr(self.primordial_kmax)),
+                ("`force_correction`", "None" if force_correction is None else type(force_correction).__qualname__),
+            ])
+            self._check_blocks()  # the same answer on every rank: they agree on its inputs
+        n_total = math.prod(self.particle_shape)
+        if self.force_mesh.is_local and particle_capacity is not None and particle_capacity < n_total:
+            # one device (or a 1x1 grid) holds every particle: a bound below that is exceeded at once
+            raise ValueError(
+                f"`particle_capacity` {particle_capacity} is below the {n_total} particles "
+                f"(n_particles {self.particle_shape}) that one device holds; raise it or set it to None"
+            )
+        # Before any particle or mesh is allocated: refuse a run that cannot fit (the
+        # module starts on the CPU; forward checks again on its device with its batch).
+        self._memory_checked: set = set()
+        self._check_memory(torch.device("cpu"), 1)
+        self.particle_cell = tuple(b / n for b, n in zip(self.box_size, self.particle_shape))
+        self.cell_size = tuple(b / n for b, n in zip(self.box_size, self.mesh_shape))
+        self.n_total = math.prod(self.particle_shape)
+        # Mesh cells per particle: the painted density then has mean 1.
+        self.particle_mass = math.prod(self.mesh_shape) / self.n_total
+        if isinstance(self.power, PowerTable):
+            self.power.check_covers(*self._k_range())
+        self._kernels: dict = {}
+        self._constant_cache: dict = {}
+
+    def _take_arguments(self, *, n_particles, box_size, mesh_factor, a_start, steps, a_end, cosmology,
+                        power_spectrum, lpt_order, lpt_normalisation, integrator, gradient, laplacian,
+                        cic_compensation, force_correction, paint_order, window_compensation, dtype, checkpoint,
+                        adjoint, particle_capacity, memory_check, sort_every, primordial_kmax):
+        """Check the constructor's arguments (all but ``grid`` and ``mesh``) and set what they give."""
         # Plain arguments: checked by the declaration shared with the CLI (torchpm.config).
         checked = simulation_arguments(
             n_particles=n_particles, box_size=box_size, mesh_factor=mesh_factor, a_start=a_start, steps=steps,
@@ -424,7 +547,7 @@ class Simulation(nn.Module):
                 "(a plane wave at the box's fundamental mode, 16^3 particles: 1.15x the linear-theory force with "
                 "mesh_factor 2, 1.30x with 4; 'fd4': 1.02x), so linear growth comes out too fast. Use "
                 "gradient='fd4' (the default) with mesh_factor > 1.",
-                stacklevel=2,
+                stacklevel=4,
             )
         window_compensation = as_bool("window_compensation", window_compensation)
         self.paint_order = ORDER_NAMES[order_number(paint_order, "Simulation", "paint_order")]
@@ -444,66 +567,6 @@ class Simulation(nn.Module):
         self.particle_capacity = particle_capacity
 
         self.mesh_shape = tuple(n * self.mesh_factor for n in self.particle_shape)
-        # ("auto": the particle grid needs a plane per rank, the force mesh the paint's reach)
-        groups = _resolve_groups(grid, mesh, (self.particle_shape, self.mesh_shape),
-                                 (1, max(halo_widths(self.paint_order))))
-        if groups == (None, None):
-            self.particle_mesh = LocalMesh(self.particle_shape)
-            self.force_mesh = LocalMesh(self.mesh_shape)
-        else:
-            for name, shape in (("particle_mesh", self.particle_shape), ("force_mesh", self.mesh_shape)):
-                try:
-                    setattr(self, name, PencilDecomposition(shape, groups))
-                except ValueError as error:
-                    if "is too small" not in str(error):
-                        raise
-                    what = ("the particle grid `n_particles`" if name == "particle_mesh" else
-                            "the force mesh (`n_particles` x `mesh_factor`)")
-                    raise ValueError(f"Simulation: {what} {shape}: {error}") from None
-            # The decompositions agreed on the shapes; the ranks must also run the same
-            # physics (one rank's other box, cosmology or integrator would mix two runs).
-            self.force_mesh.grid.agree("Simulation", [
-                ("`box_size`", repr(self.box_size)),
-                ("the scale factors (`a_start`, `steps`, `a_end`)", repr(tuple(self.scale_factors))),
-                ("`cosmology`", repr({key: float(value.detach()) for key, value in cosmology.parameters().items()})),
-                ("`power_spectrum`", _power_setting(power_spectrum, self.power)),
-                ("`lpt_order`", self.lpt_order),
-                ("`lpt_normalisation`", self.lpt_normalisation),
-                ("`integrator`", self.integrator),
-                ("`gradient`", self.kernel_options["gradient"]),
-                ("`laplacian`", self.kernel_options["laplacian"]),
-                ("`paint_order`", self.paint_order),
-                ("`window_compensation`", self.window_compensation),
-                ("`cic_compensation`", self.cic_compensation),
-                ("`dtype`", str(dtype)),
-                ("`checkpoint`", self.checkpoint),
-                ("`adjoint`", self.adjoint),
-                ("`particle_capacity`", repr(self.particle_capacity)),
-                ("`sort_every`", self.sort_every),
-                ("`primordial_kmax`", repr(self.primordial_kmax)),
-                ("`force_correction`", "None" if force_correction is None else type(force_correction).__qualname__),
-            ])
-            self._check_blocks()  # the same answer on every rank: they agree on its inputs
-        n_total = math.prod(self.particle_shape)
-        if self.force_mesh.is_local and particle_capacity is not None and particle_capacity < n_total:
-            # one device (or a 1x1 grid) holds every particle: a bound below that is exceeded at once
-            raise ValueError(
-                f"`particle_capacity` {particle_capacity} is below the {n_total} particles "
-                f"(n_particles {self.particle_shape}) that one device holds; raise it or set it to None"
-            )
-        # Before any particle or mesh is allocated: refuse a run that cannot fit (the
-        # module starts on the CPU; forward checks again on its device with its batch).
-        self._memory_checked: set = set()
-        self._check_memory(torch.device("cpu"), 1)
-        self.particle_cell = tuple(b / n for b, n in zip(self.box_size, self.particle_shape))
-        self.cell_size = tuple(b / n for b, n in zip(self.box_size, self.mesh_shape))
-        self.n_total = math.prod(self.particle_shape)
-        # Mesh cells per particle: the painted density then has mean 1.
-        self.particle_mass = math.prod(self.mesh_shape) / self.n_total
-        if isinstance(self.power, PowerTable):
-            self.power.check_covers(*self._k_range())
-        self._kernels: dict = {}
-        self._constant_cache: dict = {}
 
     def _check_blocks(self):
         """On a grid, every block of the force mesh along a split axis must hold the reach

@@ -24,7 +24,7 @@ import torch
 
 from .._transforms import outside_transforms, plain
 
-__all__ = ["process_grid_groups", "GridAxis", "GridGroups", "agreement_checks"]
+__all__ = ["process_grid_groups", "GridAxis", "GridGroups", "WorldGroup", "agreement_checks"]
 
 # Length of the descriptor every rank sends before a collective (see GridGroups.agree):
 # fixed, so that ranks calling different operations still run a matching all-reduce.
@@ -544,8 +544,8 @@ class GridGroups:
 
         One all-reduce (max) of a fixed-length int64 vector ``[d, -d]``, ``d`` the encoded
         descriptor: the ranks agree when max equals min everywhere. Otherwise the ranks
-        exchange their descriptors and every rank raises ``exception`` (``TypeError`` if
-        every failing rank's own error was one) naming each disagreeing value and each
+        exchange their descriptors and every rank raises ``exception`` (``TypeError`` or
+        ``SettingError`` if every failing rank's own error was one) naming each disagreeing value and each
         rank's value. A 1 x 1 grid only raises its own ``error``.
         """
         if not self._groups():
@@ -584,15 +584,15 @@ class GridGroups:
         mine = (self.rank, operation, [(name, str(value)) for name, value in values], str(error) if error else None,
                 kind, together)
         reports = sorted(self._gather_objects([mine]))
-        p0, p1 = self.shape
-
-        def where(rank):
-            return f"rank {rank} (grid {divmod(rank, p1)})"
-
+        where = self._where
         parts = []
         failures = [(report[0], report[3], report[4]) for report in reports if report[3]]
         # The ranks' own errors first: a failing rank's other values may be placeholders.
-        parts += [f"{where(rank)}: {message}" for rank, message, _ in failures]
+        # (ranks that raise the same message share one mention)
+        by_message: dict = {}
+        for rank, message, _ in failures:
+            by_message.setdefault(message, []).append(rank)
+        parts += [f"{', '.join(where(rank) for rank in ranks)}: {message}" for message, ranks in by_message.items()]
         operations = {report[1] for report in reports}
         if len(operations) > 1:
             calls = ", ".join(f"{where(report[0])}: {report[1]}" for report in reports)
@@ -607,20 +607,32 @@ class GridGroups:
                     parts.append(f"the ranks disagree on {name} ({ranks})")
             if len(parts) > len(failures):
                 parts[-1] += "; every rank must pass the same values"
-        if failures and all(kind == "TypeError" for _, _, kind in failures):
-            exception = TypeError
+        kinds = {kind for _, _, kind in failures}
+        if len(kinds) == 1 and kinds <= {"TypeError", "SettingError"}:
+            # (a SettingError, the settings' own ValueError and TypeError, stays one for
+            # callers that catch either)
+            from ..config import SettingError
+
+            exception = {"TypeError": TypeError, "SettingError": SettingError}[kinds.pop()]
         text = "; ".join(parts) or "the ranks' descriptors differ"
         # (a check raised together names no operation when every rank is in it: the same
         # text on every rank)
         prefix = "" if len(operations) == 1 and all(report[5] for report in reports) else f"{operation}: "
-        raise exception(f"{prefix}{text} [every rank of the {p0} x {p1} grid raises this error together]")
+        raise exception(f"{prefix}{text} [every rank of {self._scope()} raises this error together]")
+
+    def _where(self, rank: int) -> str:
+        return f"rank {rank} (grid {divmod(rank, self.shape[1])})"
+
+    def _scope(self) -> str:
+        p0, p1 = self.shape
+        return f"the {p0} x {p1} grid"
 
     @eager(local=_single_rank)
     def raise_together(self, error: str | BaseException | None, exception=ValueError, *, device=None,
                        operation: str = "a check raised together") -> None:
         """Raise ``exception`` on every rank when any rank passes a non-empty ``error`` (a
-        message, or an exception whose type is kept: ``TypeError`` when every failing
-        rank's was one).
+        message, or an exception whose type is kept: ``TypeError`` or ``SettingError``
+        when every failing rank's was one).
 
         Collective: each rank reports whether it failed, in the fixed-length descriptor
         all-reduce of :meth:`agree` (with no values), so a rank whose input is bad cannot
@@ -636,3 +648,22 @@ class GridGroups:
                 raise exception(error)
             return
         self.agree(operation, [], error, exception, device=device, _together=True)
+
+
+class WorldGroup(GridGroups):
+    """Every process of the default world as one axis: the checks of :class:`GridGroups`
+    (``agree``, ``raise_together``) before a process grid's own groups exist, as when a
+    ``Simulation(grid=...)`` checks its arguments (``new_group`` is collective over the
+    world). Ranks are the world's."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        world = dist.group.WORLD
+        super().__init__((world if dist.get_world_size() > 1 else None, None))
+
+    def _where(self, rank: int) -> str:
+        return f"rank {rank}"
+
+    def _scope(self) -> str:
+        return f"the world ({self.size} processes)"
