@@ -28,8 +28,9 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
             "simulation_integrator", "simulation_cosmology", "simulation_power_alias", "gather_batch", "gather_no_ids", "density_ids",
             "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks",
-            "different_labels", "noise_agreement", "hand_written_loop"]
-PER_WORLD = ["grid_axis"]
+            "different_labels", "noise_agreement", "hand_written_loop", "simulation_bad_argument",
+            "decomposition_bad_argument"]
+PER_WORLD = ["grid_axis", "simulation_grid_arguments"]
 
 
 def case_ids(world_size):
@@ -275,6 +276,65 @@ def case_simulation_integrator(grid, ctx):
     integrator = "leapfrog" if ctx["odd"] else "fastpm"
     expect_error(lambda: simulation(grid, ctx, integrator=integrator), ctx, "disagree", "`integrator`",
                  "leapfrog", "fastpm", "Simulation")
+
+
+def case_simulation_bad_argument(grid, ctx):
+    """One rank's invalid constructor argument raises on every rank together, with that
+    rank's own message and error type (it raised on that rank alone, at once, while the
+    others waited in the construction's first collective until the timeout)."""
+    from torchpm.config import SettingError
+
+    odd = [ctx["world"] - 1]
+    text = expect_error(lambda: simulation(grid, ctx, box_size=-1.0 if ctx["odd"] else 24.0), ctx,
+                        "`box_size` must be a finite number", "every rank of the", ranks=odd, exception=SettingError)
+    assert "rank 0 (" not in text, text  # only the failing rank is named
+    expect_error(lambda: simulation(grid, ctx, dtype="float32" if ctx["odd"] else torch.float64), ctx,
+                 "`dtype` must be torch.float32 or torch.float64", ranks=odd)
+    # every rank failing: each rank's message, once
+    expect_error(lambda: simulation(grid, ctx, memory_check=f"rank{ctx['rank']}"), ctx,
+                 *(f"got 'rank{r}'" for r in range(ctx["world"])))
+    assert simulation(grid, ctx).particle_shape == (6, 5, 4)  # the groups still work
+
+
+def case_decomposition_bad_argument(grid, ctx):
+    """One rank's invalid PencilDecomposition argument, or a mesh too small for the grid
+    on one rank alone, raises on every rank together (it raised on that rank alone while
+    the others waited in the construction's agreement until the timeout)."""
+    odd = [ctx["world"] - 1]
+    expect_error(lambda: decomposition(grid, ctx, shape=(8, 7.5, 6) if ctx["odd"] else SHAPE), ctx,
+                 "`global_shape` must be 3 integers, got (8, 7.5, 6)", ranks=odd)
+    expect_error(lambda: decomposition(grid, ctx, check_agreement="no" if ctx["odd"] else None), ctx,
+                 "`check_agreement` must be None, True or False", ranks=odd, exception=TypeError)
+    thin = (1, 1, 6) if ctx["odd"] else SHAPE
+    expect_error(lambda: decomposition(grid, ctx, shape=thin), ctx, "is too small for the", ranks=odd)
+
+
+def case_simulation_grid_arguments(grid, ctx):
+    """With ``grid=`` the groups are made from the world (``new_group`` is collective):
+    one rank's bad argument, bad or different grid, or another particle grid under
+    ``grid="auto"`` raises on every rank before any group is made, naming it; then the
+    same world builds a grid run."""
+    import torchpm
+
+    world = ctx["world"]
+    odd = [world - 1]
+
+    def build(**overrides):
+        config = dict(n_particles=(6, 5, 4), box_size=24.0, steps=1, dtype=torch.float64, grid=(world, 1))
+        return torchpm.Simulation(**dict(config, **overrides))
+
+    expect_error(lambda: build(a_start=2.0 if ctx["odd"] else 0.1), ctx, "`a_start`",
+                 f"every rank of the world ({world} processes)", ranks=odd)
+    expect_error(lambda: build(grid="bogus" if ctx["odd"] else (world, 1)), ctx,
+                 "`grid` must be (P0, P1) or 'auto', got 'bogus'", ranks=odd)
+    expect_error(lambda: build(grid=(1, world) if ctx["odd"] else (world, 1)), ctx,
+                 "the ranks disagree on `grid` as (P0, P1)", f"({world}, 1)", f"(1, {world})", ranks=range(world))
+    expect_error(lambda: build(grid="auto", n_particles=(6, 5, 6) if ctx["odd"] else (6, 5, 4)), ctx,
+                 "the ranks disagree on `n_particles`", "(6, 5, 6)", "(6, 5, 4)")
+    sim = build(grid="auto")
+    assert sim.force_mesh.grid.size == world and not sim.force_mesh.is_local
+    noise = sim.white_noise(seed=3)
+    assert sim(noise).positions.shape[0] == 1
 
 
 def case_noise_agreement(grid, ctx):

@@ -23,6 +23,7 @@ argument error, so a mismatched all-to-all never runs (``check_agreement``).
 from __future__ import annotations
 
 import math
+import operator
 from typing import Sequence
 
 import torch
@@ -83,12 +84,6 @@ class PencilDecomposition:
 
     def __init__(self, global_shape: Sequence[int], groups=None, *, mesh=None, always_transpose: bool = False,
                  check_agreement: bool | None = None):
-        try:
-            shape = tuple(int(n) for n in global_shape)
-        except TypeError:
-            raise ValueError(f"PencilDecomposition: `global_shape` must be 3 integers, got {global_shape!r}") from None
-        if len(shape) != 3 or any(n < 1 for n in shape):
-            raise ValueError(f"PencilDecomposition: `global_shape` must be 3 positive integers, got {shape}")
         if mesh is not None:
             if groups is not None:
                 raise ValueError("PencilDecomposition: pass either `groups` or `mesh`, not both")
@@ -106,20 +101,40 @@ class PencilDecomposition:
         self.groups = tuple(groups)
         self.grid = GridGroups(groups)
         self._axes = self.grid.axes
+        # The other arguments: one rank's error raises on every rank of the grid together
+        # (alone, it would leave the others waiting in the agreement below).
+        error = None
+        try:
+            self._take_arguments(global_shape, always_transpose, check_agreement)
+        except (ValueError, TypeError) as exc:
+            error = exc
+        self.grid.raise_together(error, operation="PencilDecomposition's arguments")
+        self._check_agreement()
+
+    def _take_arguments(self, global_shape, always_transpose, check_agreement):
+        try:
+            items = tuple(global_shape)
+            # (integers only: 4.5 or True are not sizes)
+            shape = tuple(operator.index(n) for n in items)
+            if any(isinstance(n, bool) for n in items):
+                raise TypeError
+        except (TypeError, ValueError):
+            raise ValueError(f"PencilDecomposition: `global_shape` must be 3 integers, got {global_shape!r}") from None
+        if len(shape) != 3 or any(n < 1 for n in shape):
+            raise ValueError(f"PencilDecomposition: `global_shape` must be 3 positive integers, got {shape}")
         self._staged = bool(always_transpose) and all(axis.group is not None for axis in self._axes)
         if always_transpose and not self._staged:
             raise ValueError("PencilDecomposition: `always_transpose` needs a process group on both grid axes")
+        if check_agreement is None:
+            check_agreement = agreement_checks()
+        elif not isinstance(check_agreement, bool):
+            raise TypeError(f"PencilDecomposition: `check_agreement` must be None, True or False, got {check_agreement!r}")
         self.layout = BlockLayout(shape, self.grid.shape)
         self.global_shape = shape
         self.fourier_shape = self.layout.fourier_shape
         self.local_real_shape, self.local_real_offset = self.real_block(self.grid_coords)
         self.local_fourier_shape, self.local_fourier_offset = self.fourier_block(self.grid_coords)
-        if check_agreement is None:
-            check_agreement = agreement_checks()
-        elif not isinstance(check_agreement, bool):
-            raise TypeError(f"PencilDecomposition: `check_agreement` must be None, True or False, got {check_agreement!r}")
         self.check_agreement = check_agreement
-        self._check_agreement()
 
     def _check_agreement(self):
         """Every rank of the grid must describe the same mesh: a rank with another global
