@@ -145,9 +145,12 @@ def build_simulation(config: dict):
             memory_check="off",
             **options,
         )
-        simulation.growth_table()  # (cached for the run)
     except (ValueError, TypeError, MemoryError) as error:
-        raise UserError(f"`cosmology`: {error}" if "growth_table" in str(error) else str(error)) from None
+        raise UserError(str(error)) from None
+    try:
+        simulation.growth_table()  # (cached for the run)
+    except (ValueError, TypeError) as error:  # the physics refuses the cosmology
+        raise UserError(f"`cosmology`: {error}") from None
     device = torch.device(config["device"])
     simulation.memory_check = config["memory_check"]
     try:
