@@ -30,7 +30,7 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks",
             "different_labels", "noise_agreement", "hand_written_loop", "simulation_bad_argument",
             "decomposition_bad_argument"]
-PER_WORLD = ["grid_axis", "simulation_grid_arguments"]
+PER_WORLD = ["grid_axis", "simulation_grid_arguments", "grid_groups_arguments"]
 
 
 def case_ids(world_size):
@@ -307,6 +307,23 @@ def case_decomposition_bad_argument(grid, ctx):
                  "`check_agreement` must be None, True or False", ranks=odd, exception=TypeError)
     thin = (1, 1, 6) if ctx["odd"] else SHAPE
     expect_error(lambda: decomposition(grid, ctx, shape=thin), ctx, "is too small for the", ranks=odd)
+
+
+def case_grid_groups_arguments(grid, ctx):
+    """process_grid_groups makes groups over the world (new_group is collective): one rank
+    with another grid or timeout, or a bad grid, raises on every rank before any group."""
+    import datetime
+
+    from torchpm.distributed import process_grid_groups
+
+    world = ctx["world"]
+    expect_error(lambda: process_grid_groups((1, world) if ctx["odd"] else (world, 1)), ctx,
+                 "process_grid_groups: the ranks disagree on `grid`", f"({world}, 1)", f"(1, {world})")
+    expect_error(lambda: process_grid_groups((world, 1.0) if ctx["odd"] else (world, 1)), ctx,
+                 "`grid` must be 2 positive integers (P0, P1), got (%d, 1.0)" % world, ranks=[world - 1])
+    expect_error(lambda: process_grid_groups((world, 1), timeout=datetime.timedelta(seconds=50 + ctx["odd"])),
+                 ctx, "the ranks disagree on `timeout` (ms)", "50000", "51000")
+    assert process_grid_groups((world, 1), timeout=datetime.timedelta(seconds=50))[1] is None
 
 
 def case_simulation_grid_arguments(grid, ctx):

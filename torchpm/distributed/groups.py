@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import functools
 import importlib.abc
+import operator
 import os
 import sys
 import threading
@@ -207,17 +208,25 @@ def process_grid_groups(
             "torch.distributed.init_process_group first (or build a PencilDecomposition "
             "without groups for a single process)"
         )
-    try:
-        p0, p1 = (int(p) for p in grid)
-    except (TypeError, ValueError):
-        raise ValueError(f"process_grid_groups: `grid` must be 2 positive integers (P0, P1), got {grid!r}") from None
     world, rank = dist.get_world_size(), dist.get_rank()
-    if p0 < 1 or p1 < 1 or p0 * p1 != world:
-        raise ValueError(
-            f"`grid` {tuple(grid)} must be 2 positive integers whose product is the world size {world}"
-        )
+    error, p0, p1 = None, 0, 0
+    try:
+        items = tuple(grid)
+        if len(items) != 2 or any(isinstance(p, bool) for p in items):
+            raise TypeError
+        p0, p1 = (operator.index(p) for p in items)
+    except (TypeError, ValueError):
+        error = f"process_grid_groups: `grid` must be 2 positive integers (P0, P1), got {grid!r}"
+    if error is None and (p0 < 1 or p1 < 1 or p0 * p1 != world):
+        error = f"`grid` {tuple(grid)} must be 2 positive integers whose product is the world size {world}"
     if timeout is None:
         timeout = _world_timeout()
+    # new_group is collective over the world: every rank must make the same groups in the
+    # same order (a rank with another grid, or one that raises here alone, would leave the
+    # others waiting in the store until its timeout).
+    seconds = None if timeout is None else round(timeout.total_seconds() * 1000)
+    WorldGroup().agree("process_grid_groups", [("`grid`", (p0, p1)), ("`backend`", str(backend)),
+                                               ("`timeout` (ms)", str(seconds))], error)
     key = (p0, p1, backend, timeout)
     cached = _GRID_GROUPS.get(key)
     if cached is not None and all(_alive(g) for g in cached):
