@@ -547,7 +547,7 @@ class Simulation(nn.Module):
                 "(a plane wave at the box's fundamental mode, 16^3 particles: 1.15x the linear-theory force with "
                 "mesh_factor 2, 1.30x with 4; 'fd4': 1.02x), so linear growth comes out too fast. Use "
                 "gradient='fd4' (the default) with mesh_factor > 1.",
-                stacklevel=4,
+                stacklevel=3,
             )
         window_compensation = as_bool("window_compensation", window_compensation)
         self.paint_order = ORDER_NAMES[order_number(paint_order, "Simulation", "paint_order")]

@@ -223,10 +223,8 @@ def process_grid_groups(
         timeout = _world_timeout()
     # new_group is collective over the world: every rank must make the same groups in the
     # same order (a rank with another grid, or one that raises here alone, would leave the
-    # others waiting in the store until its timeout).
-    seconds = None if timeout is None else round(timeout.total_seconds() * 1000)
-    WorldGroup().agree("process_grid_groups", [("`grid`", (p0, p1)), ("`backend`", str(backend)),
-                                               ("`timeout` (ms)", str(seconds))], error)
+    # others waiting in the store until its timeout). A rank's own timeout may differ.
+    WorldGroup().agree("process_grid_groups", [("`grid`", (p0, p1)), ("`backend`", str(backend))], error)
     key = (p0, p1, backend, timeout)
     cached = _GRID_GROUPS.get(key)
     if cached is not None and all(_alive(g) for g in cached):
