@@ -1606,6 +1606,19 @@ def case_paint_layers(grid, ctx):
     weights = global_random((1, state.ids.shape[1], 2), 39)
     both = state_layer(state.positions, weights, ids=state.ids)
     assert torch.equal(both, state_layer(state.positions, weights * (state.ids >= 0).unsqueeze(-1).double()))
+    # one rank's bad ids or weights raise on every rank together (they raised on that rank
+    # alone, the others waiting in the paint)
+    odd = ctx["rank"] == ctx["world"] - 1
+    for ids, weights in ((state.ids[:, :3] if odd else state.ids, None),
+                         (state.ids, weights[0, :, 0] if odd else None)):
+        try:
+            state_layer(state.positions, weights, ids=ids)
+        except ValueError as error:
+            assert f"rank {ctx['world'] - 1}" in str(error) and "CICPaint: `" in str(error), str(error)
+        else:
+            raise AssertionError("one rank's bad ids or weights did not raise on every rank")
+    assert float(sim.force_mesh.all_reduce(state_layer(state.positions, ids=state.ids).sum().reshape(1))[0]) == \
+        pytest.approx(512.0, rel=1e-12)  # the groups still work
     serial_readout, layer = CICReadout(), CICReadout(mesh=mesh)
     for field in (global_random((2, *shape), 35), global_random((2, 3, *shape), 36)):
         global_inputs = [field.clone().requires_grad_(), positions.clone().requires_grad_()]

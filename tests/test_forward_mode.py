@@ -70,6 +70,10 @@ def test_func_jvp_through_a_simulation_raises():
     noise = sim.white_noise(seed=1)
     with pytest.raises(NotImplementedError, match="forward-mode AD"):
         torch.func.jvp(lambda n: sim(n).positions, (noise,), (torch.ones_like(noise),))
+    # jacfwd and hessian (vmap over forward mode) get the forward-mode advice, not vmap's
+    for transform in (torch.func.jacfwd, torch.func.hessian):
+        with pytest.raises(NotImplementedError, match=r"forward-mode AD \(torch.func.jvp, jacfwd, hessian.*jacrev"):
+            transform(lambda n: sim(n).positions.sum())(noise)
 
 
 def test_autograd_functional_jvp_through_a_simulation_matches_finite_differences():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import re
 import sys
 
 import pytest
@@ -248,8 +249,17 @@ def test_cic_layers(dtype, device, reproducible):
     ids[:, ::3] = -1
     keep = ids[0] >= 0
     torch.testing.assert_close(paint(positions, weights, ids=ids), paint(positions[:, keep], weights[:, keep]))
-    with pytest.raises(ValueError, match=r"CICPaint: `ids` must be a \(B, N\) = \(2, 50\) tensor"):
+    with pytest.raises(ValueError, match=r"CICPaint: `ids` must be an integer \(B, N\) = \(2, 50\) tensor"):
         paint(positions, ids=ids[:, :7])
+    # a mask or float ids are not ids (a bool mask's False would be >= 0: every slot painted)
+    for wrong in (ids >= 0, ids.double()):
+        with pytest.raises(ValueError, match=r"`ids` must be an integer \(B, N\)"):
+            paint(positions, ids=wrong)
+    # weights that do not match (B, N) are refused, not broadcast into N channels
+    for bad in (weights[0], weights[:, :7], weights[..., None, None]):
+        with pytest.raises(ValueError, match=r"CICPaint: `weights` must be \(B, N\) or \(B, N, C\) with \(B, N\) = "
+                                             r"\(2, 50\), got " + re.escape(str(tuple(bad.shape)))):
+            paint(positions, bad, ids=ids)
     for make in (lambda: CICPaint(6, mesh=(6, 6, 6)), lambda: CICReadout(mesh="cic")):
         with pytest.raises(TypeError, match="`mesh` must be"):
             make()

@@ -60,6 +60,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from ._transforms import is_vmapped
 from .analysis import _bin_edges, _measure, _outside_torchpm, _shot_noise_argument, _window_argument
 from .fourier import window_of
 from .mesh import LocalMesh, as_box_size
@@ -301,18 +302,28 @@ class _TrianglePlan(torch.nn.Module):
     def gradient(self, coefficients, grad):
         """The vector-Jacobian product of :meth:`sums` in the coefficients (the shell
         fields recomputed, one shift at a time)."""
+        # Under torch.func.jacrev (vmap over the cotangents) `grad` carries a batch dimension.
+        batched = is_vmapped(grad)
         grad = grad * self.weights()
         result = torch.zeros_like(coefficients)
         for s in range(len(self.shifts)):
             phase, shells, groups = self._shift(s)
             fields = self.fields(coefficients, shells, phase)
             field_grad = torch.zeros_like(fields)
+            if batched:  # (the in-place sums below need a target batched as `grad` is)
+                field_grad = field_grad + torch.zeros_like(grad).sum()
             for a, b, third, members in groups:
                 g = grad[:, members]  # (C, n_third)
                 weighted = torch.bmm(g.unsqueeze(1), fields[:, third]).squeeze(1)  # sum_c g_c I_c
+                pair = (fields[:, a] * fields[:, b]).unsqueeze(1)
+                if batched:  # (the fused in-place ops have no batching rule: plain sums)
+                    field_grad[:, a] += fields[:, b] * weighted
+                    field_grad[:, b] += fields[:, a] * weighted
+                    field_grad.index_add_(1, torch.arange(field_grad.shape[1], device=field_grad.device)[third],
+                                          g.unsqueeze(-1) * pair)
+                    continue
                 field_grad[:, a].addcmul_(fields[:, b], weighted)
                 field_grad[:, b].addcmul_(fields[:, a], weighted)
-                pair = (fields[:, a] * fields[:, b]).unsqueeze(1)
                 if isinstance(third, slice):  # (in place: no temporary of the third shells' size)
                     field_grad[:, third].baddbmm_(g.unsqueeze(-1), pair)
                 else:

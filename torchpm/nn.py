@@ -181,19 +181,38 @@ class CICPaint(nn.Module):
 
     def forward(self, positions: torch.Tensor, weights: torch.Tensor | None = None,
                 ids: torch.Tensor | None = None) -> torch.Tensor:
+        error = None
         if ids is not None:
-            if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != tuple(positions.shape[:2]):
-                raise ValueError(f"CICPaint: `ids` must be a (B, N) = {tuple(positions.shape[:2])} tensor, got "
-                                 f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
-            mass = (ids >= 0).to(positions.dtype)
-            weights = mass if weights is None else weights * (mass if weights.dim() == 2 else mass.unsqueeze(-1))
+            try:
+                weights = _weights_of_ids(positions, weights, ids)
+            except ValueError as exc:
+                if self._mesh is None or self._mesh.is_local:
+                    raise
+                # on a grid: raised inside the paint's agreement, on every rank together
+                error = exc
         if self._mesh is not None:
-            return self._mesh.paint(positions, weights, order="cic")
+            return self._mesh.paint(positions, weights, order="cic", _caller_error=error)
         return cic_paint(positions, weights, self.shape, periodic=True)
 
     def extra_repr(self) -> str:
         grid = "" if self._mesh is None else f", grid={self._mesh.grid_shape}"
         return f"shape={self.shape}{grid}"
+
+
+def _weights_of_ids(positions, weights, ids):
+    """``weights`` (None: unit mass) with the empty slots (id -1) of ``ids`` given no mass."""
+    expected = tuple(positions.shape[:2]) if isinstance(positions, torch.Tensor) else None
+    if (not isinstance(ids, torch.Tensor) or tuple(ids.shape) != expected or ids.dtype == torch.bool
+            or ids.is_floating_point() or ids.is_complex()):
+        got = f"{tuple(ids.shape)} {ids.dtype}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"CICPaint: `ids` must be an integer (B, N) = {expected} tensor (-1 marks an empty slot), "
+                         f"got {got}")
+    if weights is not None and (not isinstance(weights, torch.Tensor) or weights.dim() not in (2, 3)
+                                or tuple(weights.shape[:2]) != expected):
+        got = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise ValueError(f"CICPaint: `weights` must be (B, N) or (B, N, C) with (B, N) = {expected}, got {got}")
+    mass = (ids >= 0).to(positions.dtype)
+    return mass if weights is None else weights * (mass if weights.dim() == 2 else mass.unsqueeze(-1))
 
 
 class CICReadout(nn.Module):

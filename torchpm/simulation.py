@@ -733,6 +733,13 @@ class Simulation(nn.Module):
         kinds = active_transforms()
         if not kinds:
             return
+        if "jvp" in kinds:
+            raise NotImplementedError(
+                f"{operation}: forward-mode AD (torch.func.jvp, jacfwd, hessian, "
+                "torch.autograd.forward_ad) is not supported: the ops have reverse-mode derivatives only. "
+                "Use torch.func.jacrev (a Hessian: jacrev(jacrev(f))), or torch.autograd.functional.jvp, "
+                "which takes a Jacobian-vector product by double backward."
+            )
         if "vmap" in kinds:
             raise NotImplementedError(
                 f"{operation}: torch.func.vmap over a simulation is not supported (the run checks its "

@@ -608,7 +608,8 @@ class PencilDecomposition:
         return torch.stack(columns, -1)
 
     @eager(local=_local)
-    def paint(self, positions: torch.Tensor, weights: torch.Tensor | None = None, *, order: str = "cic") -> torch.Tensor:
+    def paint(self, positions: torch.Tensor, weights: torch.Tensor | None = None, *, order: str = "cic",
+              _caller_error: BaseException | None = None) -> torch.Tensor:
         """Paint ``(B, N, 3)`` particles (global mesh-cell units) onto the local block.
 
         The particles must be owned by this rank (their position lies in the local
@@ -617,15 +618,21 @@ class PencilDecomposition:
         into the block plus the stencil's halo, which :meth:`add_halo` then adds
         into the neighbours. Returns ``(B, *local_real_shape)`` (or
         ``(B, C, ...)`` for ``(B, N, C)`` weights). Collective on a grid.
+        (``_caller_error``: a caller's own argument error, raised in the paint's agreement:
+        on every rank together.)
         """
         # Unsplit axes are periodic with no halo, so on a 1 x 1 grid this is the plain
         # periodic paint: no halo exchange and no copy.
         if self.is_local:
+            if _caller_error is not None:
+                raise _caller_error
             widths, shape, offset, periodic = self._block_geometry(order)
             return _paint(positions, weights, shape, order=order, offset=offset, periodic=periodic)
         painted = []
 
         def check():
+            if _caller_error is not None:
+                raise _caller_error
             widths, shape, offset, periodic = self._block_geometry(order)
             painted.append((widths, _paint(positions, weights, shape, order=order, offset=offset, periodic=periodic)))
 
