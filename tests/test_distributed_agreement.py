@@ -29,7 +29,8 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "simulation_integrator", "simulation_cosmology", "simulation_power_alias", "gather_batch", "gather_no_ids", "density_ids",
             "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks",
             "different_labels", "noise_agreement", "hand_written_loop", "simulation_bad_argument",
-            "decomposition_bad_argument"]
+            "decomposition_bad_argument", "simulation_callables", "same_tensor_twice", "layer_arguments",
+            "run_callback", "huge_integers", "paint_density_arguments"]
 PER_WORLD = ["grid_axis", "simulation_grid_arguments", "grid_groups_arguments"]
 
 
@@ -72,6 +73,12 @@ def expect_error(call, ctx, *fragments, exception=ValueError, ranks=None):
             assert fragment in text, f"{fragment!r} missing from the error: {text}"
         return text
     raise AssertionError(f"rank {ctx['rank']}: the disagreeing call did not raise {exception.__name__}")
+
+
+def odd_rank(ctx):
+    """The rank that fails alone: the error names it (the others, with nothing wrong, are
+    not listed)."""
+    return [ctx["world"] - 1]
 
 
 def check_still_works(grid, ctx):
@@ -172,7 +179,7 @@ def case_local_error(grid, ctx):
     """A bad argument on one rank: the others raise too instead of waiting in the all-to-all."""
     mesh = decomposition(grid, ctx)
     value = torch.ones(1, 3, 3, 3) if ctx["odd"] else field(mesh)
-    expect_error(lambda: mesh.rfftn(value), ctx, "expected `field` of shape", "(1, 3, 3, 3)")
+    expect_error(lambda: mesh.rfftn(value), ctx, "expected `field` of shape", "(1, 3, 3, 3)", ranks=odd_rank(ctx))
 
 
 def case_transpose_axis(grid, ctx):
@@ -182,7 +189,7 @@ def case_transpose_axis(grid, ctx):
     t = torch.ones(1, lx, ly, nz // 2 + 1, dtype=torch.complex128)
     axis = 0 if ctx["odd"] else 1
     # Rank-local shape errors for the unexpected axis are reported together as well.
-    text = expect_error(lambda: mesh.transpose(t, axis), ctx, "transpose")
+    text = expect_error(lambda: mesh.transpose(t, axis), ctx, "transpose", ranks=odd_rank(ctx))
     assert "`axis`" in text or "does not match the layout" in text, text
 
 
@@ -330,6 +337,129 @@ def case_grid_groups_arguments(grid, ctx):
     assert groups[1] is None and dist.get_world_size(groups[0]) == world
 
 
+def case_simulation_callables(grid, ctx):
+    """Callables the ranks build a Simulation with are compared by more than their type or
+    name: two lambdas of one line with other constants, and a NeuralSplineCorrection of
+    another k_max (equal weights), ran mixed physics without an error; the same callable
+    built on every rank runs."""
+    import torchpm
+    from torchpm.cosmology import linear_power
+    from torchpm.nn import NeuralSplineCorrection
+
+    correction = (lambda k, a: 2.0 + 0 * k) if ctx["odd"] else (lambda k, a: 1.0 + 0 * k)
+    expect_error(lambda: simulation(grid, ctx, force_correction=correction), ctx,
+                 "the ranks disagree on `force_correction`", "<lambda>")
+    power = (lambda k, c: 4 * linear_power(k, c)) if ctx["odd"] else (lambda k, c: linear_power(k, c))
+    expect_error(lambda: simulation(grid, ctx, power_spectrum=power), ctx, "the ranks disagree on `power_spectrum`")
+    torch.manual_seed(0)
+    spline = NeuralSplineCorrection(k_max=0.5 if ctx["odd"] else 2.0)
+    expect_error(lambda: simulation(grid, ctx, force_correction=spline), ctx,
+                 "the ranks disagree on `force_correction`", "module NeuralSplineCorrection")
+    scale = 0.5
+    sim = simulation(grid, ctx, force_correction=lambda k, a: 1.0 + scale * 0 * k,
+                     power_spectrum=lambda k, c: linear_power(k, c))
+    assert isinstance(sim, torchpm.Simulation)
+
+
+def case_same_tensor_twice(grid, ctx):
+    """A cross spectrum of one tensor passed twice on some ranks and as two equal tensors on
+    others (a transform fewer on the first: gloo aborted a rank) equals the auto spectrum."""
+    from torchpm.analysis import correlation_coefficient, cross_power, power_spectrum
+
+    mesh = decomposition(grid, ctx)
+    whole = torch.randn(1, *SHAPE, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    block = mesh.local_real_part(whole)
+    other = block if ctx["odd"] else block.clone()
+    auto = power_spectrum(block, 24.0, mesh=mesh).power
+    assert torch.allclose(cross_power(block, other, 24.0, mesh=mesh).power, auto, rtol=1e-12, atol=0)
+    assert torch.allclose(correlation_coefficient(block, other, 24.0, mesh=mesh).power, torch.ones_like(auto),
+                          rtol=1e-12, atol=0)
+
+
+def case_layer_arguments(grid, ctx):
+    """torchpm.nn layers on a grid: `other` passed on one rank only (one more FFT there:
+    gloo aborted a rank), a bad shape on one rank at construction (it raised there alone)."""
+    from torchpm.nn import BispectrumEstimator, CICPaint, CorrelationFunction, PowerSpectrum
+
+    mesh = decomposition(grid, ctx)
+    block = field(mesh)
+    for layer in (PowerSpectrum(SHAPE, 24.0, mesh=mesh, dtype=torch.float64),
+                  CorrelationFunction(SHAPE, 24.0, mesh=mesh, dtype=torch.float64)):
+        expect_error(lambda: layer(block, block.clone() if ctx["odd"] else None), ctx,
+                     "the ranks disagree on `other`", "None", "a field")
+    expect_error(lambda: CICPaint((0, 7, 6) if ctx["odd"] else SHAPE, mesh=mesh), ctx,
+                 "CICPaint: `shape` must be positive integers", ranks=odd_rank(ctx))
+    expect_error(lambda: BispectrumEstimator("x" if ctx["odd"] else SHAPE, 24.0, mesh=mesh), ctx,
+                 "BispectrumEstimator: `shape` must be", ranks=odd_rank(ctx))
+
+
+def case_run_callback(grid, ctx):
+    """A run's callback raising on one rank raises a RuntimeError naming it on every rank
+    (the others waited in the next step's collectives), in a run and in evolve; the ranks
+    must all pass a callback or none; a state gathered in other units on one rank is named."""
+    sim = simulation(grid, ctx, steps=2)
+    noise = sim.white_noise(seed=2)
+
+    def callback(step, a):
+        if ctx["odd"] and step == 1:
+            raise KeyError("a failing callback")
+
+    expect_error(lambda: sim(noise, callback=callback), ctx, "`callback` raised at step 1", "KeyError",
+                 "a failing callback", exception=RuntimeError, ranks=odd_rank(ctx))
+    expect_error(lambda: sim(noise, callback=(lambda step, a: None) if ctx["odd"] else None), ctx,
+                 "the ranks disagree on `callback`", "None", "a callable")
+    state = sim(noise, until=sim.scale_factors[1], return_mesh_units=True)
+
+    def last_step(step, a):
+        if ctx["odd"] and step == 2:
+            raise KeyError("after the last step")
+
+    # (raised after the last step: the other ranks returned a result while this one raised)
+    expect_error(lambda: sim.evolve(state.positions, state.momenta, sim.growth_table(), last_step, ids=state.ids,
+                                    start=1), ctx, "`callback` raised at step 2", "after the last step",
+                 exception=RuntimeError, ranks=odd_rank(ctx))
+    steps = []
+    sim.evolve(state.positions, state.momenta, sim.growth_table(), lambda step, a: steps.append(step), ids=state.ids,
+               start=1)
+    assert steps == [2], steps
+    mixed = sim(noise, return_mesh_units=ctx["odd"])
+    expect_error(lambda: sim.gather(mixed), ctx, "the ranks disagree on the state's units (its type)",
+                 "MeshUnitsState", "SimulationState")
+
+
+def case_huge_integers(grid, ctx):
+    """An integer beyond int64 on one rank is named in the disagreement (it raised 'Overflow
+    when unpacking long long' there alone, the others waiting)."""
+    from torchpm.analysis import power_spectrum
+
+    mesh = decomposition(grid, ctx)
+    expect_error(lambda: power_spectrum(field(mesh), 24.0, mesh=mesh, bins=2**70 if ctx["odd"] else 3), ctx,
+                 "the ranks disagree on `bins`", str(2**70))
+    expect_error(lambda: power_spectrum(field(mesh), 24.0, mesh=mesh, bins=2**70), ctx,
+                 "`bins` must be at most the mesh's 336 cells", ranks=[])  # (each rank's own, alike)
+
+
+def case_paint_density_arguments(grid, ctx):
+    """paint_density: one rank's bad `order`, `interlacing` or positions raise on every rank
+    (they raised on that rank alone); a rank without particles paints weights (its weights'
+    reshape failed) and the field equals the one-device one."""
+    from torchpm.analysis import paint_density
+
+    mesh = decomposition(grid, ctx)
+    positions, _ = particles(mesh)
+    expect_error(lambda: paint_density(positions, mesh, order="bogus" if ctx["odd"] else "cic"), ctx,
+                 "`order` must be one of", ranks=odd_rank(ctx))
+    expect_error(lambda: paint_density(positions, mesh, interlacing="no" if ctx["odd"] else False), ctx,
+                 "`interlacing` must be a bool", ranks=odd_rank(ctx))
+    expect_error(lambda: paint_density(positions[..., :2] if ctx["odd"] else positions, mesh), ctx,
+                 "expected `positions` of shape (B, N, 3)", ranks=odd_rank(ctx))
+    weights = torch.arange(1.0, 13.0, dtype=torch.float64).reshape(1, 12, 1).expand(1, 12, 2)
+    mine = (positions, weights) if ctx["rank"] == 0 else (positions[:, :0], weights[:, :0])
+    block = paint_density(mine[0], mesh, weights=mine[1])
+    expected = mesh.local_real_part(paint_density(positions, shape=SHAPE, weights=weights))
+    assert block.shape == expected.shape and torch.allclose(block, expected, rtol=0, atol=1e-12)
+
+
 def case_simulation_grid_arguments(grid, ctx):
     """With ``grid=`` the groups are made from the world (``new_group`` is collective):
     one rank's bad argument, bad or different grid, or another particle grid under
@@ -392,7 +522,7 @@ def case_run_agreement(grid, ctx):
     expect_error(lambda: sim(noise), ctx, "Simulation.forward", "`cosmology` (its parameters now)", "'Omega_c': 0.3,")
     sim.cosmology = torchpm.Planck15()
     expect_error(lambda: sim(noise, until=0.55 if ctx["odd"] else None), ctx, "Simulation.forward",
-                 "`until` = 0.55 is not one of the simulation's scale factors")
+                 "`until` = 0.55 is not one of the simulation's scale factors", ranks=odd_rank(ctx))
     expect_error(lambda: sim(noise.clone().requires_grad_(ctx["odd"])), ctx, "gradients needed")
     # another batch size on one rank: one ValueError naming it (was a MemoryError on one
     # rank and a ValueError on the others, neither naming the batch)
@@ -466,7 +596,7 @@ def case_gather_no_ids(grid, ctx):
     state = sim(sim.white_noise(seed=3))
     if ctx["odd"]:
         state = state._replace(ids=None)
-    expect_error(lambda: sim.gather(state), ctx, "`state.ids` is required", "Simulation.gather")
+    expect_error(lambda: sim.gather(state), ctx, "`state.ids` is required", "Simulation.gather", ranks=odd_rank(ctx))
 
 
 def case_density_ids(grid, ctx):
@@ -568,7 +698,8 @@ def case_paint_not_owned(grid, ctx):
     (lx, ly, _), (ox, oy, _) = mesh.local_real_shape, mesh.local_real_offset
     inside = torch.tensor([[[ox + 0.5, oy + 0.5, 0.5]]], dtype=torch.float64)
     far = torch.tensor([[[(ox + lx + 2.5) % SHAPE[0], (oy + ly + 2.5) % SHAPE[1], 0.5]]], dtype=torch.float64)
-    text = expect_error(lambda: mesh.paint(far if ctx["odd"] else inside), ctx, "cannot be deposited", "paint")
+    text = expect_error(lambda: mesh.paint(far if ctx["odd"] else inside), ctx, "cannot be deposited", "paint",
+                        ranks=odd_rank(ctx))
     # the failing rank's own error leads (its other descriptor values are placeholders)
     assert text.startswith(f"PencilDecomposition.paint: rank {ctx['world'] - 1} (grid"), text
 
@@ -603,7 +734,7 @@ def case_readout_bad_field(grid, ctx):
     positions = torch.tensor([[[mesh.local_real_offset[0] + 0.5, mesh.local_real_offset[1] + 0.5, 0.5]]],
                              dtype=torch.float64)
     value = torch.ones(1, 2, 2, 2, dtype=torch.float64) if ctx["odd"] else field(mesh)
-    expect_error(lambda: mesh.readout(value, positions), ctx, "`field`", "(1, 2, 2, 2)", "readout")
+    expect_error(lambda: mesh.readout(value, positions), ctx, "`field`", "(1, 2, 2, 2)", "readout", ranks=odd_rank(ctx))
 
 
 def case_readout_not_owned(grid, ctx):

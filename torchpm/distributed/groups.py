@@ -170,11 +170,16 @@ def _encode(value) -> list[int]:
     which is the same in every process."""
     if isinstance(value, bool):
         return [int(value)]
-    if isinstance(value, int):
+    if isinstance(value, int) and _INT64_MIN <= value <= _INT64_MAX:
         return [value]
-    if isinstance(value, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if isinstance(value, (tuple, list)) and all(
+            isinstance(v, int) and not isinstance(v, bool) and _INT64_MIN <= v <= _INT64_MAX for v in value):
         return [len(value), *value]
+    # (integers beyond int64 too: the descriptor is an int64 vector)
     return [zlib.crc32(str(value).encode())]
+
+
+_INT64_MIN, _INT64_MAX = -(2**63) + 1, 2**63 - 1  # (each value is negated too)
 
 
 @eager
@@ -606,11 +611,14 @@ class GridGroups:
             parts.append(f"the ranks called different collective operations ({calls}); every rank must call the "
                          "same operations in the same order")
         else:
-            names = [name for name, _ in reports[0][2]]
+            # (compared among the ranks without an error of their own: a failing rank's
+            # values are placeholders)
+            compared = [report for report in reports if not report[3]]
+            names = [name for name, _ in (compared or reports)[0][2]]
             for name in names:
-                seen = [dict(report[2]).get(name) for report in reports]
+                seen = [dict(report[2]).get(name) for report in compared]
                 if len(set(seen)) > 1:
-                    ranks = ", ".join(f"{where(report[0])}: {value}" for report, value in zip(reports, seen))
+                    ranks = ", ".join(f"{where(report[0])}: {value}" for report, value in zip(compared, seen))
                     parts.append(f"the ranks disagree on {name} ({ranks})")
             if len(parts) > len(failures):
                 parts[-1] += "; every rank must pass the same values"
