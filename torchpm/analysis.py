@@ -121,6 +121,9 @@ def _bin_edges(k_axes, mesh, box, bins, device):
         bins = int(bins)
         if bins < 1:
             raise ValueError(f"`bins` must be a positive number of bins or increasing bin edges, got {bins}")
+        cells = math.prod(mesh.global_shape)
+        if bins > cells:  # (more shells than modes: mostly empty, and beyond int64 for huge counts)
+            raise ValueError(f"`bins` must be at most the mesh's {cells} cells, got {bins}")
         # |k|^2 is a sum over the axes and the block a product of ranges: its largest |k|
         # is the root of the sum of each axis's largest k_i^2.
         if math.prod(mesh.local_fourier_shape):
@@ -278,8 +281,11 @@ def _measure(function, fields, box_size, bins, compensate_cic, window, mesh, opt
         _warn_if_block(batched[0].shape[-3:], box_size, "torchpm.analysis")
     mesh = mesh or LocalMesh(batched[0].shape[-3:])
     transforms = []
+    # One transform per tensor on one device. On a grid every field is transformed: a
+    # collective, so it cannot depend on which ranks passed the same tensor twice.
+    shared = mesh.is_local
     for name, field in zip(names, batched):
-        same = next((t for n, t in zip(names, transforms) if fields[n] is fields[name]), None)
+        same = next((t for n, t in zip(names, transforms) if shared and fields[n] is fields[name]), None)
         transforms.append(same if same is not None else mesh.rfftn(field.to(torch.float64)))
     return mesh, box, window, transforms, single
 
@@ -668,7 +674,8 @@ def _owned(mesh, positions, weights):
     if getattr(mesh, "is_local", True):
         return positions, weights
     ids = torch.zeros(positions.shape[:2], dtype=torch.int64, device=positions.device)
-    attributes = () if weights is None else (weights.reshape(*weights.shape[:2], -1),)
+    # (the channels as one axis; written out, not -1, which an empty rank cannot infer)
+    attributes = () if weights is None else (weights.reshape(*weights.shape[:2], math.prod(weights.shape[2:])),)
     _, positions, ids, *moved = mesh.migrate(positions, ids, *attributes)
     if weights is not None:
         weights = moved[0].reshape(*moved[0].shape[:2], *weights.shape[2:])
@@ -710,32 +717,40 @@ def paint_density(
         contains shot noise ``V / N`` (for :func:`correlation_function`'s ``n_particles``,
         paint without interlacing: that keeps only the even aliasing images of the noise).
     """
-    positions = tensor_argument(positions, "positions", "paint_density")
-    weights = tensor_argument(weights, "weights", "paint_density", optional=True)
-    if positions.dim() != 3 or positions.shape[-1] != 3:
-        raise ValueError(f"paint_density: expected `positions` of shape (B, N, 3), got {tuple(positions.shape)}")
-    if weights is not None and (weights.dim() < 2 or tuple(weights.shape[:2]) != tuple(positions.shape[:2])):
-        raise ValueError(
-            f"paint_density: expected `weights` of shape {tuple(positions.shape[:2])} (B, N) like `positions`, "
-            f"got {tuple(weights.shape)}"
-        )
     _check_mesh_argument(mesh, "paint_density")
-    if not isinstance(interlacing, bool):
-        raise TypeError(f"`interlacing` must be a bool, got {interlacing!r}")
-    name = ORDER_NAMES[order_number(order, "paint_density")]
+    error, name = None, None
+    try:
+        positions = tensor_argument(positions, "positions", "paint_density")
+        weights = tensor_argument(weights, "weights", "paint_density", optional=True)
+        if positions.dim() != 3 or positions.shape[-1] != 3:
+            raise ValueError(f"paint_density: expected `positions` of shape (B, N, 3), got {tuple(positions.shape)}")
+        if weights is not None and (weights.dim() < 2 or tuple(weights.shape[:2]) != tuple(positions.shape[:2])):
+            raise ValueError(
+                f"paint_density: expected `weights` of shape {tuple(positions.shape[:2])} (B, N) like `positions`, "
+                f"got {tuple(weights.shape)}"
+            )
+        if not isinstance(interlacing, bool):
+            raise TypeError(f"`interlacing` must be a bool, got {interlacing!r}")
+        name = ORDER_NAMES[order_number(order, "paint_density")]
+    except (TypeError, ValueError) as exc:
+        if not hasattr(mesh, "agree") or mesh.is_local:
+            raise
+        error = exc  # on a grid: raised on every rank together, in the agreement below
     if mesh is None:
         if shape is None:
             raise ValueError("paint_density: pass `mesh` or `shape`")
         mesh = LocalMesh(shape)
+    if hasattr(mesh, "agree"):  # the all-reduce below and the paint's halo exchange depend on these
+        batch = None if error else int(positions.shape[0])
+        mesh.agree("paint_density", [("batch size (dim 0 of `positions`)", batch), ("`order`", name),
+                                     ("`interlacing`", None if error else interlacing),
+                                     ("`weights` given", None if error else weights is not None)],
+                   None if error is None else str(error))
     cells = math.prod(mesh.global_shape)
     if weights is None:
         total = torch.full((positions.shape[0],), float(positions.shape[1]), dtype=torch.float64, device=positions.device)
     else:
         total = weights.detach().to(torch.float64).sum(1)
-    if hasattr(mesh, "agree"):  # the all-reduce below and the paint's halo exchange depend on these
-        mesh.agree("paint_density", [("batch size (dim 0 of `positions`)", int(positions.shape[0])),
-                                     ("`order`", name), ("`interlacing`", interlacing),
-                                     ("`weights` given", weights is not None)])
     if hasattr(mesh, "all_reduce"):  # a process grid: every rank's particles count
         total = mesh.all_reduce(total)
     if not bool((total > 0).all()):

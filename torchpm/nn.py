@@ -63,15 +63,28 @@ __all__ = [
 ]
 
 
-def _layer_mesh(layer: str, mesh, shape=None):
+def _layer_mesh(layer: str, mesh, shape=None, error=None):
     """The :class:`~torchpm.distributed.PencilDecomposition` a layer's ``mesh`` names, or
-    None for one device (``None``, a :class:`~torchpm.LocalMesh` or a 1 x 1 grid)."""
+    None for one device (``None``, a :class:`~torchpm.LocalMesh` or a 1 x 1 grid).
+    ``error``: the layer's own argument error, raised on every rank of a grid."""
     if mesh is None:
         return None
     _check_mesh_type(layer, mesh)
     if shape is not None:
-        mesh.agree(layer, [("`shape`", shape)], _mesh_shape_error(layer, mesh, shape, "the particles are painted on"))
+        mesh.agree(layer, [("`shape`", shape)],
+                   error or _mesh_shape_error(layer, mesh, shape, "the particles are painted on"))
     return None if mesh.is_local else mesh
+
+
+def _layer_shape(layer: str, shape, mesh):
+    """``(shape, error)``: a layer's ``shape`` argument; on a grid a bad one is the error the
+    construction's agreement raises on every rank (the mesh's shape standing in meanwhile)."""
+    try:
+        return as_shape(shape, "shape"), None
+    except (TypeError, ValueError) as exc:
+        if not isinstance(mesh, PencilDecomposition) or mesh.is_local:
+            raise
+        return tuple(mesh.global_shape), f"{layer}: {exc}"
 
 
 def _check_mesh_type(layer: str, mesh) -> None:
@@ -176,8 +189,8 @@ class CICPaint(nn.Module):
 
     def __init__(self, shape: int | Sequence[int], *, mesh: PencilDecomposition | None = None):
         super().__init__()
-        self.shape = as_shape(shape, "shape")
-        self._mesh = _layer_mesh("CICPaint", mesh, self.shape)
+        self.shape, error = _layer_shape("CICPaint", shape, mesh)
+        self._mesh = _layer_mesh("CICPaint", mesh, self.shape, error)
 
     def forward(self, positions: torch.Tensor, weights: torch.Tensor | None = None,
                 ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -352,8 +365,9 @@ class PowerSpectrum(nn.Module):
             None if other is None else _layer_field_error("PowerSpectrum", other, "other", self._local_shape,
                                                           self.shape, self._mesh, batch=field.shape[0]))
         if self._mesh is not None:
-            # A rank with a bad field raises on every rank, not leaving the others in the FFT.
-            self._mesh.raise_together(error, operation="torchpm.nn.PowerSpectrum")
+            # A rank with a bad field raises on every rank, not leaving the others in the FFT;
+            # so does one that passes `other` where the others do not (one more FFT).
+            self._mesh.agree("torchpm.nn.PowerSpectrum", [("`other`", "None" if other is None else "a field")], error)
         elif error:
             raise ValueError(error)
         field_k = self._rfftn(field).reshape(field.shape[0], -1)
@@ -496,7 +510,8 @@ class CorrelationFunction(nn.Module):
             error = ("CorrelationFunction: `other` with `n_particles`: the Poisson self-pairs are those of one "
                      "particle set's auto-correlation; build the layer without n_particles for a cross-correlation")
         if self._mesh is not None:
-            self._mesh.raise_together(error, operation="torchpm.nn.CorrelationFunction")
+            self._mesh.agree("torchpm.nn.CorrelationFunction", [("`other`", "None" if other is None else "a field")],
+                             error)
         elif error:
             raise ValueError(error)
         rfftn = (lambda f: torch.fft.rfftn(f, dim=(-3, -2, -1))) if self._mesh is None else self._mesh.rfftn
@@ -604,12 +619,13 @@ class BispectrumEstimator(nn.Module):
     ):
         super().__init__()
         name = "BispectrumEstimator"
-        self.shape = as_shape(shape, "shape")
+        self.shape, shape_error = _layer_shape(name, shape, mesh)
         if mesh is None:
             mesh = LocalMesh(self.shape)
         _check_mesh_type(name, mesh)
         box, edges, configurations, window, noise, key, error = _settings(
             name, self.shape, box_size, bins, triangles, compensate_cic, window, shot_noise, n_particles)
+        error = shape_error or error
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             error = error or f"`dtype` must be a real floating-point torch.dtype (e.g. torch.float32), got {dtype!r}"
         error = error or _mesh_shape_error(name, mesh, self.shape, "the fields live on")

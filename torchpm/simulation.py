@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import operator
+import re
 import warnings
 import zlib
 from typing import Callable, NamedTuple, Sequence
@@ -239,6 +241,13 @@ def _grid_shape(grid, world, shapes, reach) -> tuple[int, int]:
     return p0, p1
 
 
+def _callback_value(callback) -> tuple[str, str]:
+    """The agreement entry of a run's ``callback``: on a grid each call is followed by a
+    check that no rank's raised, so every rank must pass one or none."""
+    return ("`callback`", "None" if callback is None else "a callable" if callable(callback) else
+            type(callback).__name__)
+
+
 def _field_checksum(field: torch.Tensor) -> str:
     """Three float64 sums of ``field`` (all values, their 2-norm, every third along z) to 9
     digits: equal for one field on any device of a kind, and different for two draws;
@@ -454,7 +463,7 @@ class Simulation(nn.Module):
                 ("`particle_capacity`", repr(self.particle_capacity)),
                 ("`sort_every`", self.sort_every),
                 ("`primordial_kmax`", repr(self.primordial_kmax)),
-                ("`force_correction`", "None" if force_correction is None else type(force_correction).__qualname__),
+                ("`force_correction`", "None" if force_correction is None else _callable_setting(force_correction)),
             ])
             self._check_blocks()  # the same answer on every rank: they agree on its inputs
         n_total = math.prod(self.particle_shape)
@@ -934,8 +943,10 @@ class Simulation(nn.Module):
             # rank since construction, and other gradient needs (other backward collectives).
             batch = (field.shape[0] if field.dim() == 4 else 1) if isinstance(field, torch.Tensor) else None
             self.force_mesh.agree(operation, [("the last step (`until`)", stop), ("the steps of `at`", emit_at),
-                                              ("the batch size of the input", batch), *self._run_values(field)],
+                                              ("the batch size of the input", batch), _callback_value(callback),
+                                              *self._run_values(field)],
                                   None if error is None else str(error))
+            callback = self._guarded_callback(callback)
         if isinstance(field, torch.Tensor):
             self._check_memory(self.device, field.shape[0] if field.dim() == 4 else 1)
         self._check_correction()
@@ -1132,8 +1143,10 @@ class Simulation(nn.Module):
             # steps (they would run other numbers of steps) are named.
             self.force_mesh.agree(operation, [("the state's step (`state.a`)", start),
                                               ("the last step (`until`)", stop), ("the steps of `at`", emit_at),
+                                              _callback_value(callback),
                                               *self._run_values(getattr(state, "positions", None))],
                                   None if error is None else str(error))
+            callback = self._guarded_callback(callback)
         positions, momenta = state.positions, state.momenta
         if not (mesh_units or isinstance(state, MeshUnitsState)):
             cell = torch.tensor(self.cell_size, dtype=positions.dtype, device=positions.device)
@@ -1165,6 +1178,31 @@ class Simulation(nn.Module):
                 stop=stop, cosmology=cosmology, emit=emit, emit_at=emit_at,
             )
         return self._state(positions, momenta, ids, self.scale_factors[stop], return_mesh_units)
+
+    def _guarded_callback(self, callback):
+        """``callback`` as a run on a grid calls it: one rank's exception raises on every
+        rank together (a RuntimeError naming it; that rank's own error is its cause) instead
+        of that rank stopping while the others wait in the next step's collectives. One
+        small all-reduce per call; the callback itself on one device."""
+        if callback is None or self.force_mesh.is_local:
+            return callback
+        mesh = self.force_mesh
+
+        def guarded(number, a):
+            error = None
+            try:
+                callback(number, a)
+            except Exception as exc:  # noqa: BLE001 - raised again below, on every rank
+                error = exc
+            message = error and f"`callback` raised at step {number} (a = {a:g}): {type(error).__name__}: {error}"
+            try:
+                mesh.raise_together(message, exception=RuntimeError, operation="Simulation (`callback`)")
+            except RuntimeError as together:
+                if error is None:
+                    raise
+                raise together from error
+
+        return guarded
 
     def _run_values(self, inputs) -> list:
         """What the ranks of a grid run must agree on at its start beyond the construction's
@@ -1547,9 +1585,11 @@ class Simulation(nn.Module):
             # two runs (or one waited in a migration the others never reached)
             return [("`start`", int(start)), ("`stop`", self.steps if stop is None else int(stop)),
                     ("`cosmology` (its parameters)", _parameters_repr(cosmology or self.cosmology)),
-                    ("`table` (its values, to 10 digits)", _table_key(table)), *self._run_values(positions)]
+                    ("`table` (its values, to 10 digits)", _table_key(table)), _callback_value(callback),
+                    *self._run_values(positions)]
 
         self._check_correction(error, operation="Simulation.evolve", always=True, values=agreed)
+        callback = self._guarded_callback(callback)
         positions = self.force_mesh.wrap(positions)  # (a new tensor where it wraps: the caller's is not written)
         return self._evolve(positions, momenta, table, callback, ids=ids, start=start, stop=stop, cosmology=cosmology)
 
@@ -1944,6 +1984,9 @@ class Simulation(nn.Module):
                 ("batch size of the state", -1 if positions is None else positions.shape[0]),
                 ("dtype of the state's positions", None if positions is None else positions.dtype),
                 ("the state's scale factor `a`", repr(float(state.a)) if error is None else None),
+                # (the gathered state has one type: force-mesh cells or Mpc/h on every rank)
+                ("the state's units (its type)", "force-mesh cells (MeshUnitsState)" if isinstance(
+                    state, MeshUnitsState) else "Mpc/h (SimulationState)"),
             ], error)
         elif error is not None:
             raise ValueError(error)
@@ -2002,9 +2045,57 @@ def _power_setting(argument, power) -> str:
         values = torch.cat([power._log_k.reshape(-1), power._log_p.reshape(-1)]).to(torch.float64)
         return f"table {zlib.crc32(values.numpy().tobytes()):08x}"
     if callable(argument):
-        return f"callable {getattr(argument, '__module__', '?')}.{getattr(argument, '__qualname__', type(argument).__qualname__)}"
+        return _callable_setting(argument)
     name = str(argument)
     return builtin_power_name(name)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _callable_setting(function) -> str:
+    """A callable argument (``force_correction``, ``power_spectrum``) as the ranks compare
+    it: a module by its type and ``repr`` (its hyperparameters: ``k_max``, ``knots``,
+    layer sizes; its weights are compared at each run), a function by its name, a CRC of
+    its code and constants, and its defaults' and closure's floats (two lambdas of one
+    line but other constants differ). Object addresses, which differ between processes,
+    and the closure's other values (a rank's device index) are left out."""
+    if isinstance(function, nn.Module):
+        return f"module {type(function).__qualname__} {zlib.crc32(_ADDRESS.sub('', repr(function)).encode()):08x}"
+
+    def plain_value(value):
+        if isinstance(value, (bool, int, float, complex, str, bytes, type(None))):
+            return repr(value)
+        if isinstance(value, (tuple, list)):
+            return "(" + ", ".join(plain_value(v) for v in value) + ")"
+        return type(value).__qualname__
+
+    def code_key(code):
+        consts = [code_key(c) if hasattr(c, "co_code") else plain_value(c) for c in code.co_consts]
+        return f"{code.co_code.hex()} {consts} {code.co_names}"
+
+    target = function
+    while isinstance(target, functools.partial):
+        target = target.func
+    name = f"{getattr(function, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__qualname__)}"
+    code = getattr(target, "__code__", None) or getattr(getattr(type(target), "__call__", None), "__code__", None)
+    if code is None:
+        return f"callable {name}"
+    def number(value):  # (floats only: an int or a string may be a rank's device index)
+        return repr(value) if isinstance(value, (float, complex)) else "-"
+
+    parts = [code_key(code), *(number(v) for v in getattr(target, "__defaults__", None) or ())]
+    parts += [number(_cell_value(cell)) for cell in getattr(target, "__closure__", None) or ()]
+    if isinstance(function, functools.partial):
+        parts += [number(v) for v in (*function.args, *function.keywords.values())]
+    return f"callable {name} {zlib.crc32(' '.join(parts).encode()):08x}"
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
 
 
 def _gather_error(state) -> str | None:
