@@ -54,6 +54,9 @@ def main():
     edges = particle_mass * (members - 0.5)
     measured = mass_function(halos, sim.box_size, bins=edges.tolist())
     keep = measured.counts[0] > 0
+    if not bool(keep.any()):
+        raise SystemExit(f"no halo of >= {args.min_members} particles in the mass bins: use more particles, more "
+                         "steps or a smaller box (--particles, --steps, --box-size)")
     mass = measured.mass[keep].cpu()
     cosmology = sim.cosmology.to("cpu")
 

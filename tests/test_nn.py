@@ -160,6 +160,9 @@ def test_power_spectrum_layer_takes_the_mesh_of_its_shape():
         PowerSpectrum((8, 10, 6), box, mesh=torchpm.LocalMesh((8, 10, 7)))
     with pytest.raises(TypeError, match="`mesh` must be"):
         PowerSpectrum((8, 10, 6), box, mesh=(8, 10, 6))
+    for flag in ("no", 1):  # (bool("no") is True: it compensated)
+        with pytest.raises(ValueError, match=r"`compensate_cic` must be true or false"):
+            PowerSpectrum((8, 10, 6), box, compensate_cic=flag)
 
 
 def test_power_spectrum_layer_gradcheck():
@@ -286,6 +289,23 @@ def test_module_conventions():
         PGDCorrection(k_long=0.1, k_short=0.0)
     pgd = PGDCorrection(0.1, 0.5).double()
     assert pgd.alpha.dtype == torch.float64 and "alpha=0" in repr(pgd)
+    # booleans, NaN, strings and non-float dtypes are refused by name (they were taken as
+    # k_max = 1, alpha = nan, float('2') or failed inside torch)
+    for make, message in (
+            (lambda: NeuralSplineCorrection(True), "`k_max` must be a positive number"),
+            (lambda: NeuralSplineCorrection(1.0, hidden=32), "`hidden` must be a sequence"),
+            (lambda: NeuralSplineCorrection(1.0, dtype=torch.int64), "`dtype` must be None or a real floating"),
+            (lambda: PGDCorrection(True, 0.5), "`k_long` must be a positive number"),
+            (lambda: PGDCorrection(0.1, 0.5, alpha=float("nan")), "`alpha` must be a finite number"),
+            (lambda: PGDCorrection(0.1, 0.5, mu=math.inf), "`mu` must be a finite number"),
+            (lambda: PGDCorrection(0.1, 0.5, alpha="2"), "`alpha` must be a finite number"),
+            (lambda: PGDCorrection(0.1, 0.5, dtype=torch.complex64), "`dtype` must be None or a real floating"),
+            (lambda: spline64.set_conditions([float("nan"), 1.0]), "must be finite"),
+            (lambda: spline64.set_conditions([True, False]), "must be real numbers"),
+            (lambda: spline64(torch.tensor([0.1, float("nan")], dtype=torch.float64), 0.5), "`k` holds NaN"),
+            (lambda: spline64(k, torch.tensor([0.5, 0.6])), "`a` must be one scale factor")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            make()
 
 
 def test_compile_spline_correction():
@@ -426,8 +446,15 @@ def test_loading_refuses_pickled_objects(tmp_path):
     # a torch.save of a module (pickled code, not a state_dict) is refused too
     path = tmp_path / "module.pt"
     torch.save(NeuralSplineCorrection(k_max=1.0), path)
-    with pytest.raises(ValueError, match="refused to unpickle"):
+    with pytest.raises(ValueError, match="refused to unpickle") as refused:
         load_weights(NeuralSplineCorrection(k_max=1.0), path)
+    assert "weights_only` set to `False`" not in str(refused.value)  # (torch's advice would run the code)
+    # no file, and a file that is not safetensors, are named as such
+    with pytest.raises(FileNotFoundError, match="load_weights: no file"):
+        load_weights(NeuralSplineCorrection(k_max=1.0), tmp_path / "missing.pt")
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="is not a readable safetensors file"):
+        load_weights(NeuralSplineCorrection(k_max=1.0), tmp_path / "broken.safetensors")
 
 
 def test_training_loss_over_snapshots_is_the_mean_over_runs_stopped_there():

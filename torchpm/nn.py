@@ -35,6 +35,7 @@ simulation instead.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 import torch
@@ -45,6 +46,7 @@ from .analysis import (_bin_edges, _bins_key, _ells_argument, _lag_edges, _minim
                        _n_particles_argument, _shell_index, _window_argument, aliased_window_power,
                        line_of_sight_axis)
 from .bispectrum import Bispectrum, _settings, _Tables
+from .config import as_bool
 from .fourier import window_of
 from .distributed import PencilDecomposition
 from .mesh import LocalMesh, as_box_size, as_shape
@@ -311,7 +313,10 @@ class PowerSpectrum(nn.Module):
     ):
         super().__init__()
         self.shape, self.box_size, error = _layer_geometry("PowerSpectrum", shape, box_size, dtype, mesh)
-        self.compensate_cic = bool(compensate_cic)
+        try:
+            self.compensate_cic = as_bool("compensate_cic", compensate_cic)  # ("no" is not False)
+        except ValueError as exc:
+            self.compensate_cic, error = False, error or f"PowerSpectrum: {exc}"
         try:
             self.ells = None if ells is None else _ells_argument(ells, "PowerSpectrum")
             self.axis = line_of_sight_axis(axis, "PowerSpectrum")
@@ -737,6 +742,24 @@ def _cubic_bspline(k: torch.Tensor, coefficients: torch.Tensor, k_max: float, ta
     return sum(weights[j] * padded[index + j] for j in range(4))
 
 
+def _positive_number(layer: str, name: str, value, what: str = "a positive number of h/Mpc") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{layer}: `{name}` must be {what}, got {value!r}")
+    return float(value)
+
+
+def _finite_number(layer: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{layer}: `{name}` must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _parameter_dtype(layer: str, dtype):
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"{layer}: `dtype` must be None or a real floating-point torch.dtype, got {dtype!r}")
+    return dtype
+
+
 class NeuralSplineCorrection(nn.Module):
     """Hybrid-PM force correction: an MLP of the scale factor (and optionally of
     conditioning values such as cosmological parameters) outputs the control points of
@@ -768,11 +791,15 @@ class NeuralSplineCorrection(nn.Module):
         device=None,
     ):
         super().__init__()
-        if not (isinstance(k_max, (int, float)) and math.isfinite(k_max) and k_max > 0):
-            raise ValueError(f"NeuralSplineCorrection: `k_max` must be a positive number of h/Mpc, got {k_max!r}")
+        k_max = _positive_number("NeuralSplineCorrection", "k_max", k_max)
+        dtype = _parameter_dtype("NeuralSplineCorrection", dtype)
         if isinstance(knots, bool) or not isinstance(knots, int) or knots < 2:
             raise ValueError(f"NeuralSplineCorrection: `knots` must be an integer >= 2, got {knots!r}")
-        hidden = tuple(hidden)
+        try:
+            hidden = tuple(hidden)
+        except TypeError:
+            raise ValueError(f"NeuralSplineCorrection: `hidden` must be a sequence of positive integer widths "
+                             f"(e.g. (32, 32)), got {hidden!r}") from None
         if any(isinstance(h, bool) or not isinstance(h, int) or h < 1 for h in hidden):
             raise ValueError(f"NeuralSplineCorrection: `hidden` must be positive integer widths, got {hidden!r}")
         if isinstance(conditions, bool) or not isinstance(conditions, int) or conditions < 0:
@@ -799,17 +826,25 @@ class NeuralSplineCorrection(nn.Module):
 
     def set_conditions(self, values) -> None:
         """Set the ``conditions`` extra MLP inputs (a sequence or 1-d tensor; may require grad)."""
+        if (isinstance(values, torch.Tensor) and (values.dtype == torch.bool or values.is_complex())) or (
+                isinstance(values, (list, tuple)) and any(isinstance(v, bool) for v in values)):
+            raise ValueError(f"NeuralSplineCorrection.set_conditions: the values must be real numbers, got {values!r}")
         values = torch.as_tensor(values, dtype=self.condition_values.dtype, device=self.condition_values.device)
         if values.shape != (self.conditions,):
             raise ValueError(
                 f"NeuralSplineCorrection.set_conditions: expected {self.conditions} values, got shape {tuple(values.shape)}"
             )
+        if not bool(torch.isfinite(values.detach()).all()):
+            raise ValueError(f"NeuralSplineCorrection.set_conditions: the values must be finite, got {values.tolist()}")
         self.condition_values = values
 
     def control_points(self, a) -> torch.Tensor:
         """The spline's ``(knots,)`` control points at scale factor ``a``."""
         reference = self.network[-1].weight
-        a = torch.as_tensor(a, dtype=reference.dtype, device=reference.device).reshape(1)
+        a = torch.as_tensor(a, dtype=reference.dtype, device=reference.device)
+        if a.numel() != 1:
+            raise ValueError(f"NeuralSplineCorrection: `a` must be one scale factor, got shape {tuple(a.shape)}")
+        a = a.reshape(1)
         inputs = torch.cat([a, self.condition_values.to(reference.dtype)])
         return self.network(inputs)
 
@@ -824,6 +859,8 @@ class NeuralSplineCorrection(nn.Module):
             return None
         cache = self._taps_cache
         if cache is None or cache[0] is not k or cache[1] != k._version:
+            if not bool(torch.isfinite(k).all()):  # (once per |k| tensor: the taps are cached)
+                raise ValueError("NeuralSplineCorrection: `k` holds NaN or infinite values")
             with outside_transforms():
                 cache = self._taps_cache = (k, k._version, _bspline_taps(k, self.knots, self.k_max))
         return cache[2]
@@ -869,14 +906,16 @@ class PGDCorrection(nn.Module):
         device=None,
     ):
         super().__init__()
-        for name, value in (("k_long", k_long), ("k_short", k_short)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"PGDCorrection: `{name}` must be a positive number of h/Mpc, got {value!r}")
+        k_long = _positive_number("PGDCorrection", "k_long", k_long)
+        k_short = _positive_number("PGDCorrection", "k_short", k_short)
+        alpha = _finite_number("PGDCorrection", "alpha", alpha)
+        mu = _finite_number("PGDCorrection", "mu", mu)
+        dtype = _parameter_dtype("PGDCorrection", dtype)
         factory = dict(dtype=dtype if dtype is not None else torch.get_default_dtype(), device=device)
         self.log_k_long = nn.Parameter(torch.tensor(math.log(k_long), **factory))
         self.log_k_short = nn.Parameter(torch.tensor(math.log(k_short), **factory))
-        self.alpha = nn.Parameter(torch.tensor(float(alpha), **factory))
-        self.mu = nn.Parameter(torch.tensor(float(mu), **factory))
+        self.alpha = nn.Parameter(torch.tensor(alpha, **factory))
+        self.mu = nn.Parameter(torch.tensor(mu, **factory))
 
     def band(self, k: torch.Tensor) -> torch.Tensor:
         """``O(k)``, 0 at ``k = 0``."""
@@ -920,18 +959,31 @@ def load_weights(module: nn.Module, path, strict: bool = True):
 
     Pickled objects other than tensors are refused (``torch.load(weights_only=True)``;
     safetensors files hold tensors only), so loading a file cannot run code.
-    Raises ``ValueError`` naming the file when it holds anything else.
+    Raises ``ValueError`` naming the file when it holds anything else (or is not a
+    readable file of its kind), ``FileNotFoundError`` when there is none.
     """
+    import os
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"load_weights: no file {str(path)!r}")
     if str(path).endswith(".safetensors"):
         from safetensors.torch import load_file
 
-        state = load_file(str(path))
+        try:
+            state = load_file(str(path))
+        except Exception as error:  # noqa: BLE001 - SafetensorError (a plain Exception) and friends
+            raise ValueError(f"load_weights: {path} is not a readable safetensors file ({error})") from error
     else:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:  # UnpicklingError, or a RuntimeError wrapping it
+            # torch's reason without its advice to load with weights_only=False (which runs the code)
+            lines = [line for line in str(error).split("\n") if line.strip()]
+            reason = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[-1] if lines
+                          else "")
+            reason = f"{type(error).__name__}: {reason}"
             raise ValueError(
-                f"load_weights: {path} does not hold plain tensors only (refused to unpickle it: {error}); "
+                f"load_weights: {path} does not hold plain tensors only (refused to unpickle it: {reason}); "
                 "save weights with torchpm.nn.save_weights"
             ) from error
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
