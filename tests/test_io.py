@@ -455,6 +455,21 @@ def run_case(case_id, ctx):
         dist.barrier()
         assert not os.path.exists(os.path.join(folder, "snap_000.0.hdf5"))
         assert not [name for name in os.listdir(folder) if name.endswith(".tmp")]
+        # rank 1's file name is a directory, with overwrite=True: its rename failed after
+        # rank 0's (a half set, success on rank 0); now both fail before any rename
+        named = os.path.join(folder, "dir.hdf5")
+        if rank == 1:
+            os.makedirs(os.path.join(folder, "dir.1.hdf5"))
+        dist.barrier()
+        try:
+            write_snapshot(named, local, sim, mesh_units=True, overwrite=True)
+        except (IsADirectoryError, RuntimeError) as error:
+            expected = "is a directory" if rank == 1 else "another rank failed"
+            assert expected in str(error), str(error)
+        else:
+            raise AssertionError("the write should have failed on every rank")
+        dist.barrier()
+        assert sorted(name for name in os.listdir(folder) if name.startswith(("dir", ".dir"))) == ["dir.1.hdf5"]
         # rank 1 asks for a batch member it does not have, or passes a scale factor off the
         # steps: both ranks raise, neither waits or writes
         other = os.path.join(folder, "other.hdf5")

@@ -486,6 +486,8 @@ def write_snapshot(
             from . import __version__
 
             ours.attrs["torchpm_version"] = __version__
+        if os.path.isdir(final):  # (the rename below would fail on this rank alone, after the others')
+            raise IsADirectoryError(f"snapshot {path!r}: {final!r} is a directory; no file of the set was written")
     except BaseException as error:  # noqa: BLE001 - cleaned up, reported below
         failed = error
     # Every file of a set is renamed only when every rank wrote its own.
