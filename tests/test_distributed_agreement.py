@@ -30,7 +30,7 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks",
             "different_labels", "noise_agreement", "hand_written_loop", "simulation_bad_argument",
             "decomposition_bad_argument", "simulation_callables", "same_tensor_twice", "layer_arguments",
-            "run_callback", "huge_integers", "paint_density_arguments"]
+            "run_callback", "huge_integers", "paint_density_arguments", "values_after_construction"]
 PER_WORLD = ["grid_axis", "simulation_grid_arguments", "grid_groups_arguments"]
 
 
@@ -458,6 +458,31 @@ def case_paint_density_arguments(grid, ctx):
     block = paint_density(mine[0], mesh, weights=mine[1])
     expected = mesh.local_real_part(paint_density(positions, shape=SHAPE, weights=weights))
     assert block.shape == expected.shape and torch.allclose(block, expected, rtol=0, atol=1e-12)
+
+
+def case_values_after_construction(grid, ctx):
+    """A Simulation made float64 on one rank after construction is named at the noise (its
+    memory check, once per dtype, ran on that rank alone: a MemoryError there and 'other
+    operations' elsewhere); a string scale factor to forces on one rank is named (it was
+    torch's "invalid data type 'str'"); write_fields takes a = 1 and a = 1.0 as one value."""
+    import os
+    import tempfile
+
+    from torchpm.io import write_fields
+
+    sim = simulation(grid, ctx, dtype=torch.float32)
+    changed = sim.double() if ctx["odd"] else sim
+    expect_error(lambda: changed.white_noise(seed=1), ctx, "the ranks disagree on `dtype` (now)", "torch.float64",
+                 "torch.float32")
+    sim = simulation(grid, ctx)
+    state = sim(sim.white_noise(seed=1), return_mesh_units=True)
+    expect_error(lambda: sim.forces(state.positions, "1.0" if ctx["odd"] else 1.0, state.ids), ctx,
+                 "forces: `a` must be a scale factor (a number or a tensor), got '1.0'", ranks=odd_rank(ctx))
+    folder = os.path.join(tempfile.gettempdir(), f"torchpm-agreement-{os.getppid()}-{grid[0]}x{grid[1]}")
+    os.makedirs(folder, exist_ok=True)
+    path = write_fields(os.path.join(folder, "fields.hdf5"), {"rho": sim.density(state)}, 24.0, mesh=sim.force_mesh,
+                        a=1 if ctx["odd"] else 1.0, overwrite=True)
+    assert os.path.exists(path)
 
 
 def case_simulation_grid_arguments(grid, ctx):

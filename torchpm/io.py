@@ -967,7 +967,7 @@ def write_fields(
         # The file's layout follows from these: the ranks must agree before writing.
         # (the attributes too: the first rank alone writes them)
         mesh.agree("write_fields", [("`path`", path and os.path.abspath(path)), ("the fields (name, batch, dtype)", shapes),
-                                    ("`box_size`", box), ("`a`", a),
+                                    ("`box_size`", box), ("`a`", None if a is None or error else repr(float(a))),
                                     ("`attributes`", sorted((str(key), repr(value)) for key, value in
                                                             (attributes or {}).items()))], error)
     elif error:

@@ -692,6 +692,8 @@ class Simulation(nn.Module):
         values = [("`seed`", seed), ("`batch`", batch), ("`fixed_amplitude`", fixed_amplitude), ("`paired`", paired)]
         # On a grid each rank makes its block of the field of `seed`: ranks with other
         # seeds would make blocks of other fields (collective there).
+        # (and on its dtype and device type: the memory check below is collective once per those)
+        values += [("`dtype` (now)", str(self.dtype)), ("the device type (now)", self.device.type)]
         self.particle_mesh.agree("Simulation.white_noise", [(name, repr(value)) for name, value in values], error)
         self._check_memory(self.device, batch)
         noise = make_white_noise(
@@ -1236,6 +1238,7 @@ class Simulation(nn.Module):
         return [
             ("`cosmology` (its parameters now)", _parameters_repr(self.cosmology)),
             ("`dtype` (now)", str(self.dtype)),
+            ("the device type (now)", self.device.type),
             ("`force_correction` weights (now)", weights(self.force_correction)),
             ("`power_spectrum` weights (now)", weights(self.power)),
             ("gradients needed (grad mode; the input; each cosmological parameter; the correction; the spectrum)",
@@ -1457,6 +1460,8 @@ class Simulation(nn.Module):
             error = "forces: `ids` is required on a process grid (the state's empty slots have id -1 and no mass)"
         if error is None and cosmology is not None and not isinstance(cosmology, Cosmology):
             error = f"forces: `cosmology` must be a torchpm.Cosmology or None, got {type(cosmology).__name__}"
+        if error is None and (isinstance(a, (str, bytes)) or _is_boolean(a)):
+            error = f"forces: `a` must be a scale factor (a number or a tensor), got {a!r}"
         # (on a grid the ranks agree on `a` and the cosmology: the correction reads `a`)
         self._check_correction(error, operation="Simulation.forces", always=True, values=lambda: [
             ("`a`", _values_key(a)), ("`cosmology` (its parameters)", _parameters_repr(cosmology or self.cosmology)),
