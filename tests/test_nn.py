@@ -160,6 +160,11 @@ def test_power_spectrum_layer_takes_the_mesh_of_its_shape():
         PowerSpectrum((8, 10, 6), box, mesh=torchpm.LocalMesh((8, 10, 7)))
     with pytest.raises(TypeError, match="`mesh` must be"):
         PowerSpectrum((8, 10, 6), box, mesh=(8, 10, 6))
+    layer = PowerSpectrum((8, 10, 6), box)
+    for field, message in ((torch.zeros(1, 8, 10, 6, dtype=torch.float16), "must be float32 or float64"),
+                           (torch.zeros(0, 8, 10, 6), "holds no field")):  # (torch's FFT errors before)
+        with pytest.raises(ValueError, match=message):
+            layer(field)
     for flag in ("no", 1):  # (bool("no") is True: it compensated)
         with pytest.raises(ValueError, match=r"`compensate_cic` must be true or false"):
             PowerSpectrum((8, 10, 6), box, compensate_cic=flag)

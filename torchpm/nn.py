@@ -119,6 +119,10 @@ def _layer_field_error(layer, field, name, local_shape, shape, mesh, batch=None)
         )
     if field.is_complex() or not field.is_floating_point():
         return f"{layer}: `{name}` must be real floating point, got {field.dtype}"
+    if field.dtype not in (torch.float32, torch.float64):  # (the FFTs take these two)
+        return f"{layer}: `{name}` must be float32 or float64, got {field.dtype}"
+    if field.shape[0] == 0:
+        return f"{layer}: `{name}` holds no field (batch size 0)"
     return None
 
 
@@ -279,7 +283,9 @@ class PowerSpectrum(nn.Module):
             :func:`torchpm.analysis.power_multipoles` (redshift space), ``(B, len(ells),
             n_bins)``.
         axis: the line of sight of ``ells``: 0, 1, 2 or ``"x"``, ``"y"``, ``"z"``.
-        dtype: of the computation and of the ``k`` / ``modes`` buffers.
+        dtype: of the ``k`` / ``modes`` buffers and the per-mode weights; the FFTs run in
+            the field's own dtype (a float64 field in a float32 layer is weighted and
+            summed with float32-rounded weights).
         mesh: the mesh the fields live on, of global shape ``shape``: None (the whole
             mesh on this device) or a :class:`~torchpm.distributed.PencilDecomposition`
             (e.g. ``sim.force_mesh``). On a process grid each rank passes its block
