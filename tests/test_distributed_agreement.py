@@ -422,6 +422,23 @@ def case_run_callback(grid, ctx):
     sim.evolve(state.positions, state.momenta, sim.growth_table(), lambda step, a: steps.append(step), ids=state.ids,
                start=1)
     assert steps == [2], steps
+    # an observer or callback calling a collective on one rank only: each side's check
+    # meets the other's, and every rank raises at once (the rank whose own call failed
+    # then waited in the follow-up check for ranks that had raised already)
+    def observe(state):
+        return sim.density(state).sum() if ctx["odd"] else None
+
+    expect_error(lambda: sim.trajectory(noise, at=[sim.scale_factors[1]], observe=observe), ctx,
+                 "the ranks called different collective operations", "Simulation.density", exception=RuntimeError,
+                 ranks=[])
+
+    def collective_callback(step, a):
+        if ctx["odd"] and step == 1:
+            sim.white_noise(seed=3)
+
+    expect_error(lambda: sim(noise, callback=collective_callback), ctx,
+                 "the ranks called different collective operations", "Simulation.white_noise",
+                 exception=RuntimeError, ranks=[])
     mixed = sim(noise, return_mesh_units=ctx["odd"])
     expect_error(lambda: sim.gather(mixed), ctx, "the ranks disagree on the state's units (its type)",
                  "MeshUnitsState", "SimulationState")

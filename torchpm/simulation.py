@@ -1061,6 +1061,11 @@ class Simulation(nn.Module):
             except Exception as exc:  # noqa: BLE001 - raised again below, on every rank
                 error = exc
             message = error and f"`observe` raised at a = {state.a:g}: {type(error).__name__}: {error}"
+            if getattr(error, "raised_together", False):
+                # a torchpm check inside `observe` already raised on every rank of the grid
+                # (e.g. ranks whose observers called different collectives): no rank waits
+                # for the check below, which would be left alone until the timeout
+                raise RuntimeError(message) from error
             try:
                 self.force_mesh.raise_together(message, exception=RuntimeError,
                                                operation="Simulation.trajectory (`observe`)")
@@ -1197,6 +1202,8 @@ class Simulation(nn.Module):
             except Exception as exc:  # noqa: BLE001 - raised again below, on every rank
                 error = exc
             message = error and f"`callback` raised at step {number} (a = {a:g}): {type(error).__name__}: {error}"
+            if getattr(error, "raised_together", False):  # (as for `observe`: every rank raised it)
+                raise RuntimeError(message) from error
             try:
                 mesh.raise_together(message, exception=RuntimeError, operation="Simulation (`callback`)")
             except RuntimeError as together:

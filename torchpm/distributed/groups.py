@@ -633,7 +633,9 @@ class GridGroups:
         # (a check raised together names no operation when every rank is in it: the same
         # text on every rank)
         prefix = "" if len(operations) == 1 and all(report[5] for report in reports) else f"{operation}: "
-        raise exception(f"{prefix}{text} [every rank of {self._scope()} raises this error together]")
+        error = exception(f"{prefix}{text} [every rank of {self._scope()} raises this error together]")
+        error.raised_together = True  # (a caller's follow-up check must not wait for ranks that raised too)
+        raise error
 
     def _where(self, rank: int) -> str:
         return f"rank {rank} (grid {divmod(rank, self.shape[1])})"
