@@ -816,7 +816,12 @@ class PencilDecomposition:
 
     @eager(local=_local)
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce over every rank of the grid (``"sum"`` differentiable; ``"max"``, ``"min"``)."""
+        """Reduce over every rank of the grid (``"sum"`` differentiable; ``"max"``, ``"min"``).
+
+        A primitive: every rank must pass a tensor of the same shape and dtype, which is
+        not checked (no agreement all-reduce before it: torchpm's own calls are alike by
+        construction); ranks that differ get gloo's abort or NCCL's wrong numbers. Call
+        :meth:`agree` first with the shape where it may differ."""
         return self.grid.all_reduce(tensor, op)
 
     @eager(local=_local)
