@@ -406,8 +406,16 @@ def case_run_callback(grid, ctx):
 
     expect_error(lambda: sim(noise, callback=callback), ctx, "`callback` raised at step 1", "KeyError",
                  "a failing callback", exception=RuntimeError, ranks=odd_rank(ctx))
-    expect_error(lambda: sim(noise, callback=(lambda step, a: None) if ctx["odd"] else None), ctx,
-                 "the ranks disagree on `callback`", "None", "a callable")
+    # a callback on some ranks only (a progress bar on rank 0) runs, with the checks on and off,
+    # and a raising one on one of them still raises on every rank
+    seen = []
+    for checked in (True, False):
+        sim.force_mesh.check_agreement = sim.particle_mesh.check_agreement = checked
+        sim(noise, callback=(lambda step, a: seen.append(step)) if ctx["rank"] == 0 else None)
+        expect_error(lambda: sim(noise, callback=callback if ctx["odd"] else None), ctx,
+                     "`callback` raised at step 1", exception=RuntimeError, ranks=odd_rank(ctx))
+    sim.force_mesh.check_agreement = sim.particle_mesh.check_agreement = True
+    assert seen == ([0, 1, 2] * 2 if ctx["rank"] == 0 else []), seen
     state = sim(noise, until=sim.scale_factors[1], return_mesh_units=True)
 
     def last_step(step, a):
@@ -453,7 +461,7 @@ def case_huge_integers(grid, ctx):
     expect_error(lambda: power_spectrum(field(mesh), 24.0, mesh=mesh, bins=2**70 if ctx["odd"] else 3), ctx,
                  "the ranks disagree on `bins`", str(2**70))
     expect_error(lambda: power_spectrum(field(mesh), 24.0, mesh=mesh, bins=2**70), ctx,
-                 "`bins` must be at most the mesh's 336 cells", ranks=[])  # (each rank's own, alike)
+                 f"`bins` must be at most {2**24} (2**24), got {2**70}", ranks=[])  # (each rank's own, alike)
 
 
 def case_paint_density_arguments(grid, ctx):
@@ -467,7 +475,7 @@ def case_paint_density_arguments(grid, ctx):
     expect_error(lambda: paint_density(positions, mesh, order="bogus" if ctx["odd"] else "cic"), ctx,
                  "`order` must be one of", ranks=odd_rank(ctx))
     expect_error(lambda: paint_density(positions, mesh, interlacing="no" if ctx["odd"] else False), ctx,
-                 "`interlacing` must be a bool", ranks=odd_rank(ctx))
+                 "`interlacing` must be a bool", ranks=odd_rank(ctx), exception=TypeError)  # (the type kept)
     expect_error(lambda: paint_density(positions[..., :2] if ctx["odd"] else positions, mesh), ctx,
                  "expected `positions` of shape (B, N, 3)", ranks=odd_rank(ctx))
     weights = torch.arange(1.0, 13.0, dtype=torch.float64).reshape(1, 12, 1).expand(1, 12, 2)
@@ -483,6 +491,7 @@ def case_values_after_construction(grid, ctx):
     operations' elsewhere); a string scale factor to forces on one rank is named (it was
     torch's "invalid data type 'str'"); write_fields takes a = 1 and a = 1.0 as one value."""
     import os
+    import shutil
     import tempfile
 
     from torchpm.io import write_fields
@@ -500,6 +509,18 @@ def case_values_after_construction(grid, ctx):
     path = write_fields(os.path.join(folder, "fields.hdf5"), {"rho": sim.density(state)}, 24.0, mesh=sim.force_mesh,
                         a=1 if ctx["odd"] else 1.0, overwrite=True)
     assert os.path.exists(path)
+    sim.force_mesh.all_reduce(torch.zeros(1))  # (every rank has checked the file before it goes)
+    if ctx["rank"] == 0:
+        shutil.rmtree(folder)
+    # one rank's float16 module, or another memory_check, is named at the noise (the dtype
+    # property raised there alone; the memory check ran on one rank only)
+    half = simulation(grid, ctx, dtype=torch.float32)
+    if ctx["odd"]:
+        half = half.half()
+    expect_error(lambda: half.white_noise(seed=1), ctx, "the ranks disagree on `dtype` (now)", "torch.float16")
+    warned = simulation(grid, ctx)
+    warned.memory_check = "warn" if ctx["odd"] else "error"
+    expect_error(lambda: warned.white_noise(seed=1, batch=2), ctx, "the ranks disagree on `memory_check` (now)")
 
 
 def case_simulation_grid_arguments(grid, ctx):

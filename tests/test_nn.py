@@ -165,6 +165,9 @@ def test_power_spectrum_layer_takes_the_mesh_of_its_shape():
                            (torch.zeros(0, 8, 10, 6), "holds no field")):  # (torch's FFT errors before)
         with pytest.raises(ValueError, match=message):
             layer(field)
+    import numpy as np
+
+    assert PowerSpectrum((8, 10, 6), box, compensate_cic=np.True_).compensate_cic is True
     for flag in ("no", 1):  # (bool("no") is True: it compensated)
         with pytest.raises(ValueError, match=r"`compensate_cic` must be true or false"):
             PowerSpectrum((8, 10, 6), box, compensate_cic=flag)
@@ -311,6 +314,10 @@ def test_module_conventions():
             (lambda: spline64(k, torch.tensor([0.5, 0.6])), "`a` must be one scale factor")):
         with pytest.raises(ValueError, match=re.escape(message)):
             make()
+    # one-element tensors and numpy numbers stay numbers, as float() took them
+    import numpy as np
+
+    assert float(PGDCorrection(0.1, 0.5, alpha=torch.tensor(0.5), mu=np.float32(2.0)).mu) == 2.0
 
 
 def test_compile_spline_correction():
@@ -457,6 +464,15 @@ def test_loading_refuses_pickled_objects(tmp_path):
     # no file, and a file that is not safetensors, are named as such
     with pytest.raises(FileNotFoundError, match="load_weights: no file"):
         load_weights(NeuralSplineCorrection(k_max=1.0), tmp_path / "missing.pt")
+    # a file object is read as torch.load reads it
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(PGDCorrection(0.1, 0.5, alpha=0.25).state_dict(), buffer)
+    buffer.seek(0)
+    loaded = PGDCorrection(0.1, 0.5)
+    load_weights(loaded, buffer)
+    assert float(loaded.alpha) == 0.25
     (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="is not a readable safetensors file"):
         load_weights(NeuralSplineCorrection(k_max=1.0), tmp_path / "broken.safetensors")

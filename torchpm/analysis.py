@@ -110,6 +110,9 @@ def _fields(field, name):
 _BIN_CHUNK = 1 << 21
 
 
+_MAX_BINS = 2**24
+
+
 def _bin_edges(k_axes, mesh, box, bins, device):
     """The shells' edges (h/Mpc) for ``bins`` (see :func:`cross_power`)."""
     k_fundamental = min(2 * math.pi / b for b in box)
@@ -121,9 +124,8 @@ def _bin_edges(k_axes, mesh, box, bins, device):
         bins = int(bins)
         if bins < 1:
             raise ValueError(f"`bins` must be a positive number of bins or increasing bin edges, got {bins}")
-        cells = math.prod(mesh.global_shape)
-        if bins > cells:  # (more shells than modes: mostly empty, and beyond int64 for huge counts)
-            raise ValueError(f"`bins` must be at most the mesh's {cells} cells, got {bins}")
+        if bins > _MAX_BINS:  # (edges of 8 bytes each; more than any mesh has distinct |k|)
+            raise ValueError(f"`bins` must be at most {_MAX_BINS} (2**24), got {bins}")
         # |k|^2 is a sum over the axes and the block a product of ranges: its largest |k|
         # is the root of the sum of each axis's largest k_i^2.
         if math.prod(mesh.local_fourier_shape):
@@ -283,7 +285,7 @@ def _measure(function, fields, box_size, bins, compensate_cic, window, mesh, opt
     transforms = []
     # One transform per tensor on one device. On a grid every field is transformed: a
     # collective, so it cannot depend on which ranks passed the same tensor twice.
-    shared = mesh.is_local
+    shared = getattr(mesh, "is_local", True)
     for name, field in zip(names, batched):
         same = next((t for n, t in zip(names, transforms) if shared and fields[n] is fields[name]), None)
         transforms.append(same if same is not None else mesh.rfftn(field.to(torch.float64)))
@@ -733,7 +735,7 @@ def paint_density(
             raise TypeError(f"`interlacing` must be a bool, got {interlacing!r}")
         name = ORDER_NAMES[order_number(order, "paint_density")]
     except (TypeError, ValueError) as exc:
-        if not hasattr(mesh, "agree") or mesh.is_local:
+        if not hasattr(mesh, "agree") or getattr(mesh, "is_local", True):
             raise
         error = exc  # on a grid: raised on every rank together, in the agreement below
     if mesh is None:
@@ -745,7 +747,7 @@ def paint_density(
         mesh.agree("paint_density", [("batch size (dim 0 of `positions`)", batch), ("`order`", name),
                                      ("`interlacing`", None if error else interlacing),
                                      ("`weights` given", None if error else weights is not None)],
-                   None if error is None else str(error))
+                   error)  # (the exception: a TypeError stays one)
     cells = math.prod(mesh.global_shape)
     if weights is None:
         total = torch.full((positions.shape[0],), float(positions.shape[1]), dtype=torch.float64, device=positions.device)

@@ -83,7 +83,8 @@ def _is_number(value) -> bool:
 
 
 def _is_bool_like(value) -> bool:
-    return isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy.bool_
+    # (numpy's bool scalar: numpy.bool_, named "bool" from numpy 2 on)
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
 
 
 def as_int(name: str, value, low: int | None = None, high: int | None = None) -> int:

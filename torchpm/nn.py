@@ -119,8 +119,9 @@ def _layer_field_error(layer, field, name, local_shape, shape, mesh, batch=None)
         )
     if field.is_complex() or not field.is_floating_point():
         return f"{layer}: `{name}` must be real floating point, got {field.dtype}"
-    if field.dtype not in (torch.float32, torch.float64):  # (the FFTs take these two)
-        return f"{layer}: `{name}` must be float32 or float64, got {field.dtype}"
+    if field.dtype == torch.bfloat16 or (field.dtype == torch.float16 and field.device.type == "cpu"):
+        # (torch's FFTs: float32 and float64 everywhere, float16 on CUDA for powers of 2)
+        return f"{layer}: `{name}` must be float32 or float64, got {field.dtype} on {field.device.type}"
     if field.shape[0] == 0:
         return f"{layer}: `{name}` holds no field (batch size 0)"
     return None
@@ -321,8 +322,8 @@ class PowerSpectrum(nn.Module):
         self.shape, self.box_size, error = _layer_geometry("PowerSpectrum", shape, box_size, dtype, mesh)
         try:
             self.compensate_cic = as_bool("compensate_cic", compensate_cic)  # ("no" is not False)
-        except ValueError as exc:
-            self.compensate_cic, error = False, error or f"PowerSpectrum: {exc}"
+        except ValueError as exc:  # (a SettingError: a ValueError and a TypeError, as the functions raise)
+            self.compensate_cic, error = False, error or type(exc)(f"PowerSpectrum: {exc}")
         try:
             self.ells = None if ells is None else _ells_argument(ells, "PowerSpectrum")
             self.axis = line_of_sight_axis(axis, "PowerSpectrum")
@@ -755,6 +756,9 @@ def _positive_number(layer: str, name: str, value, what: str = "a positive numbe
 
 
 def _finite_number(layer: str, name: str, value) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
+            and value.dtype != torch.bool:
+        value = value.item()  # (a one-element tensor, as float() took it)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"{layer}: `{name}` must be a finite number, got {value!r}")
     return float(value)
@@ -970,7 +974,7 @@ def load_weights(module: nn.Module, path, strict: bool = True):
     """
     import os
 
-    if not os.path.isfile(path):
+    if isinstance(path, (str, os.PathLike)) and not os.path.isfile(path):  # (a file object is read as is)
         raise FileNotFoundError(f"load_weights: no file {str(path)!r}")
     if str(path).endswith(".safetensors"):
         from safetensors.torch import load_file

@@ -241,13 +241,6 @@ def _grid_shape(grid, world, shapes, reach) -> tuple[int, int]:
     return p0, p1
 
 
-def _callback_value(callback) -> tuple[str, str]:
-    """The agreement entry of a run's ``callback``: on a grid each call is followed by a
-    check that no rank's raised, so every rank must pass one or none."""
-    return ("`callback`", "None" if callback is None else "a callable" if callable(callback) else
-            type(callback).__name__)
-
-
 def _field_checksum(field: torch.Tensor) -> str:
     """Three float64 sums of ``field`` (all values, their 2-norm, every third along z) to 9
     digits: equal for one field on any device of a kind, and different for two draws;
@@ -693,7 +686,8 @@ class Simulation(nn.Module):
         # On a grid each rank makes its block of the field of `seed`: ranks with other
         # seeds would make blocks of other fields (collective there).
         # (and on its dtype and device type: the memory check below is collective once per those)
-        values += [("`dtype` (now)", str(self.dtype)), ("the device type (now)", self.device.type)]
+        values += [("`dtype` (now)", str(self._anchor.dtype)), ("the device type (now)", self.device.type),
+                   ("`memory_check` (now)", self.memory_check)]
         self.particle_mesh.agree("Simulation.white_noise", [(name, repr(value)) for name, value in values], error)
         self._check_memory(self.device, batch)
         noise = make_white_noise(
@@ -945,7 +939,7 @@ class Simulation(nn.Module):
             # rank since construction, and other gradient needs (other backward collectives).
             batch = (field.shape[0] if field.dim() == 4 else 1) if isinstance(field, torch.Tensor) else None
             self.force_mesh.agree(operation, [("the last step (`until`)", stop), ("the steps of `at`", emit_at),
-                                              ("the batch size of the input", batch), _callback_value(callback),
+                                              ("the batch size of the input", batch),
                                               *self._run_values(field)],
                                   None if error is None else str(error))
             callback = self._guarded_callback(callback)
@@ -1150,7 +1144,6 @@ class Simulation(nn.Module):
             # steps (they would run other numbers of steps) are named.
             self.force_mesh.agree(operation, [("the state's step (`state.a`)", start),
                                               ("the last step (`until`)", stop), ("the steps of `at`", emit_at),
-                                              _callback_value(callback),
                                               *self._run_values(getattr(state, "positions", None))],
                                   None if error is None else str(error))
             callback = self._guarded_callback(callback)
@@ -1189,16 +1182,21 @@ class Simulation(nn.Module):
     def _guarded_callback(self, callback):
         """``callback`` as a run on a grid calls it: one rank's exception raises on every
         rank together (a RuntimeError naming it; that rank's own error is its cause) instead
-        of that rank stopping while the others wait in the next step's collectives. One
-        small all-reduce per call; the callback itself on one device."""
-        if callback is None or self.force_mesh.is_local:
-            return callback
+        of that rank stopping while the others wait in the next step's collectives. A rank
+        may pass a callback where others pass None (a progress bar on rank 0): when any
+        rank passes one, every rank checks after each step (one small all-reduce per step;
+        one per run to find out). The callback itself on one device."""
         mesh = self.force_mesh
+        if mesh.is_local:
+            return callback
+        if not int(mesh.grid.all_gather_counts([int(callback is not None)]).max()):
+            return None
 
         def guarded(number, a):
             error = None
             try:
-                callback(number, a)
+                if callback is not None:
+                    callback(number, a)
             except Exception as exc:  # noqa: BLE001 - raised again below, on every rank
                 error = exc
             message = error and f"`callback` raised at step {number} (a = {a:g}): {type(error).__name__}: {error}"
@@ -1244,8 +1242,9 @@ class Simulation(nn.Module):
                  grad and any(t.requires_grad for t in learned(self.power)))
         return [
             ("`cosmology` (its parameters now)", _parameters_repr(self.cosmology)),
-            ("`dtype` (now)", str(self.dtype)),
+            ("`dtype` (now)", str(self._anchor.dtype)),  # (the property raises for float16: agreed first)
             ("the device type (now)", self.device.type),
+            ("`memory_check` (now)", self.memory_check),
             ("`force_correction` weights (now)", weights(self.force_correction)),
             ("`power_spectrum` weights (now)", weights(self.power)),
             ("gradients needed (grad mode; the input; each cosmological parameter; the correction; the spectrum)",
@@ -1597,7 +1596,7 @@ class Simulation(nn.Module):
             # two runs (or one waited in a migration the others never reached)
             return [("`start`", int(start)), ("`stop`", self.steps if stop is None else int(stop)),
                     ("`cosmology` (its parameters)", _parameters_repr(cosmology or self.cosmology)),
-                    ("`table` (its values, to 10 digits)", _table_key(table)), _callback_value(callback),
+                    ("`table` (its values, to 10 digits)", _table_key(table)),
                     *self._run_values(positions)]
 
         self._check_correction(error, operation="Simulation.evolve", always=True, values=agreed)
@@ -2063,6 +2062,7 @@ def _power_setting(argument, power) -> str:
 
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_DEVICE_INDEX = re.compile(r"\b(cuda|xpu|mps|hpu|npu):\d+")  # (each rank's own device)
 
 
 def _callable_setting(function) -> str:
@@ -2073,7 +2073,8 @@ def _callable_setting(function) -> str:
     line but other constants differ). Object addresses, which differ between processes,
     and the closure's other values (a rank's device index) are left out."""
     if isinstance(function, nn.Module):
-        return f"module {type(function).__qualname__} {zlib.crc32(_ADDRESS.sub('', repr(function)).encode()):08x}"
+        text = _DEVICE_INDEX.sub(r"\1", _ADDRESS.sub("", repr(function)))
+        return f"module {type(function).__qualname__} {zlib.crc32(text.encode()):08x}"
 
     def plain_value(value):
         if isinstance(value, (bool, int, float, complex, str, bytes, type(None))):

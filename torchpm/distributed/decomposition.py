@@ -832,7 +832,7 @@ class PencilDecomposition:
         self.grid.raise_together(error, exception, operation=operation)
 
     @eager(local=_local)
-    def agree(self, operation: str, values, error: str | None = None) -> None:
+    def agree(self, operation: str, values, error: str | BaseException | None = None) -> None:
         """Raise the same ValueError on every rank when any rank has an ``error`` or the ranks'
         ``values`` (``(name, value)`` pairs) differ: for callers about to run collectives
         whose sizes depend on those values. One small all-reduce (collective); with

@@ -620,7 +620,7 @@ class GridGroups:
                 if len(set(seen)) > 1:
                     ranks = ", ".join(f"{where(report[0])}: {value}" for report, value in zip(compared, seen))
                     parts.append(f"the ranks disagree on {name} ({ranks})")
-            if len(parts) > len(failures):
+            if len(parts) > len(by_message):
                 parts[-1] += "; every rank must pass the same values"
         kinds = {kind for _, _, kind in failures}
         if len(kinds) == 1 and kinds <= {"TypeError", "SettingError"}:
