@@ -372,6 +372,11 @@ def case_bad_input(grid, ctx):
                                                        mesh=mesh), "`ids` must be an int64 tensor", "rank 0")
     expect_error_everywhere(lambda: friends_of_friends(positions, BOX, 5.0, ids=ids, mesh=mesh),
                             "at most a third of the shortest box side")
+    # ids unique on each rank but held by two ranks (each rank numbered its own from 0):
+    # the groups were wrong without an error
+    renumbered = torch.where(ids >= 0, torch.cumsum((ids >= 0).long(), 1) - 1, ids)
+    expect_error_everywhere(lambda: friends_of_friends(positions, BOX, 0.2, ids=renumbered, mesh=mesh),
+                            "`ids` must be unique within each batch member over all ranks", "on two ranks")
     labels = friends_of_friends(positions, BOX, 0.2, ids=ids, mesh=mesh)
     expect_error_everywhere(lambda: halo_catalog(positions, labels, BOX, ids=ids, mesh=mesh,
                                                  particle_mass=-1.0 if not first else 1.0),
