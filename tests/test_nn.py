@@ -300,13 +300,13 @@ def test_module_conventions():
     # booleans, NaN, strings and non-float dtypes are refused by name (they were taken as
     # k_max = 1, alpha = nan, float('2') or failed inside torch)
     for make, message in (
-            (lambda: NeuralSplineCorrection(True), "`k_max` must be a positive number"),
+            (lambda: NeuralSplineCorrection(True), "NeuralSplineCorrection: `k_max` must be a finite number > 0.0"),
             (lambda: NeuralSplineCorrection(1.0, hidden=32), "`hidden` must be a sequence"),
             (lambda: NeuralSplineCorrection(1.0, dtype=torch.int64), "`dtype` must be None or a real floating"),
-            (lambda: PGDCorrection(True, 0.5), "`k_long` must be a positive number"),
-            (lambda: PGDCorrection(0.1, 0.5, alpha=float("nan")), "`alpha` must be a finite number"),
-            (lambda: PGDCorrection(0.1, 0.5, mu=math.inf), "`mu` must be a finite number"),
-            (lambda: PGDCorrection(0.1, 0.5, alpha="2"), "`alpha` must be a finite number"),
+            (lambda: PGDCorrection(True, 0.5), "PGDCorrection: `k_long` must be a finite number > 0.0"),
+            (lambda: PGDCorrection(0.1, 0.5, alpha=float("nan")), "PGDCorrection: `alpha` must be a finite number"),
+            (lambda: PGDCorrection(0.1, 0.5, mu=math.inf), "PGDCorrection: `mu` must be a finite number"),
+            (lambda: PGDCorrection(0.1, 0.5, alpha="2"), "PGDCorrection: `alpha` must be a finite number"),
             (lambda: PGDCorrection(0.1, 0.5, dtype=torch.complex64), "`dtype` must be None or a real floating"),
             (lambda: spline64.set_conditions([float("nan"), 1.0]), "must be finite"),
             (lambda: spline64.set_conditions([True, False]), "must be real numbers"),

@@ -35,7 +35,7 @@ simulation instead.
 from __future__ import annotations
 
 import math
-import numbers
+import os
 from typing import Sequence
 
 import torch
@@ -46,7 +46,7 @@ from .analysis import (_bin_edges, _bins_key, _ells_argument, _lag_edges, _minim
                        _n_particles_argument, _shell_index, _window_argument, aliased_window_power,
                        line_of_sight_axis)
 from .bispectrum import Bispectrum, _settings, _Tables
-from .config import as_bool
+from .config import SettingError, as_bool, as_float
 from .fourier import window_of
 from .distributed import PencilDecomposition
 from .mesh import LocalMesh, as_box_size, as_shape
@@ -749,19 +749,16 @@ def _cubic_bspline(k: torch.Tensor, coefficients: torch.Tensor, k_max: float, ta
     return sum(weights[j] * padded[index + j] for j in range(4))
 
 
-def _positive_number(layer: str, name: str, value, what: str = "a positive number of h/Mpc") -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{layer}: `{name}` must be {what}, got {value!r}")
-    return float(value)
-
-
-def _finite_number(layer: str, name: str, value) -> float:
+def _number(layer: str, name: str, value, positive: bool = False) -> float:
+    """:func:`torchpm.config.as_float` of a layer's argument, named after the layer (a
+    one-element tensor as float() takes it)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
             and value.dtype != torch.bool:
-        value = value.item()  # (a one-element tensor, as float() took it)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{layer}: `{name}` must be a finite number, got {value!r}")
-    return float(value)
+        value = value.item()
+    try:
+        return as_float(name, value, 0.0 if positive else None, low_open=positive)
+    except SettingError as error:
+        raise SettingError(f"{layer}: {error}") from None
 
 
 def _parameter_dtype(layer: str, dtype):
@@ -801,7 +798,7 @@ class NeuralSplineCorrection(nn.Module):
         device=None,
     ):
         super().__init__()
-        k_max = _positive_number("NeuralSplineCorrection", "k_max", k_max)
+        k_max = _number("NeuralSplineCorrection", "k_max", k_max, positive=True)
         dtype = _parameter_dtype("NeuralSplineCorrection", dtype)
         if isinstance(knots, bool) or not isinstance(knots, int) or knots < 2:
             raise ValueError(f"NeuralSplineCorrection: `knots` must be an integer >= 2, got {knots!r}")
@@ -916,10 +913,10 @@ class PGDCorrection(nn.Module):
         device=None,
     ):
         super().__init__()
-        k_long = _positive_number("PGDCorrection", "k_long", k_long)
-        k_short = _positive_number("PGDCorrection", "k_short", k_short)
-        alpha = _finite_number("PGDCorrection", "alpha", alpha)
-        mu = _finite_number("PGDCorrection", "mu", mu)
+        k_long = _number("PGDCorrection", "k_long", k_long, positive=True)
+        k_short = _number("PGDCorrection", "k_short", k_short, positive=True)
+        alpha = _number("PGDCorrection", "alpha", alpha)
+        mu = _number("PGDCorrection", "mu", mu)
         dtype = _parameter_dtype("PGDCorrection", dtype)
         factory = dict(dtype=dtype if dtype is not None else torch.get_default_dtype(), device=device)
         self.log_k_long = nn.Parameter(torch.tensor(math.log(k_long), **factory))
@@ -972,8 +969,6 @@ def load_weights(module: nn.Module, path, strict: bool = True):
     Raises ``ValueError`` naming the file when it holds anything else (or is not a
     readable file of its kind), ``FileNotFoundError`` when there is none.
     """
-    import os
-
     if isinstance(path, (str, os.PathLike)) and not os.path.isfile(path):  # (a file object is read as is)
         raise FileNotFoundError(f"load_weights: no file {str(path)!r}")
     if str(path).endswith(".safetensors"):
