@@ -214,15 +214,9 @@ def _grid_duplicate_ids(function, ids, mesh) -> str | None:
     member, slot = torch.nonzero(ids >= 0, as_tuple=True)
     value = ids[member, slot]
     rows = _route_rows(torch.stack([member, value], 1), value % mesh.grid.size, mesh)
-    if rows.shape[0] < 2:
-        return None
-    key = rows[:, 0] * (int(rows[:, 1].max()) + 1) + rows[:, 1] if rows[:, 1].max() < 2**31 else None
-    if key is None:  # (large ids: two stable sorts instead of one key)
-        order = torch.argsort(rows[:, 1], stable=True)
-        order = order[torch.argsort(rows[order, 0], stable=True)]
-    else:
-        order = torch.argsort(key)
-    ordered = rows[order]
+    # (sorted by member, then id: two stable sorts; torch.unique(dim=0) is several times slower)
+    order = torch.argsort(rows[:, 1], stable=True)
+    ordered = rows[order[torch.argsort(rows[order, 0], stable=True)]]
     repeated = (ordered[1:] == ordered[:-1]).all(1)
     if not bool(repeated.any()):
         return None

@@ -176,10 +176,9 @@ def _resolve_groups(grid, mesh, shapes=(), reach=0, argument_error=None):
             shape = _grid_shape(grid, world, shapes, reach)
         except ValueError as error:
             grid_error = error
-    everyone = WorldGroup()
-    everyone.raise_together(argument_error or grid_error, operation="Simulation's arguments")
-    everyone.agree("Simulation's process grid", [
-        ("`grid` as (P0, P1)", shape), ("`n_particles`", shapes[0]), ("the force mesh", shapes[1])])
+    # (one all-reduce: a failing rank's values are placeholders, compared with no other)
+    WorldGroup().agree("Simulation", [("`grid` as (P0, P1)", shape), ("`n_particles`", shapes[0] if shapes else None),
+                                      ("the force mesh", shapes[1] if shapes else None)], argument_error or grid_error)
     from .distributed.groups import process_grid_groups
 
     return process_grid_groups(shape)
@@ -939,8 +938,7 @@ class Simulation(nn.Module):
             # rank since construction, and other gradient needs (other backward collectives).
             batch = (field.shape[0] if field.dim() == 4 else 1) if isinstance(field, torch.Tensor) else None
             self.force_mesh.agree(operation, [("the last step (`until`)", stop), ("the steps of `at`", emit_at),
-                                              ("the batch size of the input", batch),
-                                              *self._run_values(field)],
+                                              ("the batch size of the input", batch), *self._run_values(field)],
                                   None if error is None else str(error))
             callback = self._guarded_callback(callback)
         if isinstance(field, torch.Tensor):
@@ -1049,25 +1047,8 @@ class Simulation(nn.Module):
                 return state
             if self.force_mesh.is_local:
                 return observe(state)
-            error, value = None, None
-            try:
-                value = observe(state)
-            except Exception as exc:  # noqa: BLE001 - raised again below, on every rank
-                error = exc
-            message = error and f"`observe` raised at a = {state.a:g}: {type(error).__name__}: {error}"
-            if getattr(error, "raised_together", False):
-                # a torchpm check inside `observe` already raised on every rank of the grid
-                # (e.g. ranks whose observers called different collectives): no rank waits
-                # for the check below, which would be left alone until the timeout
-                raise RuntimeError(message) from error
-            try:
-                self.force_mesh.raise_together(message, exception=RuntimeError,
-                                               operation="Simulation.trajectory (`observe`)")
-            except RuntimeError as together:
-                if error is None:
-                    raise
-                raise together from error
-            return value
+            return self._on_every_rank(observe, (state,), f"`observe` raised at a = {state.a:g}",
+                                       "Simulation.trajectory (`observe`)")
 
         if observe is not None and not callable(observe):
             problem = f"`observe` must be callable or None, got {type(observe).__name__}"
@@ -1193,23 +1174,33 @@ class Simulation(nn.Module):
             return None
 
         def guarded(number, a):
-            error = None
-            try:
-                if callback is not None:
-                    callback(number, a)
-            except Exception as exc:  # noqa: BLE001 - raised again below, on every rank
-                error = exc
-            message = error and f"`callback` raised at step {number} (a = {a:g}): {type(error).__name__}: {error}"
-            if getattr(error, "raised_together", False):  # (as for `observe`: every rank raised it)
-                raise RuntimeError(message) from error
-            try:
-                mesh.raise_together(message, exception=RuntimeError, operation="Simulation (`callback`)")
-            except RuntimeError as together:
-                if error is None:
-                    raise
-                raise together from error
+            self._on_every_rank(callback or (lambda number, a: None), (number, a),
+                                f"`callback` raised at step {number} (a = {a:g})", "Simulation (`callback`)")
 
         return guarded
+
+    def _on_every_rank(self, function, args, what: str, operation: str):
+        """``function(*args)`` (a user's observer or callback) on a grid: its value, or, when
+        it raised on any rank, a RuntimeError ``what: <the error>`` on every rank (a rank's
+        own exception its cause) instead of that rank stopping while the others wait in the
+        next collective. One small all-reduce; none when the error was itself raised on
+        every rank together (a torchpm check inside, e.g. ranks whose observers called
+        different collectives): the others raised too and would not join it."""
+        error, value = None, None
+        try:
+            value = function(*args)
+        except Exception as exc:  # noqa: BLE001 - raised again below, on every rank
+            error = exc
+        message = error and f"{what}: {type(error).__name__}: {error}"
+        if getattr(error, "raised_together", False):
+            raise RuntimeError(message) from error
+        try:
+            self.force_mesh.raise_together(message, exception=RuntimeError, operation=operation)
+        except RuntimeError as together:
+            if error is None:
+                raise
+            raise together from error
+        return value
 
     def _run_values(self, inputs) -> list:
         """What the ranks of a grid run must agree on at its start beyond the construction's
@@ -1596,8 +1587,7 @@ class Simulation(nn.Module):
             # two runs (or one waited in a migration the others never reached)
             return [("`start`", int(start)), ("`stop`", self.steps if stop is None else int(stop)),
                     ("`cosmology` (its parameters)", _parameters_repr(cosmology or self.cosmology)),
-                    ("`table` (its values, to 10 digits)", _table_key(table)),
-                    *self._run_values(positions)]
+                    ("`table` (its values, to 10 digits)", _table_key(table)), *self._run_values(positions)]
 
         self._check_correction(error, operation="Simulation.evolve", always=True, values=agreed)
         callback = self._guarded_callback(callback)
