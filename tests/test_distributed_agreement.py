@@ -30,7 +30,7 @@ PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch
             "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks",
             "different_labels", "noise_agreement", "hand_written_loop", "simulation_bad_argument",
             "decomposition_bad_argument", "simulation_callables", "same_tensor_twice", "layer_arguments",
-            "run_callback", "huge_integers", "paint_density_arguments", "values_after_construction"]
+            "run_callback", "huge_integers", "paint_density_arguments", "values_after_construction", "run_input"]
 PER_WORLD = ["grid_axis", "simulation_grid_arguments", "grid_groups_arguments"]
 
 
@@ -627,6 +627,23 @@ def case_run_agreement(grid, ctx):
     if ctx["odd"]:
         sim.cosmology = torchpm.Planck15(Omega_c=0.3)
     expect_error(lambda: sim.resume(state, mesh_units=True), ctx, "Simulation.resume", "`cosmology` (its parameters now)")
+
+
+def case_run_input(grid, ctx):
+    """A run from `state` on one rank and from white noise (or the linear field) on the
+    others names the input, and nothing that merely follows from it (the message named the
+    state's step, or the operation the linear field's FFT met)."""
+    sim = simulation(grid, ctx, steps=2)
+    noise = sim.white_noise(seed=3)
+    state = sim(noise, until=sim.scale_factors[1])
+    last = [sim.scale_factors[-1]]
+    text = expect_error(lambda: sim.trajectory(state=state, at=last) if ctx["odd"] else sim.trajectory(noise, at=last),
+                        ctx, "Simulation.trajectory", "the ranks disagree on the run's input", ": state", ": white_noise")
+    assert "state's step" not in text and "batch size" not in text, text
+    field = sim.linear_field(noise)
+    text = expect_error(lambda: sim(linear_field=field) if ctx["odd"] else sim(noise), ctx, "Simulation.forward",
+                        "the ranks disagree on the run's input", ": linear_field", ": white_noise")
+    assert "different collective operations" not in text, text
 
 
 def case_simulation_power_alias(grid, ctx):

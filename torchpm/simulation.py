@@ -83,6 +83,10 @@ def _table_key(table) -> str:
         return f"{tuple(values.shape)} {float(values.sum()):.10g} {float((values * values).sum()):.10g}"
 
 
+# What a grid run starts from, agreed first: the ranks' later values follow from it.
+_RUN_INPUT = "the run's input (`white_noise`, `linear_field` or `state`)"
+
+
 def _check_run_arguments(callback, **flags) -> None:
     """A run's ``callback`` (callable or None) and boolean ``flags`` (``mesh_units``,
     ``return_mesh_units``: a string such as "false" would be truthy)."""
@@ -937,8 +941,10 @@ class Simulation(nn.Module):
             # One rank's bad argument raises on every rank; so do settings changed on one
             # rank since construction, and other gradient needs (other backward collectives).
             batch = (field.shape[0] if field.dim() == 4 else 1) if isinstance(field, torch.Tensor) else None
-            self.force_mesh.agree(operation, [("the last step (`until`)", stop), ("the steps of `at`", emit_at),
-                                              ("the batch size of the input", batch), *self._run_values(field)],
+            given = "white_noise" if linear_field is None else "linear_field"
+            self.force_mesh.agree(operation, [(_RUN_INPUT, given), ("the last step (`until`)", stop),
+                                              ("the steps of `at`", emit_at), ("the batch size of the input", batch),
+                                              *self._run_values(field)],
                                   None if error is None else str(error))
             callback = self._guarded_callback(callback)
         if isinstance(field, torch.Tensor):
@@ -1123,7 +1129,7 @@ class Simulation(nn.Module):
         if not self.force_mesh.is_local:
             # One rank's bad state raises on every rank, and ranks resuming from other
             # steps (they would run other numbers of steps) are named.
-            self.force_mesh.agree(operation, [("the state's step (`state.a`)", start),
+            self.force_mesh.agree(operation, [(_RUN_INPUT, "state"), ("the state's step (`state.a`)", start),
                                               ("the last step (`until`)", stop), ("the steps of `at`", emit_at),
                                               *self._run_values(getattr(state, "positions", None))],
                                   None if error is None else str(error))

@@ -614,7 +614,10 @@ class GridGroups:
             # (compared among the ranks without an error of their own: a failing rank's
             # values are placeholders)
             compared = [report for report in reports if not report[3]]
-            names = [name for name, _ in (compared or reports)[0][2]]
+            # (the names every rank passed: a value that decides which others follow, such
+            # as a run's input, is named alone)
+            names = [name for name, _ in (compared or reports)[0][2]
+                     if all(name in dict(report[2]) for report in compared)]
             for name in names:
                 seen = [dict(report[2]).get(name) for report in compared]
                 if len(set(seen)) > 1:
