@@ -34,7 +34,8 @@ KEYS = [s.name for s in config.SETTINGS]
 
 
 def _named(error, key):
-    return re.search(r"`(" + "|".join(map(re.escape, KEYS)) + r")[`.]", str(error)) is not None
+    """The error names ``key`` (or one of its entries: `cosmology.Omega_c`)."""
+    return re.search(r"`" + re.escape(key) + r"[`.]", str(error)) is not None
 
 
 @given(key=st.sampled_from(KEYS), value=values)
@@ -66,7 +67,17 @@ def test_simulation_arguments_are_checked(n_particles, box_size, mesh_factor, st
     try:
         sim = torchpm.Simulation(memory_check="off", **arguments)
     except (ValueError, TypeError) as error:
-        assert _named(error, "") or "`checkpoint`" in str(error), str(error)
+        # It names an argument that is wrong on its own: passed alone (the others at
+        # their defaults), that argument is refused too.
+        named = [name for name in arguments if _named(error, name)]
+        assert named, str(error)
+        refused = []
+        for name in named:
+            try:
+                torchpm.Simulation(memory_check="off", **{name: arguments[name]})
+            except (ValueError, TypeError):
+                refused.append(name)
+        assert refused, f"{named} named, but each is accepted alone: {error}"
         return
     # Accepted: every value is of the documented type, finite and in range.
     assert all(type(n) is int and n >= 1 for n in sim.particle_shape)
@@ -90,4 +101,24 @@ def test_fuzz_catches_a_reintroduced_bug(monkeypatch, tmp_path):
     with pytest.raises(AssertionError):
         test_simulation_arguments_are_checked.hypothesis.inner_test(
             n_particles="644", box_size=40.0, mesh_factor=1, steps=1, a_start=0.1, cic_compensation=False
+        )
+
+
+def test_fuzz_catches_an_error_naming_the_wrong_key(monkeypatch, tmp_path_factory):
+    """An error that names another setting than the wrong one fails the first property."""
+    monkeypatch.setattr("torchpm.config._fail",
+                        lambda name, expected, value: config.SettingError(f"`seed` must be {expected}"))
+    with pytest.raises(AssertionError):
+        test_config_value_validates_or_names_a_key.hypothesis.inner_test(tmp_path_factory, key="box_size",
+                                                                        value="large")
+
+
+def test_fuzz_catches_a_simulation_error_naming_the_wrong_argument(monkeypatch):
+    """A Simulation error that names an argument which is fine on its own fails the second
+    property (it used to accept any setting's name)."""
+    monkeypatch.setattr("torchpm.config._fail",
+                        lambda name, expected, value: config.SettingError(f"`steps` must be {expected}"))
+    with pytest.raises(AssertionError, match="accepted alone"):
+        test_simulation_arguments_are_checked.hypothesis.inner_test(
+            n_particles=64, box_size="large", mesh_factor=1, steps=1, a_start=0.1, cic_compensation=False
         )
