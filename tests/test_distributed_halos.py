@@ -62,6 +62,12 @@ def clustered(seed, n=N, box=BOX, batch=2):
     return torch.tensor(np.stack(out))
 
 
+def spacing_b(box, n, length):
+    """The linking distance in Mpc/h, here (not ``linking_distance``: an oracle that used
+    it would share its error): ``length`` times the mean spacing ``(V / n)^(1/3)``."""
+    return length * (float(np.prod(np.broadcast_to(np.asarray(box, dtype=float), 3))) / n) ** (1 / 3)
+
+
 def oracle_labels(points, box, b):
     """Smallest index of each particle's FoF group (scipy)."""
     from scipy.sparse import coo_matrix
@@ -142,11 +148,11 @@ def with_min_members(labels, min_members):
 def case_owned(grid, ctx):
     """Particles held by the rank owning their position: labels equal scipy's, also with
     min_members (a group split between ranks is counted over the grid)."""
-    from torchpm.halos import friends_of_friends, linking_distance
+    from torchpm.halos import friends_of_friends
 
     mesh = mesh_of(grid, ctx)
     points = clustered(1)
-    b = linking_distance(BOX, N, 0.2)
+    b = spacing_b(BOX, N, 0.2)
     expected = np.stack([oracle_labels(p, BOX, b) for p in points.numpy()])
     positions, ids = owned_share(mesh, points)
     labels = friends_of_friends(positions, BOX, 0.2, ids=ids, mesh=mesh)
@@ -163,11 +169,11 @@ def case_owned(grid, ctx):
 def case_scattered(grid, ctx):
     """Particles dealt to the ranks at random, whatever their position (a particle's
     friends may all be elsewhere), then all on one rank: the labels still equal scipy's."""
-    from torchpm.halos import friends_of_friends, halo_catalog, linking_distance
+    from torchpm.halos import friends_of_friends, halo_catalog
 
     mesh = mesh_of(grid, ctx)
     points = clustered(2)
-    b = linking_distance(BOX, N, 0.25)
+    b = spacing_b(BOX, N, 0.25)
     expected = np.stack([oracle_labels(p, BOX, b) for p in points.numpy()])
     dealt = torch.randint(0, mesh.grid.size, points.shape[:2], generator=torch.Generator().manual_seed(5))
     positions, ids = pad_share(points, dealt == mesh.grid.rank, extra=mesh.grid.rank)
@@ -189,12 +195,12 @@ def case_thin_blocks(grid, ctx):
     the start, so its label crosses block faces several times, each leg linked to the
     next only inside another rank's block (two rounds of the exchange on 3 ranks); then
     linking distances wider than a block (a particle is a ghost of several ranks)."""
-    from torchpm.halos import friends_of_friends, linking_distance
+    from torchpm.halos import friends_of_friends
 
     box = (6.0, 10.0, 10.0)
     mesh = mesh_of(grid, ctx, shape=(12, 4, 4))  # x blocks of 2 or 3 Mpc/h
     n = 400
-    b = linking_distance(box, n, 0.2)  # 0.23 Mpc/h
+    b = spacing_b(box, n, 0.2)  # 0.23 Mpc/h
     rng = np.random.default_rng(3)
     corners = np.array([[1.0, 5.0], [3.9, 5.0], [3.9, 6.0], [0.3, 6.0], [0.3, 7.0], [5.5, 7.0]])
     chain = []
@@ -212,7 +218,7 @@ def case_thin_blocks(grid, ctx):
     labels = friends_of_friends(positions, box, 0.2, ids=ids, mesh=mesh)
     check_labels(labels, ids, expected)
     for length in (1.0, 1.7):  # b = 1.15 and 1.95 Mpc/h
-        expected = oracle_labels(points[0].numpy(), box, linking_distance(box, n, length))[None]
+        expected = oracle_labels(points[0].numpy(), box, spacing_b(box, n, length))[None]
         labels = friends_of_friends(positions, box, length, ids=ids, mesh=mesh, n_particles=n)
         check_labels(labels, ids, expected)
 

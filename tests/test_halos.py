@@ -25,6 +25,12 @@ sparse = pytest.importorskip("scipy.sparse")
 BOX = (40.0, 32.0, 24.0)
 
 
+def spacing_b(box, n, length):
+    """The linking distance in Mpc/h, here (not ``linking_distance``: an oracle that used
+    it would share its error): ``length`` times the mean spacing ``(V / n)^(1/3)``."""
+    return length * (float(np.prod(np.broadcast_to(np.asarray(box, dtype=float), 3))) / n) ** (1 / 3)
+
+
 def oracle_labels(points, box, b):
     """Smallest index of each particle's FoF group: scipy's periodic pairs within b and
     their connected components."""
@@ -61,7 +67,7 @@ def test_random_and_clustered_particles_match_scipy(device, dtype):
     positions = torch.tensor(batch, dtype=dtype, device=device)
     as_given = positions.double().cpu().numpy()  # linked in float64 from the values as given
     for length in (0.2, 0.35):
-        b = linking_distance(BOX, n, length)
+        b = spacing_b(BOX, n, length)
         expected = np.stack([oracle_labels(p, BOX, b) for p in as_given])
         for chunk_size in (1 << 20, 1000, 7):
             labels = friends_of_friends(positions, BOX, length, chunk_size=chunk_size)
@@ -73,7 +79,7 @@ def test_random_and_clustered_particles_match_scipy(device, dtype):
 def test_evolved_simulation_particles_match_scipy(device):
     sim = torchpm.Simulation(n_particles=32, box_size=64.0, mesh_factor=1, a_start=0.1, steps=8).to(device)
     state = sim(sim.white_noise(seed=2))
-    b = linking_distance(sim.box_size, sim.n_total, 0.2)
+    b = spacing_b(sim.box_size, sim.n_total, 0.2)
     expected = oracle_labels(state.positions[0].double().cpu().numpy(), sim.box_size, b)
     labels = friends_of_friends(state.positions, sim.box_size, 0.2, ids=state.ids)
     # the state's ids are the slot indices on one device: labels are oracle labels
@@ -88,7 +94,7 @@ def test_pairs_at_the_linking_distance_across_each_face(device, axis):
     """Pairs at b (1 - 1e-6) link and at b (1 + 1e-6) do not, straddling the periodic
     face of each axis of a non-cubic box, and inside it."""
     n = 1000  # sets the mean separation only
-    b = linking_distance(BOX, n, 0.2)
+    b = spacing_b(BOX, n, 0.2)
     length = BOX[axis]
     below, above = b * (1 - 1e-6), b * (1 + 1e-6)
     # (coordinate along `axis` of both particles, transverse shift of the pair)
@@ -111,7 +117,7 @@ def test_chain_around_the_box_is_one_group(device):
     """A chain along y with spacing 0.95 b closes around the periodic box; with one link
     stretched to 1.05 b it is still one group (the other way round), with two it splits."""
     n = 2000
-    b = linking_distance(BOX, n, 0.2)
+    b = spacing_b(BOX, n, 0.2)
     count = int(math.ceil(BOX[1] / (0.95 * b)))
     spacing = BOX[1] / count  # <= 0.95 b: closes exactly
     y = np.arange(count) * spacing
@@ -139,7 +145,7 @@ def test_labels_are_the_smallest_id_and_empty_slots_are_skipped(device):
     unbatched call gives the batched call's first row."""
     n = 1500
     points = clustered(5, n)
-    b = linking_distance(BOX, n, 0.2)
+    b = spacing_b(BOX, n, 0.2)
     expected = oracle_labels(points, BOX, b)
     rng = np.random.default_rng(1)
     ids = rng.permutation(10**12 + np.arange(n) * 7919)  # large, unordered
@@ -212,6 +218,13 @@ def test_arguments_are_checked():
     for name in ("n_particles", "min_members", "chunk_size"):
         with pytest.raises(ValueError, match=f"`{name}` must be a positive integer"):
             friends_of_friends(positions, 10.0, **{name: 0})
+
+
+def test_linking_distance_by_hand():
+    # 1000 particles in a 10 Mpc/h cube: spacing 1; in a 10 x 20 x 40 box: V / n = 8, spacing 2
+    assert linking_distance(10.0, 1000, 0.2) == pytest.approx(0.2, rel=1e-12)
+    assert linking_distance((10.0, 20.0, 40.0), 1000, 0.25) == pytest.approx(0.5, rel=1e-12)
+    assert linking_distance(10.0, 1000) == pytest.approx(0.2, rel=1e-12)  # the conventional 0.2 by default
 
 
 def test_too_long_linking_length_names_the_limit():
@@ -352,7 +365,7 @@ def test_find_halos_of_a_run(device):
     noise = sim.white_noise(seed=4)
     state = sim(noise)
     catalog, labels = find_halos(sim, state, return_labels=True)
-    b = linking_distance(sim.box_size, sim.n_total, 0.2)
+    b = spacing_b(sim.box_size, sim.n_total, 0.2)
     expected = oracle_labels(state.positions[0].cpu().numpy(), sim.box_size, b)
     sizes = np.bincount(expected, minlength=sim.n_total)
     np.testing.assert_array_equal(labels[0].cpu().numpy(), np.where(sizes[expected] >= 20, expected, -1))

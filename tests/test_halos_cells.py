@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from torchpm import halos
-from torchpm.halos import friends_of_friends, linking_distance
+from torchpm.halos import friends_of_friends
 
-from test_halos import oracle_labels
+from test_halos import oracle_labels, spacing_b
 
 pytest.importorskip("scipy.spatial")
 
@@ -27,7 +27,7 @@ def check(points, box, length, device, dtype=torch.float64, n_particles=None, **
     positions = torch.tensor(np.asarray(points), dtype=dtype, device=device)
     as_given = positions.double().cpu().numpy()
     n = n_particles or positions.shape[-2]
-    b = linking_distance(box, n, length)
+    b = spacing_b(box, n, length)
     labels = friends_of_friends(positions, box, length, n_particles=n_particles, **kwargs).cpu().numpy()
     if positions.dim() == 2:
         labels, as_given = labels[None], as_given[None]
@@ -61,7 +61,7 @@ def test_many_slabs_and_batch_members_match_scipy(device, small_slabs):
     members[2][:40, 0] = rng.normal(0, 0.3, 40)  # a group across the x face
     grid = halos._CellList(torch.tensor(members[0], device=device), torch.zeros(700, dtype=torch.int64,
                                                                                   device=device),
-                           box, linking_distance(box, 700, 0.3))
+                           box, spacing_b(box, 700, 0.3))
     assert len(grid.slabs) > 3 and max(high - low for low, high in grid.slabs) < grid.cells[0]
     labels = check(np.stack(members), box, 0.3, device, chunk_size=97)
     assert len(np.unique(labels[1])) < 0.8 * 700
@@ -74,7 +74,7 @@ def test_one_cell_holds_every_point(device, length):
     box = (30.0, 30.0, 30.0)
     rng = np.random.default_rng(4)
     n = 200
-    b = linking_distance(box, 10_000, length)
+    b = spacing_b(box, 10_000, length)
     points = 12.0 + rng.uniform(0, b, (n, 3)) * 0.999
     points[:10] += [0.0, 0.0, 0.5 * b]  # some pairs just beyond each other's reach
     for chunk_size in (1 << 20, 97, 5):
@@ -89,7 +89,7 @@ def test_blocks_past_the_int32_limit_take_int64_indices(device, monkeypatch):
     monkeypatch.setattr(halos, "_INT32_LIMIT", 50)
     box = (30.0, 30.0, 30.0)
     rng = np.random.default_rng(7)
-    b = linking_distance(box, 10_000, 0.2)
+    b = spacing_b(box, 10_000, 0.2)
     points = np.concatenate([12.0 + rng.uniform(0, b, (60, 3)) * 0.999, rng.uniform(0, 30.0, (300, 3))])
     for chunk_size in (1 << 20, 13):
         check(points, box, 0.2, device, n_particles=10_000, chunk_size=chunk_size)
@@ -103,7 +103,7 @@ def test_three_and_four_cells_per_axis(device):
         box = (float(cells) * 4.0, 12.0, 16.0)
         n = 60
         length = 4.0 / (np.prod(box) / n) ** (1 / 3)  # b = 4: `cells` cells along x
-        b = linking_distance(box, n, length)
+        b = spacing_b(box, n, length)
         assert halos._cell_grid(box, b, n)[0] == cells
         points = rng.uniform(0, box, (n, 3))
         points[:4, 0] = [0.01, box[0] - 0.01, box[0] / 2 - 0.01, box[0] / 2 + 0.01]
@@ -116,7 +116,7 @@ def test_coarse_cells_for_a_tiny_linking_length(device):
     box = (50.0, 40.0, 30.0)
     rng = np.random.default_rng(6)
     points = clumps(rng, 500, box, 4, 0.05)
-    b = linking_distance(box, 500, 0.02)
+    b = spacing_b(box, 500, 0.02)
     cells = halos._cell_grid(box, b, 500)
     assert all(length / n > 1.5 * b for n, length in zip(cells, box))
     assert np.prod(cells) <= halos._CELLS_PER_POINT * 500 * 1.01
@@ -129,7 +129,7 @@ def test_points_on_cell_faces_and_box_edges(device):
     a whole box away; pairs across those faces at b (1 -+ 1e-6)."""
     box = (10.0, 10.0, 10.0)
     n = 1000
-    b = linking_distance(box, n, 0.2)  # 0.2: 50 cells of exactly 0.2 per axis
+    b = spacing_b(box, n, 0.2)  # 0.2: 50 cells of exactly 0.2 per axis
     width = box[0] / halos._cell_grid(box, b, n)[0]
     faces = np.arange(0, 10.0 + width / 2, width)[:12]
     rng = np.random.default_rng(7)
@@ -150,7 +150,7 @@ def test_pairs_in_a_band_around_b(device, dtype, side):
     ones and float64 the rest, as scipy does from the positions as given."""
     box = (side, side, side)
     n = 2 * 4000
-    b = linking_distance(box, n, 0.2)
+    b = spacing_b(box, n, 0.2)
     rng = np.random.default_rng(8)
     centres = rng.uniform(0, side, (n // 2, 3))
     centres[: n // 8, 0] = rng.uniform(-b, b, n // 8)  # across the x face
