@@ -97,10 +97,10 @@ cpp: deps
 # runs against JaxPM) run in `make test-all`, which also fuzzes the migration
 # longer (1000 random rounds per grid instead of 200).
 test: build test-deps cuda-check
-	$(PYTHON) -m pytest -ra --durations=20 -m "not slow"
+	TORCHPM_REQUIRE_ORACLES=1 $(PYTHON) -m pytest -ra --durations=20 -m "not slow"
 
 test-all: build test-deps cuda-check
-	TORCHPM_TEST_MIGRATION_ROUNDS=1000 $(PYTHON) -m pytest -ra --durations=20
+	TORCHPM_REQUIRE_ORACLES=1 TORCHPM_TEST_MIGRATION_ROUNDS=1000 $(PYTHON) -m pytest -ra --durations=20
 
 bench: build
 	$(PYTHON) benchmarks/bench_mass_assignment.py
