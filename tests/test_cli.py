@@ -137,6 +137,23 @@ def test_bad_value_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, text, m
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
+def test_an_error_message_with_a_newline_is_printed_on_one_line(tmp_path, capsys, monkeypatch):
+    """h5py's errors hold a newline (its time stamp): the one-line promise holds for them."""
+    import torchpm.io
+
+    def failing(path, *args, **kwargs):
+        raise OSError("Unable to synchronously create file (file write failed: time = Sat Nov 28 17:18:01 2026\n"
+                      ", filename = 'x.tmp', errno = 27)")
+
+    monkeypatch.setattr(torchpm.io, "write_snapshot", failing)
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "run.toml"
+    config.write_text(SMALL + "snapshots = [1.0]\n")
+    assert main(["run", str(config)]) == 2
+    error = capsys.readouterr().err.split("torchpm run: ")[-1]  # (after the progress bar)
+    assert _line_count(error) == 1 and "cannot write" in error and "2026 , filename" in error, error
+
+
 def test_bad_value_names_the_line(tmp_path, capsys):
     config = tmp_path / "bad.toml"
     config.write_text(SMALL + "# a comment\nbatch = 1.5\n")

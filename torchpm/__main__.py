@@ -1204,7 +1204,8 @@ def main(argv=None) -> int:
         config = load_config(arguments.config, overrides)
         run(config, overwrite=arguments.overwrite, resume=arguments.resume, check=arguments.check)
     except (SettingError, UserError) as error:
-        print(f"torchpm run: {error}", file=sys.stderr)
+        # one line, whatever the message carries (h5py's errors hold a newline)
+        print(f"torchpm run: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     return 0
 
