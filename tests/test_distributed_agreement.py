@@ -24,7 +24,7 @@ GRIDS = {2: [(2, 1), (1, 2)], 3: [(3, 1), (1, 3)]}
 SHAPE = (8, 7, 6)  # uneven over 2 and 3 ranks
 PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch_irfftn", "halo_fill",
             "halo_add", "halo_paint", "operation", "local_error", "transpose_axis", "migrate_attribute_dtype",
-            "migrate_attribute_shape", "migrate_debug_checks", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
+            "migrate_attribute_shape", "migrate_debug_checks", "migrate_arguments", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
             "simulation_integrator", "simulation_cosmology", "simulation_power_alias", "gather_batch", "gather_no_ids", "density_ids",
             "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks",
@@ -235,6 +235,34 @@ def case_migrate_batch(grid, ctx):
     mesh = decomposition(grid, ctx)
     positions, ids = particles(mesh, batch=1 if ctx["odd"] else 2, count=5 + ctx["rank"])
     expect_error(lambda: mesh.migrate(positions, ids), ctx, "batch size", "rank 0 (grid (0, 0)): 2")
+
+
+def case_migrate_arguments(grid, ctx):
+    """A bad `destination` or `capacity` on one rank raises on every rank before the
+    exchange (an int32 destination made the ranks pack their messages differently and
+    wait until the timeout; a rank out of range, a wrong shape or a string capacity
+    raised on that rank alone, mid-exchange). A capacity exceeded on one rank is named
+    with that rank's capacity (every rank named its own: "the capacity None")."""
+    mesh = decomposition(grid, ctx)
+    positions, ids = particles(mesh)
+    home = torch.zeros_like(ids)
+    last = ctx["world"] - 1
+    for destination, fragment in [(home.int(), "expected `destination` as int64 of shape (1, 12)"),
+                                  (home[:, :3], "expected `destination` as int64 of shape (1, 12)"),
+                                  (home + ctx["world"], f"grid ranks 0 .. {last}"),
+                                  (home - 1, f"grid ranks 0 .. {last}")]:
+        expect_error(lambda: mesh.migrate(positions, ids, destination=destination if ctx["odd"] else home), ctx,
+                     "PencilDecomposition.migrate", fragment, ranks=odd_rank(ctx))
+    for capacity in ["100", 0, -5, 2.5, True]:
+        expect_error(lambda: mesh.migrate(positions, ids, capacity=capacity if ctx["odd"] else None), ctx,
+                     f"`capacity` must be a positive integer or None, got {capacity!r}", ranks=odd_rank(ctx))
+    expect_error(lambda: mesh.migrate(positions.half(), ids), ctx, "expected float32 or float64 `positions`")
+    # empty slots may hold any destination
+    _, _, moved, *_ = mesh.migrate(positions, torch.where(ids % 2 == 0, ids, -1),
+                                   destination=torch.where(ids % 2 == 0, home, 99))
+    assert int((moved >= 0).sum()) == (6 * ctx["world"] if ctx["rank"] == 0 else 0)
+    expect_error(lambda: mesh.migrate(positions, ids, capacity=2 if ctx["odd"] else None), ctx,
+                 f"rank {last} (grid", "more than the capacity 2", exception=RuntimeError, ranks=odd_rank(ctx))
 
 
 def case_migrate_positions_dtype(grid, ctx):

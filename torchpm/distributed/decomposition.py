@@ -23,6 +23,7 @@ argument error, so a mismatched all-to-all never runs (``check_agreement``).
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Sequence
 
@@ -763,12 +764,28 @@ class PencilDecomposition:
                 raise ValueError(
                     f"migrate: expected int64 `ids` of shape {tuple(positions.shape[:2])}, got {_describe(ids)}"
                 )
+            if positions.dtype not in (torch.float32, torch.float64):
+                raise ValueError(f"migrate: expected float32 or float64 `positions`, got {positions.dtype}")
             for index, attribute in enumerate(attributes):
                 if not isinstance(attribute, torch.Tensor) or attribute.shape[:2] != positions.shape[:2]:
                     raise ValueError(
                         f"migrate: expected attribute {index} of shape {tuple(positions.shape[:2])} + (...), "
                         f"got {_describe(attribute)}"
                     )
+            if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral)
+                                         or capacity < 1):
+                raise ValueError(f"migrate: `capacity` must be a positive integer or None, got {capacity!r}")
+            if destination is not None:
+                if (not isinstance(destination, torch.Tensor) or destination.dtype != torch.int64
+                        or destination.shape != ids.shape or destination.device != ids.device):
+                    raise ValueError(f"migrate: expected `destination` as int64 of shape {tuple(ids.shape)} on "
+                                     f"{ids.device}, got {_describe(destination)}")
+                # (the occupied slots' ranks; one device sync, on this path only)
+                routed = destination[ids >= 0]
+                if routed.numel() and not bool(((routed >= 0) & (routed < self.grid.size)).all()):
+                    wrong = routed[(routed < 0) | (routed >= self.grid.size)][0]
+                    raise ValueError(f"migrate: `destination` must hold grid ranks 0 .. {self.grid.size - 1} "
+                                     f"(r0 * P1 + r1) for the occupied slots, got {int(wrong)}")
 
         # Batch, dtypes and per-particle trailing shapes set the message sizes of every
         # stage; the slot count n may differ between ranks. The debug checks add collectives.

@@ -477,10 +477,11 @@ def _wrap_rows(rows: torch.Tensor, axis: int, n: int) -> torch.Tensor:
     return torch.where(mask, column, rows)
 
 
-def _status_error(table, grid: GridGroups, capacity, what):
-    """The error message of a failed status table ``(ranks, 3)``: (non-finite, member, count)."""
+def _status_error(table, grid: GridGroups, what):
+    """The error message of a failed status table ``(ranks, 4)``: (non-finite, member,
+    count, that rank's capacity)."""
     lines = []
-    for rank, (bad, member, count) in enumerate(table.tolist()):
+    for rank, (bad, member, count, capacity) in enumerate(table.tolist()):
         coords = divmod(rank, grid.shape[1])
         if bad:
             lines.append(f"rank {rank} (grid {coords}) holds {bad} particle(s) with NaN or infinite positions, "
@@ -612,7 +613,7 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
 
     Args:
         layout, grid: the decomposition's block layout and process grid.
-        positions: ``(B, n, 3)`` global mesh-cell units (any float dtype).
+        positions: ``(B, n, 3)`` global mesh-cell units, float32 or float64.
         ids: ``(B, n)`` int64, ``-1`` for empty slots.
         attributes: more per-particle tensors ``(B, n, ...)`` moved in the same all-to-alls.
         capacity: most slots per batch member a rank may hold afterwards (None: no limit).
@@ -669,16 +670,16 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
     if stages:
         place_empty_slots(positions, ids, fill_position, stages[-1].empty_out)
         # Fail together: every rank reports (non-finite, overflowing member, its count).
-        status = torch.tensor([bad, -1, 0], dtype=torch.int64)
+        status = torch.tensor([bad, -1, 0, 0], dtype=torch.int64)
         if capacity is not None and count_out > capacity:
             # `occupied` (per member, from the last stage's counts) is unchanged by a compaction.
-            status = torch.tensor([0, occupied.index(max(occupied)), count_out], dtype=torch.int64)
-        table = torch.zeros(grid.size, 3, dtype=torch.int64, device=ids.device)
+            status = torch.tensor([0, occupied.index(max(occupied)), count_out, capacity], dtype=torch.int64)
+        table = torch.zeros(grid.size, 4, dtype=torch.int64, device=ids.device)
         table[:, 1] = -1
         table[grid.rank] = status.to(ids.device)
         table = _reduce_status(table, grid)
         if bool((table[:, 0] > 0).any()) or bool((table[:, 1] >= 0).any()):
-            raise RuntimeError(_status_error(table.cpu(), grid, capacity, "after the exchange"))
+            raise RuntimeError(_status_error(table.cpu(), grid, "after the exchange"))
     # Empty slots: positions next to their neighbours (place_empty_slots), ids -1, attributes 0.
     return (MigrationPlan(stages, count_in, count_out, ids), positions, ids, *attributes)
 
