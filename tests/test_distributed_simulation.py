@@ -1188,6 +1188,13 @@ def case_lightcone(grid, ctx):
         broken[0, 0, 1] = float("nan")
     expect_error_everywhere(lambda: lensing.density_plane(broken, CONFIG["box_size"], 5.0, 2.0, 4, ids=state.ids,
                                                           mesh=mesh), "`positions` must be finite", "rank 1")
+    # a NaN weight on one rank, likewise (it raised on that rank alone, in the paint)
+    weights = torch.ones(state.ids.shape, dtype=torch.float64)
+    if not first:
+        weights[0, (state.ids[0] >= 0).nonzero()[0, 0]] = float("nan")
+    expect_error_everywhere(lambda: lensing.density_plane(positions, CONFIG["box_size"], 5.0, 2.0, 4, ids=state.ids,
+                                                          weights=weights, mesh=mesh), "`weights` must be finite",
+                            "rank 1")
 
 
 def case_trajectory(grid, ctx):

@@ -7,6 +7,7 @@ nodes; gradcheck; the run's own states for the light-cone driver. The grid cases
 test_distributed_simulation.py (``lightcone``).
 """
 
+import contextlib
 import math
 
 import numpy as np
@@ -211,6 +212,18 @@ def test_density_plane_errors():
     ids = torch.arange(10).unsqueeze(0).clone()
     ids[0, 3] = -1
     assert bool(torch.isfinite(lensing.density_plane(bad, 1.0, 0.5, 0.5, 4, ids=ids)).all())
+    # nor its weight, which may be anything (slot 0 too, where the plane's unused slots
+    # point); an occupied slot's must be finite
+    ids[0, 0] = -1
+    weights = torch.rand(1, 10, dtype=torch.float64)
+    expected = lensing.density_plane(x, 1.0, 0.5, 0.5, 4, ids=ids, weights=torch.where(ids >= 0, weights, 0.0))
+    for value in (float("nan"), float("inf"), 1e300):
+        weights[0, 3] = weights[0, 0] = value
+        torch.testing.assert_close(lensing.density_plane(x, 1.0, 0.5, 0.5, 4, ids=ids, weights=weights), expected,
+                                   rtol=0, atol=0)
+        with pytest.raises(ValueError, match="`weights` must be finite, got 2 NaN or inf") if value != 1e300 \
+                else contextlib.nullcontext():
+            lensing.density_plane(x, 1.0, 0.5, 0.5, 4, weights=weights)
     for kwargs in (dict(ids=torch.full((1, 10), -1)), dict(weights=torch.zeros(1, 10, dtype=torch.float64))):
         with pytest.raises(ValueError, match="no mean density to divide by"):
             lensing.density_plane(x, 1.0, 0.5, 0.5, 4, **kwargs)

@@ -238,6 +238,12 @@ def density_plane(
         if not bool(finite.all()):
             raise ValueError(f"{function}: `positions` must be finite, got {int((~finite).sum())} particles with NaN "
                              "or inf coordinates")
+        if weights is not None:
+            finite = torch.isfinite(weights.detach())
+            if ids is not None:
+                finite = finite | (ids < 0)  # (an empty slot's weight is never read)
+            if not bool(finite.all()):
+                raise ValueError(f"{function}: `weights` must be finite, got {int((~finite).sum())} NaN or inf")
         values = [("box_size", box), ("axis", axis), ("order", order), ("resolution", resolution),
                   ("center", float(center)), ("width", float(width)), ("batch", positions.shape[0]),
                   ("dtype", str(positions.dtype)), ("weights", weights is not None),
@@ -281,8 +287,8 @@ def density_plane(
     inside = torch.arange(selected.shape[1], device=device) < counts.unsqueeze(1)
     plane_positions = positions[..., transverse].gather(1, selected.unsqueeze(-1).expand(-1, -1, 2))
     mass = inside.to(dtype)
-    if weights is not None:
-        mass = mass * weights.gather(1, selected)
+    if weights is not None:  # (the unused slots point at slot 0, which may be empty: its weight is not read)
+        mass = torch.where(inside, weights.gather(1, selected), torch.zeros((), dtype=dtype, device=device))
     # (an empty slot's or an outside particle's coordinates are never looked at)
     plane_positions = torch.where(inside.unsqueeze(-1), plane_positions, torch.zeros((), dtype=dtype, device=device))
     pixels = torch.tensor(resolution, dtype=dtype, device=device)
@@ -292,7 +298,7 @@ def density_plane(
     if total is None:
         count = (weights if weights is not None else torch.ones_like(positions[..., 0]))
         if ids is not None:
-            count = count * (ids >= 0).to(dtype)
+            count = torch.where(ids >= 0, count, torch.zeros((), dtype=dtype, device=device))
         total = count.sum(-1)
         if distributed:
             total = mesh.all_reduce(total)
