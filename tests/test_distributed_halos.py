@@ -319,6 +319,19 @@ def case_simulation(grid, ctx):
         assert torch.equal(on_grid.members, one.members), (reference, on_grid.members, one.members)
         assert torch.allclose(on_grid.masses, one.masses, rtol=1e-12, atol=0)
         assert int(one.members.max()) > 0
+    # one rank's bad argument raises on every rank (it raised there alone, the others
+    # waiting in the agreement), and so do other thresholds on one rank
+    odd = ctx["rank"] == ctx["world"] - 1
+    expect_error_everywhere(lambda: torchpm.find_halos(distributed, grid_state.positions if odd else grid_state),
+                            "find_halos: `state` must be a torchpm.SimulationState", f"rank {ctx['world'] - 1}")
+    for arguments, fragment in ((dict(delta=-1.0), "`delta` must be a positive number"),
+                                (dict(reference="virial"), "`reference` must be 'mean' or 'critical'"),
+                                (dict(catalog=catalog.masses), "`catalog` must be a HaloCatalog"),
+                                (dict(delta=500.0), "the ranks disagree on `delta`"),
+                                (dict(reference="critical"), "the ranks disagree on `reference`")):
+        arguments = {"catalog": catalog, **(arguments if odd else {})}
+        expect_error_everywhere(lambda: spherical_overdensity_masses(distributed, grid_state, **arguments),
+                                "spherical_overdensity_masses", fragment)
 
 
 def case_spherical_overdensity(grid, ctx):

@@ -931,6 +931,16 @@ def simulation_particle_mass(sim) -> torch.Tensor:
     return sim.cosmology.Omega_m * (CRITICAL_DENSITY_MSUN * math.prod(sim.box_size) / sim.n_total)
 
 
+def _raise_on_every_rank(sim, function: str, error: str | None, values=()) -> None:
+    """``error`` (this rank's argument error) raised on every rank of ``sim``'s grid
+    together, with the ranks' agreement on ``values``; on one device, raised here."""
+    if sim.force_mesh.is_local:
+        if error:
+            raise ValueError(error)
+        return
+    sim.force_mesh.agree(function, list(values), error)
+
+
 def find_halos(sim, state, *, linking_length: float = 0.2, min_members: int = 20,
                chunk_size: int = DEFAULT_CHUNK_SIZE, return_labels: bool = False):
     """FoF halos of a :class:`~torchpm.Simulation`'s state: ``halos = find_halos(sim, state)``.
@@ -960,9 +970,11 @@ def find_halos(sim, state, *, linking_length: float = 0.2, min_members: int = 20
     function = "find_halos"
     if not isinstance(sim, Simulation):
         raise ValueError(f"{function}: `sim` must be a torchpm.Simulation, got {type(sim).__name__}")
+    error = None
     if not isinstance(state, SimulationState):
-        raise ValueError(f"{function}: `state` must be a torchpm.SimulationState (what the simulation returns), got "
-                         f"{type(state).__name__}")
+        error = (f"{function}: `state` must be a torchpm.SimulationState (what the simulation returns), got "
+                 f"{type(state).__name__}")
+    _raise_on_every_rank(sim, function, error)
     if isinstance(state, MeshUnitsState):
         state = sim.to_physical(state.positions, state.momenta, state.a, state.ids)
     mesh = sim.force_mesh
@@ -1289,14 +1301,18 @@ def spherical_overdensity_masses(sim, state, catalog: HaloCatalog, *, delta: flo
     function = "spherical_overdensity_masses"
     if not isinstance(sim, Simulation):
         raise ValueError(f"{function}: `sim` must be a torchpm.Simulation, got {type(sim).__name__}")
+    error = None
     if not isinstance(state, SimulationState):
-        raise ValueError(f"{function}: `state` must be a torchpm.SimulationState, got {type(state).__name__}")
-    if not isinstance(catalog, HaloCatalog):
-        raise ValueError(f"{function}: `catalog` must be a HaloCatalog (find_halos), got {type(catalog).__name__}")
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not (math.isfinite(delta) and delta > 0):
-        raise ValueError(f"{function}: `delta` must be a positive number, got {delta!r}")
-    if reference not in ("mean", "critical"):
-        raise ValueError(f"{function}: `reference` must be 'mean' or 'critical', got {reference!r}")
+        error = f"{function}: `state` must be a torchpm.SimulationState, got {type(state).__name__}"
+    elif not isinstance(catalog, HaloCatalog):
+        error = f"{function}: `catalog` must be a HaloCatalog (find_halos), got {type(catalog).__name__}"
+    elif isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not (math.isfinite(delta) and delta > 0):
+        error = f"{function}: `delta` must be a positive number, got {delta!r}"
+    elif not isinstance(reference, str) or reference not in ("mean", "critical"):
+        error = f"{function}: `reference` must be 'mean' or 'critical', got {reference!r}"
+    # (other thresholds on other ranks would mix two definitions of the masses)
+    _raise_on_every_rank(sim, function, error, [("`delta`", None if error else float(delta)),
+                                                ("`reference`", None if error else reference)])
     if isinstance(state, MeshUnitsState):
         state = sim.to_physical(state.positions, state.momenta, state.a, state.ids)
     cosmology = sim.cosmology
