@@ -24,7 +24,7 @@ GRIDS = {2: [(2, 1), (1, 2)], 3: [(3, 1), (1, 3)]}
 SHAPE = (8, 7, 6)  # uneven over 2 and 3 ranks
 PER_GRID = ["global_shape", "dtype_rfftn", "dtype_irfftn", "batch_rfftn", "batch_irfftn", "halo_fill",
             "halo_add", "halo_paint", "operation", "local_error", "transpose_axis", "migrate_attribute_dtype",
-            "migrate_attribute_shape", "migrate_debug_checks", "migrate_arguments", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
+            "migrate_attribute_shape", "migrate_debug_checks", "migrate_arguments", "plan_calls", "migrate_batch", "migrate_positions_dtype", "spectrum_bins", "spectrum_box",
             "paint_density_batch", "paint_not_owned", "paint_not_owned_deferred", "readout_bad_field", "setting", "check_off",
             "simulation_integrator", "simulation_cosmology", "simulation_power_alias", "gather_batch", "gather_no_ids", "density_ids",
             "thin_blocks", "resume_no_ids", "resume_step", "run_agreement", "readout_not_owned", "different_checks",
@@ -263,6 +263,27 @@ def case_migrate_arguments(grid, ctx):
     assert int((moved >= 0).sum()) == (6 * ctx["world"] if ctx["rank"] == 0 else 0)
     expect_error(lambda: mesh.migrate(positions, ids, capacity=2 if ctx["odd"] else None), ctx,
                  f"rank {last} (grid", "more than the capacity 2", exception=RuntimeError, ranks=odd_rank(ctx))
+
+
+def case_plan_calls(grid, ctx):
+    """A migration plan's exchange and gather with another dtype, per-particle shape or
+    shape on one rank raise on every rank (gloo aborted one rank; the other returned
+    wrong values); agreeing calls move the values with their particles."""
+    mesh = decomposition(grid, ctx)
+    positions, ids = particles(mesh)
+    ids = ids * ctx["world"] + ctx["rank"]
+    plan, moved, moved_ids = mesh.migrate(positions, ids)
+    odd = ctx["odd"]
+    expect_error(lambda: plan.exchange(positions.float() if odd else positions), ctx, "MigrationPlan.exchange",
+                 "tensors (dtype, per-particle shape)", "torch.float32", "torch.float64")
+    expect_error(lambda: plan.exchange(positions[..., :2] if odd else positions), ctx, "(2,)", "(3,)")
+    expect_error(lambda: plan.exchange(positions[:, :3] if odd else positions), ctx,
+                 "MigrationPlan.exchange: expected a per-particle tensor of shape (1, 12, ...)", ranks=odd_rank(ctx))
+    expect_error(lambda: plan.gather(moved.float() if odd else moved), ctx, "MigrationPlan.gather",
+                 "torch.float32", "torch.float64")
+    valid = moved_ids >= 0
+    assert torch.equal(plan.exchange(ids.double(), fill=-1)[valid], moved_ids[valid].double())
+    assert torch.equal(plan.gather(moved), positions)
 
 
 def case_migrate_positions_dtype(grid, ctx):

@@ -806,6 +806,7 @@ class PencilDecomposition:
         plan, positions, ids, *moved = _particles.migrate(
             self.layout, self.grid, positions, ids, *attributes, capacity=capacity, corner=corner,
             destination=destination, overwrite=overwrite, overwrite_ids=overwrite_ids,
+            check_agreement=self.check_agreement,
         )
         if debug:
             self.check_conservation(before, ids)

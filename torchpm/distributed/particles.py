@@ -369,11 +369,12 @@ class MigrationPlan:
             (computed when read: a step that does not read it makes no pass for it).
     """
 
-    def __init__(self, stages, count_in, count_out, ids):
+    def __init__(self, stages, count_in, count_out, ids, grid: GridGroups | None = None):
         self.stages = stages
         self.count_in = count_in
         self.count_out = count_out
         self._ids = ids  # after the migration
+        self._grid = grid  # the ranks agree on each call before its all-to-alls (None: not checked)
 
     @property
     def padding(self) -> torch.Tensor:
@@ -400,8 +401,7 @@ class MigrationPlan:
         """:meth:`exchange` of several tensors at once, in one all-to-all per stage."""
         tensors = list(tensors)
         fills = [0] * len(tensors) if fills is None else list(fills)
-        for tensor in tensors:
-            self._check(tensor, self.count_in, "exchange")
+        self._check(tensors, self.count_in, "exchange")
         for stage in self.stages:
             tensors = stage.forward_many(tensors, fills)
         return tensors
@@ -410,19 +410,34 @@ class MigrationPlan:
     def gather(self, tensor: torch.Tensor, fill=0) -> torch.Tensor:
         """The reverse path: ``(B, count_out, ...)`` values back to the slots the
         particles came from, ``(B, count_in, ...)``. The adjoint of :meth:`exchange`."""
-        self._check(tensor, self.count_out, "gather")
+        self._check([tensor], self.count_out, "gather")
         tensors = [tensor]
         for stage in reversed(self.stages):
             tensors = stage.backward_many(tensors, [fill])
         return tensors[0]
 
-    def _check(self, tensor, count, method):
+    def _check(self, tensors, count, method):
+        """Each tensor ``(B, count, ...)``; on a grid, the ranks agree on the tensors'
+        dtypes and per-particle shapes (they set the messages' sizes: ranks that differ
+        would abort gloo or read wrong values) and raise one rank's error together."""
         batch = self._ids.shape[0]
-        if tensor.dim() < 2 or tensor.shape[0] != batch or tensor.shape[1] != count:
-            raise ValueError(
-                f"MigrationPlan.{method}: expected a per-particle tensor of shape ({batch}, {count}, ...), "
-                f"got {tuple(tensor.shape)}"
-            )
+        error = None
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or tensor.shape[0] != batch \
+                    or tensor.shape[1] != count:
+                got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                error = (f"MigrationPlan.{method}: expected a per-particle tensor of shape ({batch}, {count}, ...), "
+                         f"got {got}")
+                break
+        if self._grid is None:
+            if error:
+                raise ValueError(error)
+            return
+        self._grid.agree(f"MigrationPlan.{method}", [
+            ("number of tensors", len(tensors)),
+            ("tensors (dtype, per-particle shape)",
+             tuple((str(t.dtype), tuple(t.shape[2:])) if isinstance(t, torch.Tensor) else type(t).__name__
+                   for t in tensors))], error)
 
 
 # ------------------------------------------------------------------ planning
@@ -608,7 +623,8 @@ def _plan_compaction(ids: torch.Tensor, capacity: int | None, occupied: list[int
 
 def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids: torch.Tensor,
             *attributes: torch.Tensor, capacity: int | None = None, corner=(0.0, 0.0, 0.0),
-            destination: torch.Tensor | None = None, overwrite: bool = False, overwrite_ids: bool = False):
+            destination: torch.Tensor | None = None, overwrite: bool = False, overwrite_ids: bool = False,
+            check_agreement: bool = False):
     """Move particles to the ranks that own their positions.
 
     Args:
@@ -628,6 +644,8 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
             that records gradients).
         overwrite_ids: ``ids`` too (a plan returned earlier reads the ids it returned:
             its ``padding`` changes when a later migration writes into them).
+        check_agreement: the returned plan's ``exchange`` and ``gather`` check that the
+            ranks agree on each call first (the decomposition's setting).
 
     Returns:
         ``(plan, positions, ids, *attributes)`` ``(B, count_out, ...)``: positions are
@@ -681,7 +699,8 @@ def migrate(layout: BlockLayout, grid: GridGroups, positions: torch.Tensor, ids:
         if bool((table[:, 0] > 0).any()) or bool((table[:, 1] >= 0).any()):
             raise RuntimeError(_status_error(table.cpu(), grid, "after the exchange"))
     # Empty slots: positions next to their neighbours (place_empty_slots), ids -1, attributes 0.
-    return (MigrationPlan(stages, count_in, count_out, ids), positions, ids, *attributes)
+    plan = MigrationPlan(stages, count_in, count_out, ids, grid if check_agreement and stages else None)
+    return (plan, positions, ids, *attributes)
 
 
 def place_empty_slots(positions: torch.Tensor, ids: torch.Tensor, corner, empty: torch.Tensor | None = None
