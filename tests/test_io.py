@@ -478,6 +478,19 @@ def run_case(case_id, ctx):
                              "rank 1", reason, "No file of the set")
             dist.barrier()
             assert not [name for name in os.listdir(folder) if name.startswith("other")]
+        # a NaN particle on rank 1, ids of rank 0's on rank 1, or an id out of range: a reader
+        # refused the set as damaged, which was written without a word
+        positions, ids = local.positions.clone(), local.ids.clone()
+        positions[0, 0, 1] = float("nan")
+        from_zero = torch.where(ids >= 0, ids - ids[ids >= 0].min(), ids)  # each rank's from 0
+        for state, reason in [(local._replace(positions=positions), "the state's positions of member 0 are not finite"),
+                              (local._replace(ids=from_zero), "got id 0 of member 0 on two ranks"),
+                              (local._replace(ids=ids + sim.n_total), "must be below the simulation's"),
+                              (local._replace(ids=torch.zeros_like(ids)), "hold an id twice")]:
+            _expect_together(lambda: write_snapshot(other, state if rank == 1 else local, sim, mesh_units=True),
+                             reason, "No file of the set")
+            dist.barrier()
+            assert not [name for name in os.listdir(folder) if name.startswith(("other", ".other"))]
     elif kind == "disagree":
         # Ranks passing different or bad file arguments: every rank raises the same error
         # at once (before the collective timeout), naming the rank and the argument, and

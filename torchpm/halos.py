@@ -77,6 +77,7 @@ from typing import NamedTuple
 
 import torch
 
+from .distributed.particles import duplicate_ids_error, route_rows
 from .mesh import as_box_size
 
 __all__ = ["HaloCatalog", "friends_of_friends", "halo_catalog", "find_halos", "linking_distance", "MassFunction",
@@ -205,24 +206,6 @@ def _check_unique_ids(function, ids):
         value = int(ordered[member, 1:][repeated[member]][0])
         raise ValueError(f"{function}: `ids` must be unique within each batch member, got id {value} twice in "
                          f"member {member}")
-
-
-def _grid_duplicate_ids(function, ids, mesh) -> str | None:
-    """On a grid: the error when an id of a batch member is held by two ranks (each rank's
-    own are unique already). Each (member, id) goes to rank ``id % ranks``, which looks
-    for pairs (one all-to-all of the valid ids per split grid axis; collective)."""
-    member, slot = torch.nonzero(ids >= 0, as_tuple=True)
-    value = ids[member, slot]
-    rows = _route_rows(torch.stack([member, value], 1), value % mesh.grid.size, mesh)
-    # (sorted by member, then id: two stable sorts; torch.unique(dim=0) is several times slower)
-    order = torch.argsort(rows[:, 1], stable=True)
-    ordered = rows[order[torch.argsort(rows[order, 0], stable=True)]]
-    repeated = (ordered[1:] == ordered[:-1]).all(1)
-    if not bool(repeated.any()):
-        return None
-    member, value = ordered[1:][repeated][0].tolist()
-    return (f"{function}: `ids` must be unique within each batch member over all ranks, got id {value} of member "
-            f"{member} on two ranks")
 
 
 # ------------------------------------------------------------------- local components
@@ -753,7 +736,7 @@ def friends_of_friends(
     if distributed:
         mesh.agree(function, values, error)
         # (each rank's ids are unique: two ranks holding one id made wrong groups silently)
-        mesh.raise_together(_grid_duplicate_ids(function, ids, mesh), operation=f"{function} (ids)")
+        mesh.raise_together(duplicate_ids_error(function, ids, mesh.grid), operation=f"{function} (ids)")
     valid = ids >= 0
     if n_particles is None:
         given = valid.sum(1)
@@ -1088,27 +1071,8 @@ def _to_measuring_rank(centre, distance, mesh):
     """The ``(centre, distance)`` candidates of every rank, each sent to the rank that
     measures its centre (centre index modulo the grid's ranks): what a rank holds
     afterwards is every candidate of its centres."""
-    rows = _route_rows(torch.stack([centre, distance.view(torch.int64)], 1), centre % mesh.grid.size, mesh)
+    rows = route_rows(torch.stack([centre, distance.view(torch.int64)], 1), centre % mesh.grid.size, mesh.grid)
     return rows[:, 0], rows[:, 1].contiguous().view(torch.float64)
-
-
-def _route_rows(rows, destination, mesh):
-    """``(n, w)`` int64 rows of every rank, each sent to grid rank ``destination`` (``(n,)``),
-    through one all-to-all per split grid axis (collective): the rows this rank receives."""
-    from .distributed._ops import all_to_all
-    from .distributed.particles import _exchange_rows
-
-    grid = mesh.grid
-    rows = torch.cat([rows, destination.reshape(-1, 1)], 1)
-    for axis, grid_axis in enumerate(grid.axes):
-        if grid_axis.size == 1:
-            continue
-        peer = rows[:, -1] // grid.shape[1] if axis == 0 else rows[:, -1] % grid.shape[1]
-        rows = rows[torch.argsort(peer, stable=True)]
-        sent = torch.bincount(peer, minlength=grid_axis.size)
-        received = all_to_all(sent, [1] * grid_axis.size, [1] * grid_axis.size, grid_axis.name)
-        rows = _exchange_rows([rows], sent.tolist(), received.tolist(), grid_axis.name)[0]
-    return rows[:, :-1]
 
 
 def spherical_overdensity(

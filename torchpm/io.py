@@ -252,6 +252,7 @@ def write_snapshot(
         The name of the file written.
     """
     h5py = _h5py()
+    from .distributed.particles import duplicate_ids_error
     from .simulation import MeshUnitsState, SimulationState
 
     mesh_units = bool(mesh_units) or isinstance(state, MeshUnitsState)
@@ -304,6 +305,18 @@ def write_snapshot(
             ids = torch.arange(count, device=positions.device).expand(batch, count)
         if ids.shape != positions.shape[:2]:
             raise ValueError(f"`state.ids` must be (B, N) = {tuple(positions.shape[:2])}, got {tuple(ids.shape)}")
+        # The particles written: ids in range and each once, finite values (a reader
+        # would refuse the file as damaged; on a grid the other ranks' files with it).
+        occupied = ids[member] >= 0
+        written = ids[member][occupied]
+        if written.numel() and int(written.max()) >= sim.n_total:
+            raise ValueError(f"`state.ids` must be below the simulation's {sim.n_total} particles, got "
+                             f"{int(written.max())}")
+        if torch.unique(written).numel() != written.numel():
+            raise ValueError(f"`state.ids` of member {member} hold an id twice")
+        for name, values in (("positions", positions), ("momenta", momenta)):
+            if not bool(torch.isfinite(values[member][occupied]).all()):
+                raise ValueError(f"the state's {name} of member {member} are not finite (NaN or inf)")
     except (TypeError, ValueError) as exc:
         if not together:
             raise
@@ -357,6 +370,13 @@ def write_snapshot(
                "particles, or write the whole state from one rank with file_index=0, num_files=1"
                if num_files > 1 else "")
         )
+    if together and grid.size > 1:
+        # an id on two ranks (each rank's are distinct): every rank raises, none writes
+        try:
+            grid.raise_together(duplicate_ids_error("write_snapshot", ids.unsqueeze(0).to(torch.int64), grid),
+                                operation="write_snapshot (ids)")
+        except ValueError as refused:
+            raise ValueError(f"{refused}. No file of the set {path!r} was written") from None
     final = snapshot_files(path, num_files)[file_index]
     directory = os.path.dirname(os.path.abspath(final))
     temporary = os.path.join(directory, f".{os.path.basename(final)}.{os.getpid()}.tmp")

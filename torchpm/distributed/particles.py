@@ -792,3 +792,41 @@ def _reduce_status(table, grid: GridGroups):
     offset = grid.all_reduce(offset, "sum")
     offset[:, 1] -= 1
     return offset
+
+
+# ------------------------------------------------------------------ rows routed by rank
+
+
+def route_rows(rows: torch.Tensor, destination: torch.Tensor, grid: GridGroups) -> torch.Tensor:
+    """``(n, w)`` int64 rows of every rank, each sent to grid rank ``destination`` (``(n,)``),
+    through one all-to-all per split grid axis (collective): the rows this rank receives."""
+    rows = torch.cat([rows, destination.reshape(-1, 1)], 1)
+    for axis, grid_axis in enumerate(grid.axes):
+        if grid_axis.size == 1:
+            continue
+        peer = rows[:, -1] // grid.shape[1] if axis == 0 else rows[:, -1] % grid.shape[1]
+        rows = rows[torch.argsort(peer, stable=True)]
+        sent = torch.bincount(peer, minlength=grid_axis.size)
+        received = all_to_all(sent, [1] * grid_axis.size, [1] * grid_axis.size, grid_axis.name)
+        rows = _exchange_rows([rows], sent.tolist(), received.tolist(), grid_axis.name)[0]
+    return rows[:, :-1]
+
+
+def duplicate_ids_error(function: str, ids: torch.Tensor, grid: GridGroups) -> str | None:
+    """On a grid: the error when an id of a batch member of ``(B, n)`` ``ids`` (``-1``:
+    empty) is held by two ranks (each rank's own must be unique already), on the rank
+    that finds it (raise it together). Each (member, id) goes to rank ``id % ranks``,
+    which looks for pairs (one all-to-all of the valid ids per split grid axis;
+    collective)."""
+    member, slot = torch.nonzero(ids >= 0, as_tuple=True)
+    value = ids[member, slot]
+    rows = route_rows(torch.stack([member, value], 1), value % grid.size, grid)
+    # (sorted by member, then id: two stable sorts; torch.unique(dim=0) is several times slower)
+    order = torch.argsort(rows[:, 1], stable=True)
+    ordered = rows[order[torch.argsort(rows[order, 0], stable=True)]]
+    repeated = (ordered[1:] == ordered[:-1]).all(1)
+    if not bool(repeated.any()):
+        return None
+    member, value = ordered[1:][repeated][0].tolist()
+    return (f"{function}: `ids` must be unique within each batch member over all ranks, got id {value} of member "
+            f"{member} on two ranks")
