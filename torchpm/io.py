@@ -312,7 +312,9 @@ def write_snapshot(
         if written.numel() and int(written.max()) >= sim.n_total:
             raise ValueError(f"`state.ids` must be below the simulation's {sim.n_total} particles, got "
                              f"{int(written.max())}")
-        if torch.unique(written).numel() != written.numel():
+        seen = torch.zeros(sim.n_total, dtype=torch.bool, device=written.device)  # O(N), no sort
+        seen[written] = True
+        if int(seen.sum()) != written.numel():
             raise ValueError(f"`state.ids` of member {member} hold an id twice")
         for name, values in (("positions", positions), ("momenta", momenta)):
             if not bool(torch.isfinite(values[member][occupied]).all()):
