@@ -38,7 +38,7 @@ def case_ids(world_size):
     for p0, p1 in GRIDS[world_size]:
         grid = f"{p0}x{p1}"
         ids += [f"simulation_b1-{grid}", f"simulation_b2-{grid}", f"gradient_b1-{grid}", f"gradient_b2-{grid}",
-                f"adjoint_b2-{grid}", f"adjoint_fused_force_b2-{grid}"]
+                f"adjoint_b2-{grid}", f"adjoint_fused_force_b2-{grid}", f"adjoint_twice-{grid}"]
         if world_size > 1:
             ids += [f"migration-{grid}", f"migration_headroom-{grid}", f"migration_gradcheck-{grid}", f"capacity-{grid}", f"nonfinite-{grid}",
                     f"bad_input-{grid}", f"disagreement-{grid}", f"interlaced_tsc-{grid}", f"power_layer-{grid}", f"paint_layers-{grid}",
@@ -338,6 +338,26 @@ def case_gradient_b1(grid, ctx):
 def case_adjoint_b2(grid, ctx):
     # the adjoint method on the grid (migrations in the backward pass) against serial autograd
     _compare_gradients(grid, ctx, 2, adjoint=True, tolerance=1e-8)
+
+
+def case_adjoint_twice(grid, ctx):
+    """Two backward passes through one adjoint run (retain_graph) give the same gradient
+    as the serial run: the second used to start from the layout the first one had
+    migrated back to the start, and returned wrong gradients on a grid (and raised an
+    AttributeError on one device), for the whole trajectory too."""
+    serial, distributed = simulations(grid, ctx, adjoint=True)
+    gradients = []
+    for sim in (serial, distributed):
+        noise = sim.white_noise(seed=4).requires_grad_(True)
+        states = sim.trajectory(noise, at=sim.scale_factors[1:])
+        loss = sum((sim.density(state) ** 2).sum() for state in states)
+        first = torch.autograd.grad(loss, noise, retain_graph=True)[0]
+        second = torch.autograd.grad(loss, noise, retain_graph=True)[0]
+        assert torch.equal(first, second), float((first - second).abs().max())
+        gradients.append(second)
+    expected = distributed.particle_mesh.local_real_part(gradients[0])
+    error = float((gradients[1] - expected).abs().max())
+    assert error <= 1e-8 * float(expected.abs().max()), f"d loss / d white noise: {error:.3e}"
 
 
 def case_gradient_b2(grid, ctx):

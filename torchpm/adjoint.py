@@ -487,7 +487,7 @@ class _AdjointKickDriftKick(torch.autograd.Function):
         adjoint_F = grad_forces  # None: zero
         kick_after = 0.0  # k1 of step i + 1 (adjoint_F = kick_after * lambda_p)
         saved = ctx.last_force  # what the pull-back of the force in `forces` needs; None: pulled back
-        del ctx.last_force
+        ctx.last_force = None  # (freed; a second backward, with retain_graph, evaluates it again)
         momentum_dot_force = None  # <lambda_p, forces> if the fused pull-back computed it
         steps = table.shape[0]
         if saved is None:

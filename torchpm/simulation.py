@@ -1825,6 +1825,9 @@ class Simulation(nn.Module):
             out_p = adjoint_p.new_zeros(start_shape)
             out_x[member, index] = adjoint_x[valid]
             out_p[member, index] = adjoint_p[valid]
+            # The backward pass migrated the layout back to the start: the forward pass's
+            # last again, for another backward pass through a retained graph.
+            layout.update(ended)
             return out_x, out_p
 
         positions, momenta, forces = adjoint_integrate(
@@ -1832,6 +1835,7 @@ class Simulation(nn.Module):
             parameters, migrate=migrate, restore=restore, callback=step_callback, sources=sources, forces=forces,
             keep_last_force=keep_last_force,
         )
+        ended = dict(layout)
         return positions, momenta, layout["ids"], forces
 
     def _adjoint_parameters(self, cosmology: Cosmology | None = None) -> tuple[list, list, dict]:
