@@ -331,6 +331,35 @@ def test_damaged_or_mixed_snapshots_are_refused_naming_the_file(tmp_path):
         read_snapshot(str(tmp_path / "one" / "snap"), file_index=0)
 
 
+def test_a_state_a_reader_would_refuse_is_not_written(tmp_path):
+    """A NaN or infinite particle, an id out of range or an id twice: refused before any
+    file is written (the snapshot was written, and its reader refused it as damaged). An
+    empty slot (id -1) is not read: a NaN there is written as nothing."""
+    sim = _sim(torch.float64)
+    state = sim(sim.white_noise(seed=1), until=0.5, return_mesh_units=True)
+    n = sim.n_total
+    cases = []
+    for name, value in (("positions", float("nan")), ("momenta", float("inf"))):
+        broken = getattr(state, name).clone()
+        broken[0, 3, 1] = value
+        cases.append((state._replace(**{name: broken}), f"the state's {name} of member 0 are not finite"))
+    twice = state.ids.clone()
+    twice[0, 4] = 9
+    cases += [(state._replace(ids=twice), "`state.ids` of member 0 hold an id twice"),
+              (state._replace(ids=state.ids + 1), f"`state.ids` must be below the simulation's {n} particles")]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            write_snapshot(str(tmp_path / "bad.hdf5"), bad, sim, mesh_units=True)
+        assert not os.listdir(tmp_path)
+    # an empty slot with NaN values, and its particle's values: the file holds the others
+    padded = torchpm.SimulationState(torch.cat([state.positions, torch.full((1, 1, 3), float("nan"))], 1),
+                                     torch.cat([state.momenta, torch.full((1, 1, 3), float("nan"))], 1), state.a,
+                                     torch.cat([state.ids, torch.full((1, 1), -1)], 1))
+    write_snapshot(str(tmp_path / "padded.hdf5"), padded, sim, mesh_units=True)
+    snap = read_snapshot(str(tmp_path / "padded.hdf5"))
+    assert torch.equal(snap.ids, torch.arange(n)) and torch.equal(snap.mesh_positions, state.positions[0])
+
+
 def test_restart_rebuilds_the_slot_layout_and_refuses_a_broken_one(tmp_path):
     """A state with empty slots (as a rank of a grid holds it) comes back from its file
     with every particle in its slot and the empty slots as a migration leaves them; a
@@ -484,9 +513,13 @@ def run_case(case_id, ctx):
         positions[0, 0, 1] = float("nan")
         from_zero = torch.where(ids >= 0, ids - ids[ids >= 0].min(), ids)  # each rank's from 0
         for state, reason in [(local._replace(positions=positions), "the state's positions of member 0 are not finite"),
-                              (local._replace(ids=from_zero), "got id 0 of member 0 on two ranks"),
+                              (local._replace(ids=from_zero), "an id is held twice"),
                               (local._replace(ids=ids + sim.n_total), "must be below the simulation's"),
-                              (local._replace(ids=torch.zeros_like(ids)), "hold an id twice")]:
+                              (local._replace(ids=torch.where(ids >= 0, 0, ids)), "an id is held twice"),
+                              # a partial set (rank 1 leaves its last particle out) with rank 0's id 0
+                              (local._replace(ids=torch.where(ids == ids.max(), -1, torch.where(ids == ids[0, 0],
+                                                                                                 0, ids))),
+                               "got id 0 of member 0 on two ranks")]:
             _expect_together(lambda: write_snapshot(other, state if rank == 1 else local, sim, mesh_units=True),
                              reason, "No file of the set")
             dist.barrier()

@@ -252,7 +252,7 @@ def write_snapshot(
         The name of the file written.
     """
     h5py = _h5py()
-    from .distributed.particles import duplicate_ids_error
+    from .distributed.particles import grid_ids_error
     from .simulation import MeshUnitsState, SimulationState
 
     mesh_units = bool(mesh_units) or isinstance(state, MeshUnitsState)
@@ -307,18 +307,19 @@ def write_snapshot(
             raise ValueError(f"`state.ids` must be (B, N) = {tuple(positions.shape[:2])}, got {tuple(ids.shape)}")
         # The particles written: ids in range and each once, finite values (a reader
         # would refuse the file as damaged; on a grid the other ranks' files with it).
-        occupied = ids[member] >= 0
-        written = ids[member][occupied]
-        if written.numel() and int(written.max()) >= sim.n_total:
-            raise ValueError(f"`state.ids` must be below the simulation's {sim.n_total} particles, got "
-                             f"{int(written.max())}")
-        seen = torch.zeros(sim.n_total, dtype=torch.bool, device=written.device)  # O(N), no sort
-        seen[written] = True
-        if int(seen.sum()) != written.numel():
-            raise ValueError(f"`state.ids` of member {member} hold an id twice")
+        row = ids[member]
+        if row.numel() and int(row.max()) >= sim.n_total:
+            raise ValueError(f"`state.ids` must be below the simulation's {sim.n_total} particles, got {int(row.max())}")
         for name, values in (("positions", positions), ("momenta", momenta)):
-            if not bool(torch.isfinite(values[member][occupied]).all()):
+            # (one reduction settles the usual case; the empty slots' values are not read)
+            if values[member].numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(values[member].detach()))).all()) \
+                    and not bool((torch.isfinite(values[member].detach()).all(-1) | (row < 0)).all()):
                 raise ValueError(f"the state's {name} of member {member} are not finite (NaN or inf)")
+        if not together or grid.size == 1:  # (on a grid: checked over the ranks below)
+            seen = torch.zeros(sim.n_total + 1, dtype=torch.bool, device=row.device)  # O(N), no sort
+            seen[torch.where(row >= 0, row, sim.n_total)] = True
+            if int(seen[:-1].sum()) != int((row >= 0).sum()):
+                raise ValueError(f"`state.ids` of member {member} hold an id twice")
     except (TypeError, ValueError) as exc:
         if not together:
             raise
@@ -375,10 +376,11 @@ def write_snapshot(
     if together and grid.size > 1:
         # an id on two ranks (each rank's are distinct): every rank raises, none writes
         try:
-            grid.raise_together(duplicate_ids_error("write_snapshot", ids.unsqueeze(0).to(torch.int64), grid),
-                                operation="write_snapshot (ids)")
+            error = grid_ids_error("write_snapshot", ids, sim.n_total, int(table[:, 1].sum()), grid)
         except ValueError as refused:
-            raise ValueError(f"{refused}. No file of the set {path!r} was written") from None
+            error = str(refused)
+        if error:
+            raise ValueError(f"{error}. No file of the set {path!r} was written")
     final = snapshot_files(path, num_files)[file_index]
     directory = os.path.dirname(os.path.abspath(final))
     temporary = os.path.join(directory, f".{os.path.basename(final)}.{os.getpid()}.tmp")

@@ -32,7 +32,7 @@ from .ic import (
 from .distributed.decomposition import PencilDecomposition
 from .distributed.groups import GridGroups, WorldGroup, all_gather_grid, eager, unsummed_leaves
 from .distributed.layout import balanced_grid
-from .distributed.particles import _within_reach
+from .distributed.particles import _within_reach, id_power_sums as _id_sums
 from .mesh import LocalMesh
 from ._transforms import active_transforms, is_transformed, outside_transforms, plain, transforms_active
 from .fourier import FourierKernels
@@ -253,20 +253,6 @@ def _field_checksum(field: torch.Tensor) -> str:
                         torch.linalg.vector_norm(detached, dtype=torch.float64),
                         detached[..., ::3].sum(dtype=torch.float64)])
     return " ".join(f"{value:.9g}" for value in sums.tolist())
-
-
-_ID_PRIME = 2**31 - 1
-
-
-def _id_sums(ids: torch.Tensor) -> torch.Tensor:
-    """``(4,)`` int64 power sums over ``ids`` (int64, each < 2^32): of the ids, and of their
-    squares, cubes and fourth powers mod the prime 2^31 - 1 (exact in int64 for fewer than
-    2^32 ids). Two sets of at most 4 ids with the same sums are the same set, up to
-    collisions mod the prime (Newton's identities)."""
-    x = ids % _ID_PRIME
-    x2 = x * x % _ID_PRIME
-    x3 = x2 * x % _ID_PRIME
-    return torch.stack([ids.sum(), x2.sum(), x3.sum(), (x3 * x % _ID_PRIME).sum()])
 
 
 class Simulation(nn.Module):

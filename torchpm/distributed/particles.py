@@ -830,3 +830,37 @@ def duplicate_ids_error(function: str, ids: torch.Tensor, grid: GridGroups) -> s
     member, value = ordered[1:][repeated][0].tolist()
     return (f"{function}: `ids` must be unique within each batch member over all ranks, got id {value} of member "
             f"{member} on two ranks")
+
+
+_ID_PRIME = 2**31 - 1
+
+
+def id_power_sums(ids: torch.Tensor) -> torch.Tensor:
+    """``(4,)`` int64 power sums over ``ids`` (int64, each < 2^32): of the ids, and of their
+    squares, cubes and fourth powers mod the prime 2^31 - 1 (exact in int64 for fewer than
+    2^32 ids). Two sets of at most 4 ids with the same sums are the same set, up to
+    collisions mod the prime (Newton's identities)."""
+    x = ids % _ID_PRIME
+    x2 = x * x % _ID_PRIME
+    x3 = x2 * x % _ID_PRIME
+    return torch.stack([ids.sum(), x2.sum(), x3.sum(), (x3 * x % _ID_PRIME).sum()])
+
+
+def grid_ids_error(function: str, ids: torch.Tensor, n_total: int, held: int, grid: GridGroups) -> str | None:
+    """On a grid, for ``(n,)`` ids in ``[0, n_total)`` (``< 0``: an empty slot), ``held``
+    of them over the grid: the error when an id is held twice (on one rank or two), the
+    same on every rank (raise it on each: no rank waits). With every id held (``held ==
+    n_total``) one all-reduce of power sums (:func:`id_power_sums`: each rank adds its
+    ids' less its share's of ``0 .. n_total-1``); otherwise the ids are routed to rank
+    ``id % ranks`` (:func:`duplicate_ids_error`, raised together). Collective."""
+    ids = ids.to(torch.int64)
+    if held == n_total:
+        share = torch.arange(grid.rank, n_total, grid.size, dtype=torch.int64, device=ids.device)
+        # (an empty slot as id 0, which adds 0 to every sum)
+        totals = grid.all_reduce(id_power_sums(torch.where(ids >= 0, ids, 0)) - id_power_sums(share))
+        if not any(totals.tolist()):
+            return None
+        return f"{function}: `ids` must be unique over all ranks, but an id is held twice (and another by no rank)"
+    error = duplicate_ids_error(function, ids.reshape(1, -1), grid)
+    grid.raise_together(error, operation=f"{function} (ids)")
+    return None
