@@ -1215,6 +1215,15 @@ def case_lightcone(grid, ctx):
     expect_error_everywhere(lambda: lensing.density_plane(positions, CONFIG["box_size"], 5.0, 2.0, 4, ids=state.ids,
                                                           weights=weights, mesh=mesh), "`weights` must be finite",
                             "rank 1")
+    # with `total`: checked where the slab's particles are known (one more check together)
+    slab = (positions[..., 2] >= 4.0) & (positions[..., 2] < 6.0) & (state.ids >= 0)
+    weights = torch.ones(state.ids.shape, dtype=torch.float64)
+    if not first and bool(slab.any()):
+        weights[slab.nonzero()[0, 0], slab.nonzero()[0, 1]] = float("nan")
+    assert bool(mesh.all_reduce(weights.isnan().any().to(torch.float64).reshape(1))), "no slab particle on rank 1"
+    expect_error_everywhere(lambda: lensing.density_plane(positions, CONFIG["box_size"], 5.0, 2.0, 4, ids=state.ids,
+                                                          weights=weights, total=100.0, mesh=mesh),
+                            "`weights` must be finite in the slab", "rank 1")
 
 
 def case_trajectory(grid, ctx):

@@ -345,7 +345,9 @@ def test_a_state_a_reader_would_refuse_is_not_written(tmp_path):
         cases.append((state._replace(**{name: broken}), f"the state's {name} of member 0 are not finite"))
     twice = state.ids.clone()
     twice[0, 4] = 9
-    cases += [(state._replace(ids=twice), "`state.ids` of member 0 hold an id twice"),
+    cases += [(state._replace(ids=twice), "`state.ids` of member 0 hold the id 9 twice"),
+              (state._replace(ids=state.ids.double()), "`state.ids` must be integers (-1 for an empty slot), got "
+                                                       "torch.float64"),
               (state._replace(ids=state.ids + 1), f"`state.ids` must be below the simulation's {n} particles")]
     for bad, message in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
@@ -358,6 +360,9 @@ def test_a_state_a_reader_would_refuse_is_not_written(tmp_path):
     write_snapshot(str(tmp_path / "padded.hdf5"), padded, sim, mesh_units=True)
     snap = read_snapshot(str(tmp_path / "padded.hdf5"))
     assert torch.equal(snap.ids, torch.arange(n)) and torch.equal(snap.mesh_positions, state.positions[0])
+    # ids of any integer type, as before the checks
+    write_snapshot(str(tmp_path / "int16.hdf5"), state._replace(ids=state.ids.to(torch.int16)), sim, mesh_units=True)
+    assert torch.equal(read_snapshot(str(tmp_path / "int16.hdf5")).ids, torch.arange(n))
 
 
 def test_restart_rebuilds_the_slot_layout_and_refuses_a_broken_one(tmp_path):
@@ -513,7 +518,7 @@ def run_case(case_id, ctx):
         positions[0, 0, 1] = float("nan")
         from_zero = torch.where(ids >= 0, ids - ids[ids >= 0].min(), ids)  # each rank's from 0
         for state, reason in [(local._replace(positions=positions), "the state's positions of member 0 are not finite"),
-                              (local._replace(ids=from_zero), "an id is held twice"),
+                              (local._replace(ids=from_zero), "`ids` of member 0 must be unique over all ranks, but an id is held twice"),
                               (local._replace(ids=ids + sim.n_total), "must be below the simulation's"),
                               (local._replace(ids=torch.where(ids >= 0, 0, ids)), "an id is held twice"),
                               # a partial set (rank 1 leaves its last particle out) with rank 0's id 0

@@ -224,6 +224,17 @@ def test_density_plane_errors():
         with pytest.raises(ValueError, match="`weights` must be finite, got 2 NaN or inf") if value != 1e300 \
                 else contextlib.nullcontext():
             lensing.density_plane(x, 1.0, 0.5, 0.5, 4, weights=weights)
+    # with `total`, only the slab's weights are read: a NaN outside it is not refused
+    inside = x.clone()
+    inside[0, :5, 2], inside[0, 5:, 2] = 0.5, 0.9  # the slab is [0.25, 0.75)
+    weights = torch.ones(1, 10, dtype=torch.float64)
+    weights[0, 7] = float("nan")
+    expected = lensing.density_plane(inside, 1.0, 0.5, 0.5, 4, weights=torch.ones_like(weights), total=9.0)
+    torch.testing.assert_close(lensing.density_plane(inside, 1.0, 0.5, 0.5, 4, weights=weights, total=9.0), expected,
+                               rtol=0, atol=0)
+    weights[0, 2] = float("inf")
+    with pytest.raises(ValueError, match="`weights` must be finite in the slab, got 1 NaN or inf"):
+        lensing.density_plane(inside, 1.0, 0.5, 0.5, 4, weights=weights, total=9.0)
     for kwargs in (dict(ids=torch.full((1, 10), -1)), dict(weights=torch.zeros(1, 10, dtype=torch.float64))):
         with pytest.raises(ValueError, match="no mean density to divide by"):
             lensing.density_plane(x, 1.0, 0.5, 0.5, 4, **kwargs)

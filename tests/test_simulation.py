@@ -218,6 +218,9 @@ def test_leapfrog_option_runs_close_to_fastpm():
         (dict(power_spectrum=3), "power_spectrum"),
         (dict(cosmology="Planck15"), "cosmology"),
         (dict(particle_capacity=63), r"`particle_capacity` 63 is below the 64 particles"),
+        (dict(particle_capacity=0), r"`particle_capacity` must be None or a positive integer, got 0"),
+        (dict(particle_capacity=-3), r"`particle_capacity` must be None or a positive integer, got -3"),
+        (dict(particle_capacity=64.0), r"`particle_capacity` must be None or a positive integer, got 64.0"),
     ],
 )
 def test_bad_settings_raise(options, match):

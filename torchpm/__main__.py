@@ -1205,7 +1205,8 @@ def main(argv=None) -> int:
         run(config, overwrite=arguments.overwrite, resume=arguments.resume, check=arguments.check)
     except (SettingError, UserError) as error:
         # one line, whatever the message carries (h5py's errors hold a newline)
-        print(f"torchpm run: {' '.join(str(error).split())}", file=sys.stderr)
+        line = re.sub(r" *[\r\n]+ *", " ", str(error))
+        print(f"torchpm run: {line}", file=sys.stderr)
         return 2
     return 0
 

@@ -591,6 +591,7 @@ def _grid_labels(points, ids, mesh, box, b, chunk_size):
     lengths = torch.tensor(box, dtype=torch.float64, device=device)
     cells = torch.remainder(copy_points * (shape / lengths), shape)
     plan, _, ghost_ids, ghost_points = mesh.migrate(cells, copy_ids, copy_points, destination=destination)
+    plan._grid = None  # (the rounds below exchange tensors fixed here: no agreement all-reduce per round)
     ghosts = ghost_ids.shape[1]
     # Nodes: this rank's particles, then its ghosts, member by member.
     all_ids = torch.cat([ids, ghost_ids], 1)

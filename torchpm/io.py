@@ -220,8 +220,12 @@ def write_snapshot(
             with ``mesh_units=True`` or as a :class:`torchpm.MeshUnitsState` (as
             returned with ``return_mesh_units=True``; only then does the snapshot hold
             the exact bits a restart needs).
-            ``(B, N, 3)`` positions and momenta; ``ids`` ``(B, N)`` (default: the
+            ``(B, N, 3)`` positions and momenta; ``ids`` ``(B, N)`` integers (default: the
             Lagrangian order ``0 .. N-1``, valid on a single device); ``-1`` ids are skipped.
+            Refused before any file is written (on every rank of a set): a non-finite
+            position or momentum, an id at or beyond the simulation's N, an id twice
+            (on a rank, or over the ranks of a set: one all-reduce of power sums, or with
+            fewer than N particles over the set, one all-to-all of the ids).
         sim: the :class:`torchpm.Simulation` that produced ``state``.
         member: which batch member to write.
         step: the index of ``state.a`` in ``sim.scale_factors`` (found when omitted).
@@ -305,9 +309,11 @@ def write_snapshot(
             ids = torch.arange(count, device=positions.device).expand(batch, count)
         if ids.shape != positions.shape[:2]:
             raise ValueError(f"`state.ids` must be (B, N) = {tuple(positions.shape[:2])}, got {tuple(ids.shape)}")
+        if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+            raise ValueError(f"`state.ids` must be integers (-1 for an empty slot), got {ids.dtype}")
         # The particles written: ids in range and each once, finite values (a reader
         # would refuse the file as damaged; on a grid the other ranks' files with it).
-        row = ids[member]
+        row = ids[member].to(torch.int64)
         if row.numel() and int(row.max()) >= sim.n_total:
             raise ValueError(f"`state.ids` must be below the simulation's {sim.n_total} particles, got {int(row.max())}")
         for name, values in (("positions", positions), ("momenta", momenta)):
@@ -316,11 +322,13 @@ def write_snapshot(
                     and not bool((torch.isfinite(values[member].detach()).all(-1) | (row < 0)).all()):
                 raise ValueError(f"the state's {name} of member {member} are not finite (NaN or inf)")
         if not together or grid.size == 1:  # (on a grid: checked over the ranks below)
-            seen = torch.zeros(sim.n_total + 1, dtype=torch.bool, device=row.device)  # O(N), no sort
+            # (one flag per particle of the file: O(N), no sort)
+            seen = torch.zeros(sim.n_total + 1, dtype=torch.bool, device=row.device)
             seen[torch.where(row >= 0, row, sim.n_total)] = True
             if int(seen[:-1].sum()) != int((row >= 0).sum()):
-                raise ValueError(f"`state.ids` of member {member} hold an id twice")
-    except (TypeError, ValueError) as exc:
+                twice = int(torch.nonzero(torch.bincount(row[row >= 0], minlength=sim.n_total) > 1)[0, 0])
+                raise ValueError(f"`state.ids` of member {member} hold the id {twice} twice")
+    except (TypeError, ValueError, RuntimeError) as exc:  # (RuntimeError: e.g. out of memory for the checks)
         if not together:
             raise
         error = exc
@@ -376,7 +384,7 @@ def write_snapshot(
     if together and grid.size > 1:
         # an id on two ranks (each rank's are distinct): every rank raises, none writes
         try:
-            error = grid_ids_error("write_snapshot", ids, sim.n_total, int(table[:, 1].sum()), grid)
+            error = grid_ids_error("write_snapshot", ids, sim.n_total, int(table[:, 1].sum()), grid, member)
         except ValueError as refused:
             error = str(refused)
         if error:

@@ -238,7 +238,7 @@ def density_plane(
         if not bool(finite.all()):
             raise ValueError(f"{function}: `positions` must be finite, got {int((~finite).sum())} particles with NaN "
                              "or inf coordinates")
-        if weights is not None:
+        if weights is not None and total is None:  # (summed into the total; with `total`: those in the slab, below)
             finite = torch.isfinite(weights.detach())
             if ids is not None:
                 finite = finite | (ids < 0)  # (an empty slot's weight is never read)
@@ -273,6 +273,14 @@ def density_plane(
         mass = (along >= lo) | (along < hi - length)
     if ids is not None:
         mass = mass & (ids >= 0)
+    if weights is not None and total is not None:
+        # the weights read: the slab's (ranks agree on `weights` and `total`: all check)
+        bad = int((mass & ~torch.isfinite(weights.detach())).sum())
+        error = f"{function}: `weights` must be finite in the slab, got {bad} NaN or inf" if bad else None
+        if distributed:
+            mesh.raise_together(error, operation="density_plane (weights)")
+        elif error:
+            raise ValueError(error)
     # Only the slab's particles are painted (a slab holds a fraction of them): each
     # member's slab particles, in slot order, in the first of K slots (K the largest
     # count of a member; the others' extra slots point at slot 0 with mass 0). One

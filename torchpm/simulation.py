@@ -552,9 +552,9 @@ class Simulation(nn.Module):
 
         if particle_capacity is not None and (
             isinstance(particle_capacity, bool) or not isinstance(particle_capacity, numbers.Integral)
-            or particle_capacity < 0
+            or particle_capacity < 1
         ):
-            raise ValueError(f"`particle_capacity` must be None or a non-negative integer, got {particle_capacity!r}")
+            raise ValueError(f"`particle_capacity` must be None or a positive integer, got {particle_capacity!r}")
         self.particle_capacity = particle_capacity
 
         self.mesh_shape = tuple(n * self.mesh_factor for n in self.particle_shape)

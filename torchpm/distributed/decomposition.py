@@ -737,12 +737,13 @@ class PencilDecomposition:
         """Move particles to the rank that owns their position (wrapped along split axes).
 
         Args:
-            positions: ``(B, n, 3)`` global mesh-cell units.
+            positions: ``(B, n, 3)`` global mesh-cell units, float32 or float64.
             ids: ``(B, n)`` int64 particle ids, ``-1`` for empty slots.
             attributes: more per-particle tensors ``(B, n, ...)`` to move along.
-            capacity: most slots per batch member on a rank afterwards (None: grow as needed).
+            capacity: most slots per batch member on a rank afterwards, a positive
+                integer (None: grow as needed); it may differ between ranks.
             destination: optional ``(B, n)`` int64 grid rank (``r0 * P1 + r1``) to send each
-                particle to instead of the owner of its position.
+                particle to instead of the owner of its position (any value in an empty slot).
             overwrite: ``positions`` and ``attributes`` are scratch that the migration may
                 write into instead of copying (not ``ids``: see ``overwrite_ids``; never a
                 tensor that records gradients): saves a copy of each when this rank's slot

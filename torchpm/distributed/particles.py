@@ -812,12 +812,13 @@ def route_rows(rows: torch.Tensor, destination: torch.Tensor, grid: GridGroups) 
     return rows[:, :-1]
 
 
-def duplicate_ids_error(function: str, ids: torch.Tensor, grid: GridGroups) -> str | None:
+def duplicate_ids_error(function: str, ids: torch.Tensor, grid: GridGroups, first_member: int = 0) -> str | None:
     """On a grid: the error when an id of a batch member of ``(B, n)`` ``ids`` (``-1``:
     empty) is held by two ranks (each rank's own must be unique already), on the rank
     that finds it (raise it together). Each (member, id) goes to rank ``id % ranks``,
     which looks for pairs (one all-to-all of the valid ids per split grid axis;
-    collective)."""
+    collective). ``first_member``: the batch member the first row of ``ids`` is (named
+    in the message)."""
     member, slot = torch.nonzero(ids >= 0, as_tuple=True)
     value = ids[member, slot]
     rows = route_rows(torch.stack([member, value], 1), value % grid.size, grid)
@@ -829,7 +830,7 @@ def duplicate_ids_error(function: str, ids: torch.Tensor, grid: GridGroups) -> s
         return None
     member, value = ordered[1:][repeated][0].tolist()
     return (f"{function}: `ids` must be unique within each batch member over all ranks, got id {value} of member "
-            f"{member} on two ranks")
+            f"{member + first_member} on two ranks")
 
 
 _ID_PRIME = 2**31 - 1
@@ -846,13 +847,15 @@ def id_power_sums(ids: torch.Tensor) -> torch.Tensor:
     return torch.stack([ids.sum(), x2.sum(), x3.sum(), (x3 * x % _ID_PRIME).sum()])
 
 
-def grid_ids_error(function: str, ids: torch.Tensor, n_total: int, held: int, grid: GridGroups) -> str | None:
+def grid_ids_error(function: str, ids: torch.Tensor, n_total: int, held: int, grid: GridGroups,
+                   member: int = 0) -> str | None:
     """On a grid, for ``(n,)`` ids in ``[0, n_total)`` (``< 0``: an empty slot), ``held``
     of them over the grid: the error when an id is held twice (on one rank or two), the
     same on every rank (raise it on each: no rank waits). With every id held (``held ==
     n_total``) one all-reduce of power sums (:func:`id_power_sums`: each rank adds its
     ids' less its share's of ``0 .. n_total-1``); otherwise the ids are routed to rank
-    ``id % ranks`` (:func:`duplicate_ids_error`, raised together). Collective."""
+    ``id % ranks`` (:func:`duplicate_ids_error`, raised together). ``member``: the batch
+    member they are, named in the message. Collective."""
     ids = ids.to(torch.int64)
     if held == n_total:
         share = torch.arange(grid.rank, n_total, grid.size, dtype=torch.int64, device=ids.device)
@@ -860,7 +863,8 @@ def grid_ids_error(function: str, ids: torch.Tensor, n_total: int, held: int, gr
         totals = grid.all_reduce(id_power_sums(torch.where(ids >= 0, ids, 0)) - id_power_sums(share))
         if not any(totals.tolist()):
             return None
-        return f"{function}: `ids` must be unique over all ranks, but an id is held twice (and another by no rank)"
-    error = duplicate_ids_error(function, ids.reshape(1, -1), grid)
+        return (f"{function}: `ids` of member {member} must be unique over all ranks, but an id is held twice "
+                "(and another by no rank)")
+    error = duplicate_ids_error(function, ids.reshape(1, -1), grid, member)
     grid.raise_together(error, operation=f"{function} (ids)")
     return None
