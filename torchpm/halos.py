@@ -915,16 +915,6 @@ def simulation_particle_mass(sim) -> torch.Tensor:
     return sim.cosmology.Omega_m * (CRITICAL_DENSITY_MSUN * math.prod(sim.box_size) / sim.n_total)
 
 
-def _raise_on_every_rank(sim, function: str, error: str | None, values=()) -> None:
-    """``error`` (this rank's argument error) raised on every rank of ``sim``'s grid
-    together, with the ranks' agreement on ``values``; on one device, raised here."""
-    if sim.force_mesh.is_local:
-        if error:
-            raise ValueError(error)
-        return
-    sim.force_mesh.agree(function, list(values), error)
-
-
 def find_halos(sim, state, *, linking_length: float = 0.2, min_members: int = 20,
                chunk_size: int = DEFAULT_CHUNK_SIZE, return_labels: bool = False):
     """FoF halos of a :class:`~torchpm.Simulation`'s state: ``halos = find_halos(sim, state)``.
@@ -958,7 +948,7 @@ def find_halos(sim, state, *, linking_length: float = 0.2, min_members: int = 20
     if not isinstance(state, SimulationState):
         error = (f"{function}: `state` must be a torchpm.SimulationState (what the simulation returns), got "
                  f"{type(state).__name__}")
-    _raise_on_every_rank(sim, function, error)
+    sim.force_mesh.agree(function, [], error)  # (on a grid every rank raises; on one device, here)
     if isinstance(state, MeshUnitsState):
         state = sim.to_physical(state.positions, state.momenta, state.a, state.ids)
     mesh = sim.force_mesh
@@ -1276,8 +1266,8 @@ def spherical_overdensity_masses(sim, state, catalog: HaloCatalog, *, delta: flo
     elif not isinstance(reference, str) or reference not in ("mean", "critical"):
         error = f"{function}: `reference` must be 'mean' or 'critical', got {reference!r}"
     # (other thresholds on other ranks would mix two definitions of the masses)
-    _raise_on_every_rank(sim, function, error, [("`delta`", None if error else float(delta)),
-                                                ("`reference`", None if error else reference)])
+    sim.force_mesh.agree(function, [("`delta`", None if error else float(delta)),
+                                    ("`reference`", None if error else reference)], error)
     if isinstance(state, MeshUnitsState):
         state = sim.to_physical(state.positions, state.momenta, state.a, state.ids)
     cosmology = sim.cosmology

@@ -256,7 +256,7 @@ def write_snapshot(
         The name of the file written.
     """
     h5py = _h5py()
-    from .distributed.particles import grid_ids_error
+    from .distributed.particles import _count_non_finite, duplicate_ids_error, members_not_each_once
     from .simulation import MeshUnitsState, SimulationState
 
     mesh_units = bool(mesh_units) or isinstance(state, MeshUnitsState)
@@ -317,10 +317,10 @@ def write_snapshot(
         if row.numel() and int(row.max()) >= sim.n_total:
             raise ValueError(f"`state.ids` must be below the simulation's {sim.n_total} particles, got {int(row.max())}")
         for name, values in (("positions", positions), ("momenta", momenta)):
-            # (one reduction settles the usual case; the empty slots' values are not read)
-            if values[member].numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(values[member].detach()))).all()) \
-                    and not bool((torch.isfinite(values[member].detach()).all(-1) | (row < 0)).all()):
-                raise ValueError(f"the state's {name} of member {member} are not finite (NaN or inf)")
+            # (the empty slots' values are not read)
+            if _count_non_finite(values[member:member + 1], row.unsqueeze(0)):
+                raise ValueError(f"the state's {name} of member {member} are not finite (NaN or inf, or beyond "
+                                 "+-2^40)")
         if not together or grid.size == 1:  # (on a grid: checked over the ranks below)
             # (one flag per particle of the file: O(N), no sort)
             seen = torch.zeros(sim.n_total + 1, dtype=torch.bool, device=row.device)
@@ -382,13 +382,20 @@ def write_snapshot(
                if num_files > 1 else "")
         )
     if together and grid.size > 1:
-        # an id on two ranks (each rank's are distinct): every rank raises, none writes
-        try:
-            error = grid_ids_error("write_snapshot", ids, sim.n_total, int(table[:, 1].sum()), grid, member)
-        except ValueError as refused:
-            error = str(refused)
-        if error:
-            raise ValueError(f"{error}. No file of the set {path!r} was written")
+        # An id held twice, on a rank or on two (each rank's were only checked to be in
+        # range): every rank raises, none writes. With every particle held, power sums;
+        # a partial set routes its ids.
+        nothing_written = f". No file of the set {path!r} was written"
+        if int(table[:, 1].sum()) == sim.n_total:
+            if members_not_each_once(ids.unsqueeze(0), sim.n_total, grid):
+                raise ValueError(f"write_snapshot: `ids` of member {member} must be unique over all ranks, but an "
+                                 f"id is held twice (and another by no rank){nothing_written}")
+        else:
+            try:
+                grid.raise_together(duplicate_ids_error("write_snapshot", ids.unsqueeze(0).to(torch.int64), grid,
+                                                        member), operation="write_snapshot (ids)")
+            except ValueError as refused:
+                raise ValueError(f"{refused}{nothing_written}") from None
     final = snapshot_files(path, num_files)[file_index]
     directory = os.path.dirname(os.path.abspath(final))
     temporary = os.path.join(directory, f".{os.path.basename(final)}.{os.getpid()}.tmp")

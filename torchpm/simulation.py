@@ -32,7 +32,7 @@ from .ic import (
 from .distributed.decomposition import PencilDecomposition
 from .distributed.groups import GridGroups, WorldGroup, all_gather_grid, eager, unsummed_leaves
 from .distributed.layout import balanced_grid
-from .distributed.particles import _within_reach, id_power_sums as _id_sums
+from .distributed.particles import _within_reach, members_not_each_once
 from .mesh import LocalMesh
 from ._transforms import active_transforms, is_transformed, outside_transforms, plain, transforms_active
 from .fourier import FourierKernels
@@ -1279,17 +1279,14 @@ class Simulation(nn.Module):
         if mesh.is_local:
             return
         # Each rank's ids are distinct and in range and the ranks hold N of them: ids held
-        # on two ranks (and as many missing) remain. Power sums of the ids over the grid find
-        # them: every rank adds its ids' sums less those of its share of 0 .. N-1, and the
-        # totals are all 0 when no id is held twice (certainly when at most 4 are; more
-        # would need a coincidence mod a prime). The same totals on every rank: all raise.
-        share = torch.arange(mesh.grid.rank, n, mesh.grid.size, dtype=torch.int64, device=ids.device)
-        totals = mesh.all_reduce(torch.stack([_id_sums(row[row >= 0]) - _id_sums(share) for row in ids]))
-        for member, total in enumerate(totals.tolist()):
-            if any(total):
-                raise ValueError(f"{what}: the ids of batch member {member} are not each of 0 .. {n - 1} once "
-                                 f"over the {mesh.grid.size} ranks (an id is held on two ranks, another on none): "
-                                 "a state of another run, or a share given twice")
+        # on two ranks (and as many missing) remain, found by power sums over the grid
+        # (certainly when at most 4 are; more would need a coincidence mod a prime). The
+        # same members on every rank: all raise.
+        wrong = members_not_each_once(ids, n, mesh.grid)
+        if wrong:
+            raise ValueError(f"{what}: the ids of batch member {wrong[0]} are not each of 0 .. {n - 1} once "
+                             f"over the {mesh.grid.size} ranks (an id is held on two ranks, another on none): "
+                             "a state of another run, or a share given twice")
 
     def _step_index(self, a, name) -> int:
         """Index of scale factor ``a`` in :attr:`scale_factors` (None: the last)."""

@@ -847,24 +847,13 @@ def id_power_sums(ids: torch.Tensor) -> torch.Tensor:
     return torch.stack([ids.sum(), x2.sum(), x3.sum(), (x3 * x % _ID_PRIME).sum()])
 
 
-def grid_ids_error(function: str, ids: torch.Tensor, n_total: int, held: int, grid: GridGroups,
-                   member: int = 0) -> str | None:
-    """On a grid, for ``(n,)`` ids in ``[0, n_total)`` (``< 0``: an empty slot), ``held``
-    of them over the grid: the error when an id is held twice (on one rank or two), the
-    same on every rank (raise it on each: no rank waits). With every id held (``held ==
-    n_total``) one all-reduce of power sums (:func:`id_power_sums`: each rank adds its
-    ids' less its share's of ``0 .. n_total-1``); otherwise the ids are routed to rank
-    ``id % ranks`` (:func:`duplicate_ids_error`, raised together). ``member``: the batch
-    member they are, named in the message. Collective."""
-    ids = ids.to(torch.int64)
-    if held == n_total:
-        share = torch.arange(grid.rank, n_total, grid.size, dtype=torch.int64, device=ids.device)
-        # (an empty slot as id 0, which adds 0 to every sum)
-        totals = grid.all_reduce(id_power_sums(torch.where(ids >= 0, ids, 0)) - id_power_sums(share))
-        if not any(totals.tolist()):
-            return None
-        return (f"{function}: `ids` of member {member} must be unique over all ranks, but an id is held twice "
-                "(and another by no rank)")
-    error = duplicate_ids_error(function, ids.reshape(1, -1), grid, member)
-    grid.raise_together(error, operation=f"{function} (ids)")
-    return None
+def members_not_each_once(ids: torch.Tensor, n_total: int, grid: GridGroups) -> list[int]:
+    """The batch members whose ``(B, n)`` ids (``< 0``: an empty slot) over the grid are
+    not each of ``0 .. n_total-1`` once, for ids in range that number ``n_total`` per
+    member over the grid: one all-reduce of power sums (:func:`id_power_sums`; each rank
+    adds its ids' less its share's of ``0 .. n_total-1``, so the totals are 0 when no id is
+    held twice). The same list on every rank. Collective."""
+    share = id_power_sums(torch.arange(grid.rank, n_total, grid.size, dtype=torch.int64, device=ids.device))
+    # (an empty slot as id 0, which adds 0 to every sum)
+    sums = torch.stack([id_power_sums(torch.where(row >= 0, row, 0)) for row in ids.to(torch.int64)])
+    return [member for member, total in enumerate(grid.all_reduce(sums - share).tolist()) if any(total)]
